@@ -127,7 +127,9 @@ def lexicographic_order(arrays: list[np.ndarray]) -> np.ndarray:
     Big-endian fixed-width bytes compare exactly like the integer sequences they encode, so Python's
     bytes ordering (memcmp) does the work.
     """
-    keys = [a.astype(">u8", copy=False).tobytes() for a in arrays]
+    wide = any(int(a.max()) >= 2**32 for a in arrays if a.shape[0])
+    dtype = ">u8" if wide else ">u4"
+    keys = [a.astype(dtype).tobytes() for a in arrays]
     return np.asarray(sorted(range(len(arrays)), key=keys.__getitem__), dtype=np.int64)
 
 
