@@ -1,0 +1,283 @@
+"""Ling-3.0 blocks: RMSNorm, MLA, KDA, dense SwiGLU, MoE and the decoder layer, on packed token streams.
+
+Legend: T packed tokens, D hidden, H heads, N sequences, E experts, K experts per token (MoE) or the
+KDA key dim, P = H * head_dim (KDA width), Dqk = nope + rope (192), Dv value dim, R rope dim (64).
+
+Module and parameter names are the official checkpoint's (``attention.q_a_proj``, ``attention.dense``,
+``mlp.gate.expert_bias``, ...) so the state dict maps onto the HF layout with one rule (experts are
+stored stacked here and per expert in the checkpoint; see checkpoint.py).
+
+Each sequence mixer is split into (projection) -> core op -> (output) so that a later runtime can swap
+only the core: ``KDA.project`` returns already convolved q, k, v plus f (raw gate input) and beta for
+``harts.ops.kda.kda``; ``MLA.project`` returns per-row q, k, v at explicit positions for
+``harts.ops.attention.varlen_attention`` (bottom-right causal over cu_seqlens_q / cu_seqlens_k).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.ling.config import LingConfig
+from harts.ops.attention import varlen_attention
+from harts.ops.conv import short_conv
+from harts.ops.kda import kda
+from harts.ops.moe import RouterStats, moe_experts, route, router_stats
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """Variance in fp32 (fp64 for fp64 input); the weight multiplies after the cast back, as in HF."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """KDA output norm: rmsnorm(o) * w * sigmoid(gate), all in fp32+, weight shared across heads."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dt = _compute_dtype(o.dtype)
+        of = o.to(dt)
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(dt) * of * torch.sigmoid(gate.to(dt))).to(o.dtype)
+
+
+def rope_interleaved(x_THR: torch.Tensor, position_ids_T: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate pairs (x_2i, x_2i+1) by pos * theta^(-2i/R), keeping the interleaved layout.
+
+    The official code de-interleaves to [evens | odds] before rotating; applied to q and k alike, the
+    permutation cancels in q.k, so attention is identical. Angles are computed in fp32 (fp64 for fp64).
+    """
+    R = x_THR.shape[-1]
+    dt = _compute_dtype(x_THR.dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, device=x_THR.device, dtype=dt) / R))
+    ang_TR2 = position_ids_T.to(dt)[:, None] * inv_freq[None, :]
+    cos, sin = ang_TR2.cos()[:, None, :], ang_TR2.sin()[:, None, :]
+    xf = x_THR.to(dt)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return out.to(x_THR.dtype)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with q low-rank (or direct q_proj), interleaved RoPE on the rope
+    slice, scale Dqk^-0.5, and a head-wise sigmoid output gate before ``dense``."""
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, D = cfg.num_attention_heads, cfg.hidden_size
+        self.H, self.nope, self.R, self.Dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.Dqk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * self.Dqk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.Dqk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.R, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.Dv), bias=False)
+        self.g_proj = nn.Linear(D, H, bias=False)
+        self.dense = nn.Linear(H * self.Dv, D, bias=False)
+        self.scale = self.Dqk ** -0.5
+
+    def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
+        """Per-row q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv]; depends on the row and its position only."""
+        T = x_TD.shape[0]
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x_TD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q_THD = q.view(T, self.H, self.Dqk)
+        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.cfg.kv_lora_rank, self.R], dim=-1)
+        kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, self.nope + self.Dv)
+        k_nope, v_THDv = kv_THX.split([self.nope, self.Dv], dim=-1)
+        q_rope = rope_interleaved(q_THD[..., self.nope:], position_ids_T, self.cfg.rope_theta)
+        k_rope = rope_interleaved(k_rope.view(T, 1, self.R), position_ids_T, self.cfg.rope_theta)
+        q_THD = torch.cat((q_THD[..., : self.nope], q_rope), dim=-1)
+        k_THD = torch.cat((k_nope, k_rope.expand(T, self.H, self.R)), dim=-1)
+        return q_THD, k_THD, v_THDv
+
+    def output(self, o_THDv: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_TH = torch.sigmoid(self.g_proj(x_TD).to(_compute_dtype(x_TD.dtype))).to(o_THDv.dtype)
+        return self.dense((o_THDv * gate_TH[..., None]).flatten(1))
+
+    def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
+        q, k, v = self.project(x_TD, position_ids_T)
+        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale, backend=self.cfg.backend,
+                             max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        return self.output(o, x_TD)
+
+
+class ShortConvWeight(nn.Module):
+    """Holds a depthwise conv weight [P, 1, W] under the official name ``{q,k,v}_conv1d.weight``."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+
+class KDA(nn.Module):
+    """Kimi Delta Attention with full-rank f/g projections and the safe (bounded) gate."""
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, H, Kh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        P = H * Kh
+        self.H, self.Kh = H, Kh
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = ShortConvWeight(P, cfg.short_conv_kernel_size)
+        self.k_conv1d = ShortConvWeight(P, cfg.short_conv_kernel_size)
+        self.v_conv1d = ShortConvWeight(P, cfg.short_conv_kernel_size)
+        self.f_proj = nn.Linear(D, P, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_proj = nn.Linear(D, P, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(P))
+        self.o_norm = GatedRMSNorm(Kh, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    def project(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor):
+        """Convolved q, k, v [T,H,Kh], raw gate input f [T,H,Kh], beta [T,H] (sigmoid applied, fp32+)."""
+        T, be = x_TD.shape[0], self.cfg.backend
+        conv = lambda proj, c: short_conv(proj(x_TD), c.weight.squeeze(1), cu_seqlens, "silu", backend=be)
+        q = conv(self.q_proj, self.q_conv1d).view(T, self.H, self.Kh)
+        k = conv(self.k_proj, self.k_conv1d).view(T, self.H, self.Kh)
+        v = conv(self.v_proj, self.v_conv1d).view(T, self.H, self.Kh)
+        f = self.f_proj(x_TD).view(T, self.H, self.Kh)
+        beta = torch.sigmoid(self.b_proj(x_TD).to(_compute_dtype(x_TD.dtype)))
+        return q, k, v, f, beta
+
+    def core(self, q, k, v, f, beta, cu_seqlens, initial_state=None, output_final_state=False):
+        return kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu_seqlens, lower_bound=self.cfg.kda_lower_bound,
+                   chunk_size=self.cfg.kda_chunk_size, initial_state_NHKV=initial_state,
+                   output_final_state=output_final_state, backend=self.cfg.backend)
+
+    def output(self, o_THV: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        gate = self.g_proj(x_TD).view(o_THV.shape)
+        return self.o_proj(self.o_norm(o_THV, gate).flatten(1))
+
+    def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
+        o, _ = self.core(*self.project(x_TD, cu_seqlens), cu_seqlens)
+        return self.output(o, x_TD)
+
+
+class MLP(nn.Module):
+    """SwiGLU (dense first layer and the shared expert)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Router weight [E, D] (a parameter) and the aux-loss-free expert bias (a persistent buffer, so it is
+    saved and loaded but never seen by an optimizer)."""
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=True)
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked: gate_proj/up_proj [E, F, D], down_proj [E, D, F]."""
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(E, Fw, D))
+        self.up_proj = nn.Parameter(torch.empty(E, Fw, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts)
+        self.last_stats: RouterStats | None = None
+
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.cfg
+        logits, scores, idx_TK, w_TK = route(
+            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+            top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
+            norm_topk_prob=c.norm_topk_prob)
+        self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
+        ex = self.experts
+        y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.backend)
+        return y + self.shared_experts(x_TD)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LingConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kind = cfg.layer_type(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = MLA(cfg) if self.kind == "mla" else KDA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.mlp_type(layer_idx) == "moe" else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h_TD, position_ids_T, cu_seqlens, token_weight_T=None, max_seqlen: int | None = None):
+        h_TD = h_TD + self.attention(self.input_layernorm(h_TD), position_ids_T, cu_seqlens, max_seqlen)
+        x = self.post_attention_layernorm(h_TD)
+        y = self.mlp(x, token_weight_T) if isinstance(self.mlp, MoE) else self.mlp(x)
+        return h_TD + y
+
+
+@torch.no_grad()
+def init_module_weights(module: nn.Module, cfg: LingConfig, generator: torch.Generator | None = None) -> None:
+    """Scratch-training init (transformers' BailingHybrid choices; official code leaves some unspecified):
+    Linear/Embedding/router/experts N(0, initializer_range), norms 1, expert bias 0, A_log = log U(1, 16),
+    dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1), conv U(+-1/sqrt(W)) (nn.Conv1d's default bound)."""
+    std = cfg.initializer_range
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.weight.normal_(0.0, std, generator=generator)
+        elif isinstance(m, (RMSNorm, GatedRMSNorm)):
+            m.weight.fill_(1.0)
+        elif isinstance(m, Router):
+            m.weight.normal_(0.0, std, generator=generator)
+            m.expert_bias.zero_()
+        elif isinstance(m, Experts):
+            for p in (m.gate_proj, m.up_proj, m.down_proj):
+                p.normal_(0.0, std, generator=generator)
+        elif isinstance(m, ShortConvWeight):
+            bound = 1.0 / math.sqrt(m.weight.shape[-1])
+            m.weight.uniform_(-bound, bound, generator=generator)
+        elif isinstance(m, KDA):
+            m.A_log.copy_(torch.empty_like(m.A_log).uniform_(1.0, 16.0, generator=generator).log())
+            dt = torch.empty_like(m.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
+            dt = dt.clamp_min(1e-4)
+            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -1,0 +1,137 @@
+"""LingForCausalLM: Ling-3.0 over a packed token stream (trajectory-wise path: varlen, no padding).
+
+Legend: T packed tokens, D hidden, V vocab, N sequences (trajectories), S selected rows.
+
+``forward(input_ids_T, position_ids_T, cu_seqlens)`` returns the final-normed hidden states [T, D];
+positions are an explicit input (never derived inside attention) and every sequence mixer resets at the
+``cu_seqlens`` boundaries. The LM head is separate: ``token_logprobs`` chunks over tokens so a 64K x 157K
+fp32 logits tensor never exists. Construct on ``torch.device("meta")`` for deferred init, then
+``to_empty`` + ``init_weights``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts.models.ling.blocks import DecoderLayer, MoE, RMSNorm, init_module_weights
+from harts.models.ling.config import LingConfig
+from harts.models.ling.logprobs import compact_logprobs_reference
+from harts.ops.moe import RouterStats
+
+__all__ = ["LingModel", "LingForCausalLM"]
+
+# kept in float32 when the model is cast to bf16 (as the official checkpoints do)
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "expert_bias")
+
+
+def _check_packed(input_ids_T, position_ids_T, cu_seqlens):
+    if input_ids_T.dim() != 1:
+        raise ValueError(f"input_ids must be a packed 1-D stream [T], got shape {tuple(input_ids_T.shape)}")
+    if position_ids_T.shape != input_ids_T.shape:
+        raise ValueError(f"position_ids {tuple(position_ids_T.shape)} must match input_ids {tuple(input_ids_T.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32/int64, got {cu_seqlens.dtype}")
+
+
+class LingModel(nn.Module):
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.cfg = cfg
+        # No padding_idx: the official nn.Embedding(padding_idx=<|endoftext|>) would freeze that row's grad.
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids_T, position_ids_T, cu_seqlens, token_weight_T=None, max_seqlen=None):
+        _check_packed(input_ids_T, position_ids_T, cu_seqlens)
+        h_TD = self.word_embeddings(input_ids_T)
+        for layer in self.layers:
+            if self.cfg.recompute and torch.is_grad_enabled():
+                h_TD = checkpoint(layer, h_TD, position_ids_T, cu_seqlens, token_weight_T, max_seqlen,
+                                  use_reentrant=False)
+            else:
+                h_TD = layer(h_TD, position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
+        return self.norm(h_TD)
+
+
+class LingForCausalLM(nn.Module):
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.config = cfg.validate()
+        self.model = LingModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ setup
+    def init_weights(self, seed: int | None = None) -> "LingForCausalLM":
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        init_module_weights(self, self.config, gen)
+        return self
+
+    def cast_(self, dtype: torch.dtype) -> "LingForCausalLM":
+        """Cast parameters to ``dtype`` keeping A_log, dt_bias and the expert bias in float32 (or float64
+        when casting to float64)."""
+        keep = torch.promote_types(dtype, torch.float32)
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            t.data = t.data.to(keep if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        return self
+
+    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
+        """Total (or per-token active) parameter count; the router's expert bias is a buffer, not counted."""
+        c = self.config
+        total = 0
+        for name, p in self.named_parameters():
+            if not embeddings and ("word_embeddings" in name or name.startswith("lm_head")):
+                continue
+            n = p.numel()
+            if active and ".mlp.experts." in name:
+                n = n // c.num_experts * c.num_experts_per_tok
+            total += n
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, cu_seqlens: torch.Tensor,
+                token_weight_T: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        """Final hidden states [T, D]. ``token_weight_T`` (multiplicity per row, default ones) only weights
+        the router statistics; ``max_seqlen`` (optional) avoids a host sync in the fast attention path."""
+        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """Full logits in fp32+ (small inputs / tests only)."""
+        return self.lm_head(hidden_TD).to(torch.promote_types(hidden_TD.dtype, torch.float32))
+
+    def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
+                       rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows (no [S, V] fp32 tensor kept)."""
+        if rows_S is None:
+            rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
+        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
+                                          chunk_size=self.config.logprobs_chunk_size)
+
+    # ------------------------------------------------------------------ MoE
+    def moe_layers(self) -> list[MoE]:
+        return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
+
+    def router_stats(self) -> list[RouterStats]:
+        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
+        return [m.last_stats for m in self.moe_layers()]
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, counts_LE: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing: bias += rate * sign(mean(count) - count), then re-centre to zero mean.
+        ``counts_LE`` defaults to the last forward's counts (pass all-reduced counts under data parallel)."""
+        layers = self.moe_layers()
+        if counts_LE is None:
+            counts_LE = torch.stack([m.last_stats.counts_E for m in layers])
+        if counts_LE.shape[0] != len(layers):
+            raise ValueError(f"counts for {counts_LE.shape[0]} layers, model has {len(layers)} MoE layers")
+        for m, c in zip(layers, counts_LE):
+            b = m.gate.expert_bias
+            b += rate * torch.sign(c.mean() - c).to(b.dtype)
+            b -= b.mean()

@@ -1,0 +1,10 @@
+"""Packed varlen attention with bottom-right causal masking (MLA's sequence-mixing core).
+
+Query row i of sequence n (length Lq_n) sees key j of the same sequence (length Lk_n) iff
+j <= i + Lk_n - Lq_n: queries are the *last* Lq_n tokens of the key sequence. With Lq == Lk this is the
+usual causal mask; with Lq < Lk it lets a later runtime attend new tokens to a cached prefix.
+"""
+from harts.ops.attention.api import varlen_attention
+from harts.ops.attention.reference import varlen_attention_reference
+
+__all__ = ["varlen_attention", "varlen_attention_reference"]

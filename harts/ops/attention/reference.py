@@ -1,0 +1,61 @@
+"""SDPA reference for packed bottom-right-causal attention; exact in float64 on CPU.
+
+Legend: T* packed tokens, H heads, D q/k head dim, Dv value head dim, N sequences.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def bottom_right_causal_mask(lq: int, lk: int, device=None) -> torch.Tensor:
+    """[lq, lk] bool, True = attend: query i sees keys j <= i + (lk - lq)."""
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return j <= i + (lk - lq)
+
+
+def check_varlen_args(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1):
+    if q_TqHD.dim() != 3 or k_TkHD.dim() != 3 or v_TkHDv.dim() != 3:
+        raise ValueError(f"expected q/k/v of rank 3 [T, H, D], got {tuple(q_TqHD.shape)}, "
+                         f"{tuple(k_TkHD.shape)}, {tuple(v_TkHDv.shape)}")
+    if cu_q_N1.shape != cu_k_N1.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_q_N1.shape)} and cu_seqlens_k {tuple(cu_k_N1.shape)} differ")
+    if q_TqHD.shape[1] != k_TkHD.shape[1] or k_TkHD.shape[1] != v_TkHDv.shape[1]:
+        raise ValueError("q, k, v must have the same number of heads")
+    if q_TqHD.shape[2] != k_TkHD.shape[2]:
+        raise ValueError(f"q head dim {q_TqHD.shape[2]} != k head dim {k_TkHD.shape[2]}")
+    cq, ck = cu_q_N1.tolist(), cu_k_N1.tolist()
+    if cq[0] != 0 or ck[0] != 0 or cq[-1] != q_TqHD.shape[0] or ck[-1] != k_TkHD.shape[0]:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the packed length "
+                         f"(q: {cq[0]}..{cq[-1]} vs T={q_TqHD.shape[0]}, k: {ck[0]}..{ck[-1]} vs T={k_TkHD.shape[0]})")
+    for n in range(len(cq) - 1):
+        lq, lk = cq[n + 1] - cq[n], ck[n + 1] - ck[n]
+        if lq < 0 or lk < 0:
+            raise ValueError(f"cu_seqlens not non-decreasing at sequence {n}")
+        if lq > lk:
+            raise ValueError(f"sequence {n}: {lq} queries but only {lk} keys; bottom-right causal attention "
+                             f"needs Lq <= Lk (queries are the last Lq tokens)")
+    return cq, ck
+
+
+def varlen_attention_reference(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float) -> torch.Tensor:
+    """Per-sequence SDPA; the mask is explicit whenever Lq != Lk."""
+    cq, ck = check_varlen_args(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1)
+    outs = []
+    for n in range(len(cq) - 1):
+        q = q_TqHD[cq[n]:cq[n + 1]].transpose(0, 1)  # [H, Lq, D]
+        k = k_TkHD[ck[n]:ck[n + 1]].transpose(0, 1)
+        v = v_TkHDv[ck[n]:ck[n + 1]].transpose(0, 1)
+        lq, lk = q.shape[1], k.shape[1]
+        if lq == 0:
+            continue
+        if lq == lk:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            mask = bottom_right_causal_mask(lq, lk, q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+    if not outs:
+        return q_TqHD.new_zeros(0, q_TqHD.shape[1], v_TkHDv.shape[2])
+    return torch.cat(outs, 0)

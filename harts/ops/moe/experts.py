@@ -1,0 +1,54 @@
+"""Routed experts: SwiGLU per expert, weights stacked [E, F, D] (gate/up) and [E, D, F] (down).
+
+Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows.
+The reference loops over experts (exact in float64); the fast path sorts the M rows by expert and runs
+three torch._grouped_mm calls (unpadded group offsets, as torchtitan does without expert parallelism;
+bf16 needs D and F to be multiples of 8). Both combine a token's K outputs by a plain sum over the K
+slots in a fixed order, so results are deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harts.ops.backend import resolve
+
+
+def _combine(y_MD, topk_w_TK, T, K):
+    """Weight and sum the K slots of every token in the router dtype (fp32+), then cast back."""
+    dt = torch.promote_types(y_MD.dtype, topk_w_TK.dtype)
+    return (y_MD.view(T, K, -1).to(dt) * topk_w_TK.to(dt)[..., None]).sum(1).to(y_MD.dtype)
+
+
+def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    T, K = topk_idx_TK.shape
+    y_MD = x_TD.new_zeros(T * K, x_TD.shape[1])
+    flat_M = topk_idx_TK.reshape(-1)
+    for e in torch.unique(flat_M).tolist():
+        rows = (flat_M == e).nonzero().squeeze(1)
+        h = x_TD[rows // K]
+        h = F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)
+        y_MD = y_MD.index_put((rows,), h @ w_down_EDF[e].T)
+    return _combine(y_MD, topk_w_TK, T, K)
+
+
+def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    T, K = topk_idx_TK.shape
+    E = w_gate_EFD.shape[0]
+    flat_M = topk_idx_TK.reshape(-1)
+    order_M = torch.sort(flat_M, stable=True).indices
+    counts_E = torch.bincount(flat_M, minlength=E)
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    # expand (not index by token id): the backward is then a sum over K and a permutation, no atomics
+    x_MD = x_TD.unsqueeze(1).expand(T, K, x_TD.shape[1]).reshape(T * K, -1)[order_M]
+    g = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
+    u = torch._grouped_mm(x_MD, w_up_EFD.transpose(-2, -1), offs=offs_E)
+    y_sorted = torch._grouped_mm(F.silu(g) * u, w_down_EDF.transpose(-2, -1), offs=offs_E)
+    y_MD = torch.empty_like(y_sorted).index_put((order_M,), y_sorted)
+    return _combine(y_MD, topk_w_TK, T, K)
+
+
+def moe_experts(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto"):
+    which = resolve("moe_experts", backend, x_TD.device, x_TD.dtype)
+    fn = moe_experts_grouped_mm if which == "fast" else moe_experts_reference
+    return fn(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)

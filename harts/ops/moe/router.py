@@ -1,0 +1,73 @@
+"""Ling-3.0 router: sigmoid scores, group-limited top-k on biased scores, weights from unbiased scores.
+
+Legend: T tokens, D hidden, E experts, G groups, K experts per token.
+Routing runs in float32 (float64 when the input is float64) regardless of the activation dtype, as the
+official model does (router_dtype fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def route(x_TD: torch.Tensor, weight_ED: torch.Tensor, expert_bias_E: torch.Tensor, *, n_group: int,
+          topk_group: int, top_k: int, routed_scaling_factor: float, norm_topk_prob: bool = True):
+    """Returns (logits_TE, scores_TE, topk_idx_TK, topk_w_TK), all in the router dtype except the index."""
+    dt = torch.promote_types(x_TD.dtype, torch.float32)
+    logits_TE = F.linear(x_TD.to(dt), weight_ED.to(dt))
+    scores_TE = logits_TE.sigmoid()
+    with torch.no_grad():  # selection is discrete; the bias is not trained by gradient
+        T, E = scores_TE.shape
+        biased_TE = scores_TE + expert_bias_E.to(dt)
+        group_TG = biased_TE.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(topk_group, dim=-1).indices, True)
+        keep_TE = keep_TG.repeat_interleave(E // n_group, dim=1)
+        topk_idx_TK = biased_TE.masked_fill(~keep_TE, float("-inf")).topk(top_k, dim=-1).indices
+        # a fixed order of the k slots (ascending expert id) keeps the combine order independent of topk ties
+        topk_idx_TK = topk_idx_TK.sort(dim=-1).values
+    topk_w_TK = scores_TE.gather(1, topk_idx_TK)
+    if norm_topk_prob:
+        topk_w_TK = topk_w_TK / (topk_w_TK.sum(-1, keepdim=True) + 1e-20)
+    return logits_TE, scores_TE, topk_idx_TK, topk_w_TK * routed_scaling_factor
+
+
+@dataclass
+class RouterStats:
+    """Per-layer router statistics, weighted by a per-token multiplicity q_T (ones by default).
+
+    counts_E:  sum_t q_t 1[e in topk_t]                          (detached; drives the expert-bias update)
+    z_loss:    sum_t q_t logsumexp(logits_t)^2 / sum_t q_t       (differentiable)
+    f_E:       E / (K sum_t q_t) * counts_E                      (detached load fraction, DeepSeek-V3 f_i)
+    P_E:       sum_t q_t s_te / sum_j s_tj / sum_t q_t           (differentiable, DeepSeek-V3 P_i)
+    aux_loss = (f_E * P_E).sum() is the batch-wise balance loss; its coefficient is the trainer's choice.
+    """
+
+    counts_E: torch.Tensor
+    z_loss: torch.Tensor
+    f_E: torch.Tensor
+    P_E: torch.Tensor
+    weight_sum: torch.Tensor
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return (self.f_E * self.P_E).sum()
+
+
+def router_stats(logits_TE: torch.Tensor, scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor,
+                 token_weight_T: torch.Tensor | None = None) -> RouterStats:
+    T, E = logits_TE.shape
+    K = topk_idx_TK.shape[1]
+    q_T = (torch.ones(T, dtype=logits_TE.dtype, device=logits_TE.device) if token_weight_T is None
+           else token_weight_T.to(logits_TE.dtype))
+    wsum = q_T.sum()
+    denom = wsum.clamp_min(torch.finfo(logits_TE.dtype).tiny)
+    with torch.no_grad():
+        counts_E = torch.zeros(E, dtype=logits_TE.dtype, device=logits_TE.device)
+        counts_E.index_add_(0, topk_idx_TK.reshape(-1), q_T.repeat_interleave(K))
+        f_E = counts_E * (E / (K * denom))
+    z_loss = (q_T * torch.logsumexp(logits_TE, dim=-1).square()).sum() / denom
+    P_E = (q_T[:, None] * scores_TE / scores_TE.sum(-1, keepdim=True)).sum(0) / denom
+    return RouterStats(counts_E=counts_E, z_loss=z_loss, f_E=f_E, P_E=P_E, weight_sum=wsum.detach())
