@@ -36,11 +36,11 @@ ZERO_STATE = -1  # state source of a sequence that starts from the zero state (p
 
 
 # ---------------------------------------------------------------------------------------------- DP
-def min_calls_dp(tree: SegmentTree, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+def min_calls_dp_reference(tree: SegmentTree, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Eqs. (12)-(14) for every segment: (T_pre, T_in), int64 arrays of length G.
 
-    Algorithm 1 lines 3-11. Children have larger ids than their parent, so reverse id order is a
-    postorder. Python lists instead of numpy scalars: this loop is the planner's hot path.
+    Algorithm 1 lines 3-11, transcribed literally (the fast path is ``min_calls_dp``). Children have
+    larger ids than their parent, so reverse id order is a postorder. Python lists instead of numpy scalars: this loop is the planner's hot path.
     """
     B = int(chunk_size)
     if B <= 0:
@@ -74,6 +74,63 @@ def min_calls_dp(tree: SegmentTree, chunk_size: int) -> tuple[np.ndarray, np.nda
         t_in[v] = best
         # Eq. (14)
         t_pre[v] = m1 if short[v] else best
+    return np.asarray(t_pre, dtype=np.int64), np.asarray(t_in, dtype=np.int64)
+
+
+def _dp_fast(tree: SegmentTree, chunk_size: int):
+    """Eqs. (12)-(14) streamed child -> parent; returns (T_pre, T_in, M1, unique-argmax child) as lists.
+
+    By induction T_pre(v) <= T_in(v) <= T_pre(v) + 1, so with M1 the largest child T_pre (the
+    largest/second-largest trick of Algorithm 1 line 7):
+      T_in(v) = T_in(o*)  if o* is the unique child with T_pre = M1 (then h_{o*} = M2 < M1 <= T_in(o*)),
+      T_in(v) = M1 + 1    otherwise (every child has h_o = M1 and T_in(o) <= M1 + 1).
+    Only (M1, count of M1, T_in of the argmax) must be kept per segment, and leaves (T = 1) are folded in
+    with numpy, so the Python loop touches internal segments only. ``min_calls_dp_reference`` is the
+    literal per-child transcription; tests check the two agree.
+    """
+    B = int(chunk_size)
+    if B <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    G = tree.num_segments
+    parent = tree.parent
+    nch = tree.num_children
+    leaf = nch == 0
+    # Leaf children contribute T_pre = T_in = 1.
+    leaf_par = parent[leaf & (parent >= 0)]
+    n_leaf_ch = np.bincount(leaf_par, minlength=G)
+    m1_a = (n_leaf_ch > 0).astype(np.int64)
+    arg_a = np.full(G, -1, dtype=np.int64)
+    lv = np.flatnonzero(leaf & (parent >= 0))
+    arg_a[parent[lv[::-1]]] = lv[::-1]  # any leaf child; only used when it is the unique maximum
+    m1, cnt, arg = m1_a.tolist(), n_leaf_ch.tolist(), arg_a.tolist()
+    iarg = [1] * G  # T_in of the current argmax child
+    t_pre = [1] * G
+    t_in = [1] * G
+    short = tree.is_short(B).tolist()
+    par = parent.tolist()
+    for v in np.flatnonzero(~leaf)[::-1].tolist():
+        x = m1[v]
+        y = iarg[v] if cnt[v] == 1 else x + 1
+        t_in[v] = y
+        if not short[v]:
+            x = y
+        t_pre[v] = x
+        p = par[v]
+        if p >= 0:
+            if x > m1[p]:
+                m1[p] = x
+                cnt[p] = 1
+                iarg[p] = y
+                arg[p] = v
+            elif x == m1[p]:
+                cnt[p] += 1
+    unique_arg = [a if c == 1 else -1 for a, c in zip(arg, cnt)]
+    return t_pre, t_in, m1, unique_arg
+
+
+def min_calls_dp(tree: SegmentTree, chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Eqs. (12)-(14) for every segment: (T_pre, T_in), int64 arrays of length G (linear time)."""
+    t_pre, t_in, _, _ = _dp_fast(tree, chunk_size)
     return np.asarray(t_pre, dtype=np.int64), np.asarray(t_in, dtype=np.int64)
 
 
@@ -186,9 +243,134 @@ class CallPlan:
 
 # ---------------------------------------------------------------------------------------------- recovery
 def plan_segment_tree(tree: SegmentTree, chunk_size: int, *, trie=None, leaf_trajectory=None) -> CallPlan:
-    """Algorithm 1 on a segment forest: DP, recovery, merge of trees by round."""
+    """Algorithm 1 on a segment forest in linear time: DP, recovery, merge of trees by round.
+
+    Recovery's choice (lines 19-21) in closed form, using T_pre <= T_in <= T_pre + 1 and K >= the
+    subtree's requirement: when ``same`` every child fits and f = 0, so the first child is chosen; otherwise
+    K_side = K - 1 and either K > M1 (f = 0: the first child) or K == M1, where exactly one child has
+    T_pre = M1 > K_side and it must be the direct child. Recover(v, ...)'s arguments are derived from
+    the parent's visit, so the Python loop touches internal segments only; leaves and sequence bookkeeping
+    are vectorised. ``plan_segment_tree_reference`` is the literal transcription; tests check the plans
+    are identical.
+    """
     B = int(chunk_size)
-    t_pre_a, t_in_a = min_calls_dp(tree, B)
+    t_pre, t_in, m1, uarg = _dp_fast(tree, B)
+    G = tree.num_segments
+    parent = tree.parent
+    leaf = tree.is_leaf
+    par = parent.tolist()
+    short = tree.is_short(B).tolist()
+    b_of = tree.terminal_anchor(B).tolist()
+    a_of = tree.entry_anchor(B).tolist()
+    first_child_a = np.full(G, -1, dtype=np.int64)
+    first_child_a[~leaf] = tree.children[tree.child_offsets[:-1][~leaf]]
+    first_child = first_child_a.tolist()
+    nch = tree.num_children.tolist()
+
+    # Recover(v, ready, K, r, q) arguments of every internal segment, and its decisions.
+    budget = [0] * G  # K
+    rnd = [0] * G  # r
+    first = list(range(G))  # q, named by its first segment
+    ready = [True] * G
+    src = [ZERO_STATE] * G  # id of S_{a_v} when ready
+    direct = [-1] * G
+    k_side = [0] * G
+    r_side = [0] * G
+    side_src = [ZERO_STATE] * G
+    seq_src = [ZERO_STATE] * G  # init state of the sequence whose first segment is v
+    last_req_pos = [-1] * G  # per sequence: the latest requested position (requests along a chain ascend)
+    last_req_id = [-1] * G
+    state_first: list[int] = []
+    state_pos: list[int] = []
+
+    for v in np.flatnonzero(~leaf).tolist():
+        p = par[v]
+        if p < 0:  # line 12/29: a root starts a zero-state sequence in round 0
+            K = t_pre[v]
+            r = 0
+            q = v
+            rdy = True
+            sv = ZERO_STATE
+        elif direct[p] == v:  # line 22: direct continuation of the parent's sequence
+            K = budget[p]
+            r = rnd[p]
+            q = first[p]
+            rdy = ready[p] and short[p]
+            sv = src[p] if rdy else ZERO_STATE
+        else:  # line 28: a side branch starts its own sequence
+            K = k_side[p]
+            r = r_side[p]
+            q = v
+            rdy = True
+            sv = side_src[p]
+            seq_src[v] = sv
+        budget[v] = K
+        rnd[v] = r
+        first[v] = q
+        ready[v] = rdy
+        src[v] = sv
+        if rdy and short[v]:  # same: children start from S_{a_v} in this round
+            direct[v] = first_child[v]
+            k_side[v] = K
+            r_side[v] = r
+            side_src[v] = sv
+        else:
+            direct[v] = uarg[v] if K == m1[v] else first_child[v]
+            k_side[v] = K - 1
+            r_side[v] = r + 1
+            b = b_of[v]
+            if nch[v] == 1:
+                pass  # a single child (only in non-maximal segment trees): no side branch, no request
+            elif b == a_of[q]:  # S_{b_v} is q's own initial state: forward its source
+                side_src[v] = seq_src[q]
+            elif last_req_pos[q] == b:
+                side_src[v] = last_req_id[q]
+            else:
+                sid = len(state_first)
+                state_first.append(q)
+                state_pos.append(b)
+                last_req_pos[q] = b
+                last_req_id[q] = sid
+                side_src[v] = sid
+
+    # Vectorised bookkeeping: sequences are named by their first segment.
+    direct_a = np.asarray(direct, dtype=np.int64)
+    nonroot = parent >= 0
+    pp = np.maximum(parent, 0)
+    is_direct = nonroot & (direct_a[pp] == np.arange(G))
+    first_a = np.asarray(first, dtype=np.int64)
+    rnd_a = np.asarray(rnd, dtype=np.int64)
+    # Leaves were not visited: a direct-child leaf continues its parent's sequence, a side leaf is its own.
+    lv = np.flatnonzero(leaf & is_direct)
+    first_a[lv] = first_a[parent[lv]]
+    rnd_a[lv] = rnd_a[parent[lv]]
+    side = nonroot & ~is_direct
+    r_side_a = np.asarray(r_side, dtype=np.int64)
+    side_src_a = np.asarray(side_src, dtype=np.int64)
+    sl = np.flatnonzero(leaf & side)
+    rnd_a[sl] = r_side_a[parent[sl]]
+    seq_firsts = np.flatnonzero(~is_direct)  # roots and side branches, in id order
+    seq_src_a = np.full(G, ZERO_STATE, dtype=np.int64)
+    sv = np.flatnonzero(side)
+    seq_src_a[sv] = side_src_a[parent[sv]]
+    last_of = np.full(G, -1, dtype=np.int64)
+    lf = np.flatnonzero(leaf)
+    last_of[first_a[lf]] = lf
+    return _assemble(
+        tree, B, np.asarray(t_pre, dtype=np.int64), np.asarray(t_in, dtype=np.int64), direct_a, first_a,
+        rnd_a[seq_firsts], seq_firsts, last_of[seq_firsts], seq_src_a[seq_firsts], tree.entry_anchor(B)[seq_firsts],
+        state_first, state_pos, trie=trie, leaf_trajectory=leaf_trajectory, seq_named_by_first=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- reference recovery
+def plan_segment_tree_reference(tree: SegmentTree, chunk_size: int, *, trie=None, leaf_trajectory=None) -> CallPlan:
+    """Algorithm 1 on a segment forest, transcribed literally: DP, recovery, merge of trees by round.
+
+    The exact reference for ``plan_segment_tree`` (tests check the two plans are identical).
+    """
+    B = int(chunk_size)
+    t_pre_a, t_in_a = min_calls_dp_reference(tree, B)
     G = tree.num_segments
     t_pre, t_in = t_pre_a.tolist(), t_in_a.tolist()
     short = tree.is_short(B).tolist()
@@ -253,6 +435,8 @@ def plan_segment_tree(tree: SegmentTree, chunk_size: int, *, trie=None, leaf_tra
         seq_of[o] = q
         src_of[o] = src_of[v] if same else ZERO_STATE
         # lines 23-28: side children start new sequences.
+        if hi - lo == 1:
+            continue  # a single child (only in non-maximal segment trees): nothing to launch
         if same:
             src, r_side = src_of[v], r  # S_{a_v}, already available before round r
         else:
@@ -287,11 +471,19 @@ def plan_segment_tree(tree: SegmentTree, chunk_size: int, *, trie=None, leaf_tra
 
 
 def _assemble(tree, B, t_pre, t_in, direct, seq_of, s_round, s_first, s_last, s_src, s_a, state_seq, state_pos,
-              *, trie, leaf_trajectory) -> CallPlan:
-    """Renumber sequences round-major (stable in creation order) and build the plan arrays."""
+              *, trie, leaf_trajectory, seq_named_by_first=False) -> CallPlan:
+    """Renumber sequences round-major (by first segment within a round) and build the plan arrays.
+
+    Sequences come in as creation ids 0..Q-1 (or, with ``seq_named_by_first``, as their first segment).
+    """
     rnd = np.asarray(s_round, dtype=np.int64)
     Q = rnd.shape[0]
-    order = np.argsort(rnd, kind="stable")  # new id -> creation id
+    if seq_named_by_first:
+        cid = np.full(tree.num_segments, -1, dtype=np.int64)
+        cid[np.asarray(s_first, dtype=np.int64)] = np.arange(Q, dtype=np.int64)
+        seq_of = cid[np.asarray(seq_of, dtype=np.int64)]
+        state_seq = cid[np.asarray(state_seq, dtype=np.int64)].tolist()
+    order = np.lexsort((np.asarray(s_first, dtype=np.int64), rnd))  # new id -> creation id
     new_of = np.empty(Q, dtype=np.int64)
     new_of[order] = np.arange(Q, dtype=np.int64)
     R = int(rnd.max()) + 1
@@ -453,7 +645,7 @@ def _validate_plan(plan: CallPlan) -> None:
     assert consumed == emitted, f"emitted but unused states: {sorted(emitted - consumed)[:5]}"
     # Replay (Eq. 15) and optimality (Eqs. 12-14).
     assert plan.replay_tokens == tree.mandatory_replay(B), "replay differs from Eq. (15)"
-    t_pre, _ = min_calls_dp(tree, B)
+    t_pre, _ = min_calls_dp_reference(tree, B)
     assert R == int(t_pre[tree.roots].max()), "num_calls differs from the DP minimum"
     # Rows: with a trie, every compact row is output by exactly one sequence, on its trajectory's path.
     trie = plan.trie
