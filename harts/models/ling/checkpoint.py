@@ -1,0 +1,157 @@
+"""Official HF checkpoint layout: config.json + sharded safetensors + model.safetensors.index.json.
+
+Names are the official ones (``model.word_embeddings``, ``model.layers.{i}.attention.*``,
+``mlp.gate.expert_bias``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ...). Our module tree uses the
+same names except that routed experts are stacked ([E, F, D] per projection); the only conversion is
+stacking/unstacking those. Loading checks the whole key set first and raises one error listing every
+missing key, unexpected key and shape mismatch. Tensors are stored with their in-memory dtype, so a
+save/load round trip is bit-exact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from harts.models.ling.config import LingConfig
+from harts.models.ling.model import LingForCausalLM
+
+__all__ = ["to_hf_state_dict", "load_hf_state_dict", "save_pretrained", "load_pretrained", "CheckpointError"]
+
+_EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _expected_hf_shapes(model: LingForCausalLM) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+    """hf key -> (shape, our state-dict name, expert index or None)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        m = _EXPERT_PARAM.match(name)
+        if m:
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (tuple(t.shape[1:]), name, e)
+        else:
+            out[name] = (tuple(t.shape), name, None)
+    return out
+
+
+def to_hf_state_dict(model: LingForCausalLM) -> dict[str, torch.Tensor]:
+    sd = {}
+    for name, t in model.state_dict().items():
+        m = _EXPERT_PARAM.match(name)
+        if m:
+            for e in range(t.shape[0]):
+                sd[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
+        else:
+            sd[name] = t
+    return sd
+
+
+def _report(missing, unexpected, mismatched, where: str) -> None:
+    if not (missing or unexpected or mismatched):
+        return
+    lines = [f"checkpoint {where} does not match the model:"]
+
+    def block(title, items):
+        if items:
+            lines.append(f"  {title} ({len(items)}):")
+            lines.extend(f"    {x}" for x in items[:50])
+            if len(items) > 50:
+                lines.append(f"    ... and {len(items) - 50} more")
+
+    block("missing keys", sorted(missing))
+    block("unexpected keys", sorted(unexpected))
+    block("shape mismatches (key: checkpoint vs model)", [f"{k}: {a} vs {b}" for k, a, b in mismatched])
+    raise CheckpointError("\n".join(lines))
+
+
+def load_hf_state_dict(model: LingForCausalLM, hf_sd: dict[str, torch.Tensor], where: str = "<dict>") -> None:
+    """Copy an HF-named state dict into ``model`` (which may live on any device, not meta) after a full check.
+    Values are copied with ``copy_`` into the model's tensors, keeping the model's dtypes."""
+    expected = _expected_hf_shapes(model)
+    missing = [k for k in expected if k not in hf_sd]
+    unexpected = [k for k in hf_sd if k not in expected]
+    mismatched = [(k, tuple(v.shape), expected[k][0]) for k, v in hf_sd.items()
+                  if k in expected and tuple(v.shape) != expected[k][0]]
+    _report(missing, unexpected, mismatched, where)
+    own = model.state_dict()
+    with torch.no_grad():
+        for k, v in hf_sd.items():
+            _, name, e = expected[k]
+            dst = own[name] if e is None else own[name][e]
+            dst.copy_(v)
+
+
+def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    sd = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
+    shards, cur, cur_bytes = [], {}, 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if cur and cur_bytes + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+        cur[k] = v
+        cur_bytes += nbytes
+    if cur:
+        shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2) + "\n")
+
+
+def read_hf_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / INDEX_NAME).exists():
+        files = sorted(set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: neither {INDEX_NAME} nor model.safetensors found")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(path / f), device=str(device)))
+    return sd
+
+
+def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    **config_overrides) -> LingForCausalLM:
+    """Build the model from config.json on the meta device, materialise it on ``device`` and load the weights.
+    Without ``dtype`` each tensor keeps the dtype stored in the checkpoint (bit-exact)."""
+    path = Path(path)
+    cfg = LingConfig.from_hf_dict(json.loads((path / "config.json").read_text()), **config_overrides)
+    sd = read_hf_tensors(path, device)
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg)
+    model.to_empty(device=device)
+    # adopt checkpoint dtypes per tensor before copying so nothing is rounded
+    expected = _expected_hf_shapes(model)
+    own = dict(model.named_parameters()) | dict(model.named_buffers())
+    for k, v in sd.items():
+        if k in expected:
+            name = expected[k][1]
+            if own[name].dtype != v.dtype:
+                own[name].data = own[name].data.to(v.dtype)
+    load_hf_state_dict(model, sd, where=str(path))
+    if dtype is not None:
+        model.cast_(dtype)
+    return model

@@ -1,0 +1,110 @@
+"""Router and routed experts against brute-force definitions."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.ops.moe import moe_experts, moe_experts_grouped_mm, moe_experts_reference, route, router_stats
+
+E, G, TG, K = 16, 4, 2, 4
+
+
+def brute_route(x, W, b):
+    """Enumerate all allowed group subsets per token; pick the top-K biased experts of the best subset."""
+    s = torch.sigmoid(x @ W.T)
+    idx, wts = [], []
+    for t in range(x.shape[0]):
+        sb = s[t] + b
+        gscore = [sorted(sb[g * 4:(g + 1) * 4].tolist())[-2:] for g in range(G)]
+        gscore = [sum(v) for v in gscore]
+        best = max(itertools.combinations(range(G), TG), key=lambda c: sum(gscore[g] for g in c))
+        allowed = [e for g in best for e in range(g * 4, (g + 1) * 4)]
+        top = sorted(allowed, key=lambda e: -sb[e].item())[:K]
+        w = s[t, top] / s[t, top].sum() * 2.5
+        order = sorted(range(K), key=lambda i: top[i])
+        idx.append([top[i] for i in order])
+        wts.append(w[order])
+    return torch.tensor(idx), torch.stack(wts)
+
+
+def test_router_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    x, W = torch.randn(40, 8, generator=g, dtype=torch.float64), torch.randn(E, 8, generator=g, dtype=torch.float64)
+    b = 0.2 * torch.randn(E, generator=g, dtype=torch.float64)
+    _, _, idx, w = route(x, W, b, n_group=G, topk_group=TG, top_k=K, routed_scaling_factor=2.5)
+    bi, bw = brute_route(x, W, b)
+    assert torch.equal(idx, bi)
+    torch.testing.assert_close(w, bw, rtol=1e-12, atol=1e-12)
+
+
+def test_router_runs_in_fp32_for_bf16_input():
+    x, W = torch.randn(5, 8).bfloat16(), torch.randn(E, 8).bfloat16()
+    logits, scores, idx, w = route(x, W, torch.zeros(E), n_group=G, topk_group=TG, top_k=K, routed_scaling_factor=2.5)
+    assert logits.dtype == torch.float32 and w.dtype == torch.float32
+
+
+def test_router_stats_multiplicity_equals_duplication():
+    g = torch.Generator().manual_seed(1)
+    x, W = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(E, 8, generator=g, dtype=torch.float64)
+    mult = torch.tensor([1, 3, 1, 2, 1, 1], dtype=torch.float64)
+    dup = x.repeat_interleave(mult.long(), 0)
+    a = router_stats(*(lambda r: (r[0], r[1], r[2]))(route(x, W, torch.zeros(E), n_group=G, topk_group=TG, top_k=K,
+                                                            routed_scaling_factor=2.5)), mult)
+    b = router_stats(*(lambda r: (r[0], r[1], r[2]))(route(dup, W, torch.zeros(E), n_group=G, topk_group=TG, top_k=K,
+                                                            routed_scaling_factor=2.5)))
+    for f in ("counts_E", "z_loss", "f_E", "P_E", "weight_sum"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    assert a.counts_E.sum().item() == mult.sum().item() * K
+
+
+def _expert_inputs(T=30, D=16, Fw=8, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    return r(T, D), idx, torch.rand(T, K, generator=g).to(device, torch.float32), r(E, Fw, D), r(E, Fw, D), r(E, D, Fw)
+
+
+def dense_experts(x, idx, w, wg, wu, wd):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            out[t] += w[t, j].to(x.dtype) * (wd[e] @ (F.silu(wg[e] @ x[t]) * (wu[e] @ x[t])))
+    return out
+
+
+def test_reference_experts_match_dense():
+    x, idx, w, wg, wu, wd = _expert_inputs()
+    torch.testing.assert_close(moe_experts_reference(x, idx, w, wg, wu, wd), dense_experts(x, idx, w, wg, wu, wd),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_mm_matches_reference_fp32_cpu():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.fail("torch._grouped_mm missing")
+    x, idx, w, wg, wu, wd = (t.float() if t.is_floating_point() else t for t in _expert_inputs())
+    idx[:, 0] = 3  # one crowded expert, several empty ones
+    leaves = [t.requires_grad_(True) for t in (x, wg, wu, wd)]
+    a = moe_experts_grouped_mm(x, idx, w, wg, wu, wd)
+    ga = torch.autograd.grad(a.square().sum(), leaves)
+    b = moe_experts_reference(x, idx, w, wg, wu, wd)
+    gb = torch.autograd.grad(b.square().sum(), leaves)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_bf16_gpu_deterministic():
+    x, idx, w, wg, wu, wd = _expert_inputs(T=4096, D=256, Fw=128, dtype=torch.bfloat16, device="cuda")
+    runs = []
+    for _ in range(2):
+        xx = x.clone().requires_grad_(True)
+        y = moe_experts(xx, idx, w, wg, wu, wd, backend="fast")
+        (gx,) = torch.autograd.grad(y.float().square().sum(), xx)
+        runs.append((y, gx))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    ref = moe_experts_reference(*(t.float() if t.is_floating_point() else t for t in (x, idx, w, wg, wu, wd)))
+    torch.testing.assert_close(runs[0][0].float(), ref, rtol=3e-2, atol=3e-2)
