@@ -1,0 +1,222 @@
+"""Scale-independent trie-aware greedy (paper 3.2, "Scale-independent trie-aware greedy", Eq. 10).
+
+Inserting x between its lexicographic neighbours p and q inside a microbatch costs
+dC = |x| - LCP(p, x) - LCP(x, q) + LCP(p, q) (Eq. 10). Because LCP(p, q) = min(LCP(p, x), LCP(x, q)) when
+p < x < q, this is |x| - max(LCP(p, x), LCP(x, q)): the shared amount is the largest LCP of x with any
+member, reached at its nearest member on either side. The greedy therefore scans outward from x's global
+position only while the running LCP stays above the batch floor (the LCP every pair shares, usually 0);
+every microbatch not met in that scan shares exactly the floor with x, and among those the best one is
+found by bisection on a work-sorted list. That keeps one insertion O(neighbourhood + log K), not O(K).
+
+Groupings are ``owner`` arrays: owner[position] = microbatch id (ids 0..K-1, by order of creation).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+import numpy as np
+
+from harts.planning.prefix_cost import PrefixIndex
+
+POLICIES = ("best_fit", "max_shared")
+
+
+def processing_orders(index: PrefixIndex) -> dict[str, list[int]]:
+    """The four processing orders, as lists of positions (ties by lexicographic position)."""
+    n = index.n
+    pos = np.arange(n, dtype=np.int64)
+    nxt = np.append(index.lcp[1:], 0)
+    unique_suffix = index.length - np.maximum(index.lcp, nxt)
+    return {
+        "lex_asc": pos.tolist(),
+        "lex_desc": pos[::-1].tolist(),
+        "len_desc": np.lexsort((pos, -index.length)).tolist(),
+        "suffix_desc": np.lexsort((pos, -unique_suffix)).tolist(),
+    }
+
+
+def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: int) -> np.ndarray:
+    """Insert positions in ``order``; best-fit maximises work after insertion, max-shared maximises
+    |x| - dC. Ties: the other criterion, then the lowest microbatch id. Opens a microbatch when none fits."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown greedy policy {policy!r}; expected one of {POLICIES}")
+    best_fit = policy == "best_fit"
+    n = index.n
+    length = index.length.tolist()
+    lcp = index.lcp.tolist()
+    floor = index.floor
+    owner = [-1] * n
+    work: list[int] = []
+    by_work: list[tuple[int, int]] = []  # sorted (work, -id): the last entry <= a bound is the best fit
+    for p in order:
+        x = length[p]
+        seen: dict[int, int] = {}
+        m = x
+        q = p - 1 if x > floor else -1  # x no longer than the floor shares all of itself with everyone
+        while q >= 0:
+            v = lcp[q + 1]
+            if v < m:
+                m = v
+                if m <= floor:
+                    break
+            g = owner[q]
+            if g >= 0 and g not in seen:
+                seen[g] = m
+            q -= 1
+        m = x
+        q = p + 1 if x > floor else n
+        while q < n:
+            v = lcp[q]
+            if v < m:
+                m = v
+                if m <= floor:
+                    break
+            g = owner[q]
+            if g >= 0 and seen.get(g, -1) < m:
+                seen[g] = m
+            q += 1
+        best = None  # (key, id, new work)
+        for g, sh in seen.items():
+            new = work[g] + x - sh
+            if new <= capacity:
+                key = (new, sh, -g) if best_fit else (sh, new, -g)
+                if best is None or key > best[0]:
+                    best = (key, g, new)
+        # Best microbatch among those sharing only the floor: the heaviest that still fits.
+        i = bisect_right(by_work, (capacity - x + floor, 1)) - 1
+        while i >= 0 and -by_work[i][1] in seen:
+            i -= 1
+        if i >= 0:
+            w, ng = by_work[i]
+            g, new = -ng, w + x - floor
+            key = (new, floor, ng) if best_fit else (floor, new, ng)
+            if best is None or key > best[0]:
+                best = (key, g, new)
+        if best is None:
+            g = len(work)
+            work.append(x)
+            insort(by_work, (x, -g))
+        else:
+            _, g, new = best
+            del by_work[bisect_left(by_work, (work[g], -g))]
+            work[g] = new
+            insort(by_work, (new, -g))
+        owner[p] = g
+    return np.asarray(owner, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------ post-processing
+
+
+def neighbour_shared(index: PrefixIndex, owner: np.ndarray) -> np.ndarray:
+    """For every position, its largest LCP with another member of its own microbatch (0 if alone)."""
+    n = index.n
+    srt = np.argsort(owner, kind="stable")
+    g = owner[srt]
+    same = g[1:] == g[:-1]
+    lcp_next = np.zeros(n, dtype=np.int64)
+    if same.any():
+        lcp_next[np.flatnonzero(same)] = index.pair_lcp(srt[:-1][same], srt[1:][same])
+    # lcp_next[i] pairs sorted entries i and i+1; each entry takes the max of both sides.
+    best = np.maximum(lcp_next, np.concatenate(([0], lcp_next[:-1])))
+    out = np.empty(n, dtype=np.int64)
+    out[srt] = best
+    return out
+
+
+def relabel(owner: np.ndarray) -> np.ndarray:
+    """Ids 0..K-1 in order of each microbatch's first position (a canonical labelling)."""
+    _, first, inv = np.unique(owner, return_index=True, return_inverse=True)
+    rank = np.empty(first.shape[0], dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
+    return rank[inv.ravel()]
+
+
+def merge_gains(index: PrefixIndex, owner: np.ndarray, a: int, k: int) -> np.ndarray:
+    """C(A u B) for microbatch a against every microbatch B (entry a is C(A)), vectorised."""
+    pa = np.flatnonzero(owner == a)
+    others = np.flatnonzero(owner != a)
+    # Every B gets its own members plus a copy of A's; sorted by (B, position).
+    grp = np.concatenate((owner[others], np.repeat(np.arange(k), pa.shape[0])))
+    pos = np.concatenate((others, np.tile(pa, k)))
+    keep = grp != a
+    grp, pos = grp[keep], pos[keep]
+    srt = np.lexsort((pos, grp))
+    grp, pos = grp[srt], pos[srt]
+    total = np.bincount(grp, weights=index.length[pos], minlength=k).astype(np.int64)
+    same = grp[1:] == grp[:-1]
+    if same.any():
+        shared = index.pair_lcp(pos[:-1][same], pos[1:][same])
+        total -= np.bincount(grp[1:][same], weights=shared, minlength=k).astype(np.int64)
+    total[a] = index.group_work(pa)
+    return total
+
+
+def eliminate_small(index: PrefixIndex, owner: np.ndarray, capacity: int) -> np.ndarray:
+    """Dissolve light microbatches (work <= T/2) into the capacity-feasible partner with the largest
+    saving C(A) + C(B) - C(A u B) (then the heaviest result, then the lowest id), lightest first; each
+    light microbatch is tried once."""
+    owner = relabel(owner)
+    k = int(owner.max()) + 1
+    work = index.owner_work(owner, k)
+    tried: set[int] = set()
+    while k > 1:
+        light = [g for g in np.lexsort((np.arange(k), work)).tolist() if work[g] * 2 <= capacity and g not in tried]
+        if not light:
+            break
+        a = light[0]
+        merged = merge_gains(index, owner, a, k)
+        saving = work[a] + work - merged
+        ok = merged <= capacity
+        ok[a] = False
+        if not ok.any():
+            tried.add(a)
+            continue
+        cand = np.flatnonzero(ok)
+        b = int(cand[np.lexsort((cand, -merged[cand], -saving[cand]))[0]])
+        owner = np.where(owner == a, b, owner)
+        owner = np.where(owner > a, owner - 1, owner)
+        # Ids shift down past a; keep the bookkeeping consistent.
+        tried = {t - (t > a) for t in tried}
+        b -= b > a
+        work = np.delete(work, a)
+        work[b] = merged[b + (b >= a)]
+        k -= 1
+    return owner
+
+
+def align_to_dp(index: PrefixIndex, owner: np.ndarray, dp: int) -> np.ndarray | None:
+    """Raise K to a multiple of D by singleton splits: detach the member whose split costs least
+    (its largest LCP with its microbatch mates; then the lowest position). None if impossible."""
+    owner = owner.copy()
+    k = int(owner.max()) + 1
+    need = (-k) % dp
+    if k + need > index.n:
+        return None
+    for _ in range(need):
+        counts = np.bincount(owner, minlength=k)
+        cost = neighbour_shared(index, owner)
+        movable = counts[owner] > 1
+        cand = np.flatnonzero(movable)
+        p = int(cand[np.argmin(cost[cand])])  # argmin returns the first (lowest position) on ties
+        owner[p] = k
+        k += 1
+    return owner
+
+
+def best_greedy(index: PrefixIndex, capacity: int, dp: int) -> np.ndarray | None:
+    """Eight greedy plans (4 orders x 2 policies), each small-eliminated and DP-aligned; the one with the
+    fewest microbatches, then the least work, then the first generated."""
+    best = None
+    for order in processing_orders(index).values():
+        for policy in POLICIES:
+            owner = greedy_place(index, order, policy, capacity)
+            owner = eliminate_small(index, owner, capacity)
+            owner = align_to_dp(index, owner, dp)
+            if owner is None:
+                continue
+            k = int(owner.max()) + 1
+            key = (k, int(index.owner_work(owner, k).sum()))
+            if best is None or key < best[0]:
+                best = (key, owner)
+    return None if best is None else relabel(best[1])

@@ -1,0 +1,445 @@
+"""Prefix-aware microbatch / DP-replica / slot planner (paper 3.2) against brute-force references.
+
+References are independent of the planner: compact work is the number of distinct token prefixes
+(a set of tuples), the exact DP is checked against enumerating every contiguous partition, and the
+objective J is recomputed from the returned work and replica lists.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harts.data.trajectory import RolloutBatch
+from harts.planning import MicrobatchPlan, plan_microbatches
+from harts.planning.exact_dp import exact_partitions, first_feasible_start
+from harts.planning.greedy import align_to_dp, eliminate_small, greedy_place, neighbour_shared, processing_orders
+from harts.planning.heuristic import evolve_natural, sample_targets
+from harts.planning.microbatch import PlanningError, main, plan_index
+from harts.planning.natural import k_range, natural_partition
+from harts.planning.prefix_cost import build_prefix_index
+from harts.planning.refine import boundary_refine, sparse_repair
+from harts.planning.schedule import assign_slots, objective
+
+
+# ----------------------------------------------------------------------------------- references
+
+
+def brute_work(seqs) -> int:
+    """Compact work = number of distinct nonempty prefixes."""
+    return len({tuple(s[: t + 1]) for s in seqs for t in range(len(s))})
+
+
+def random_forest(rng: np.random.Generator, n: int, *, vocab: int = 3, max_len: int = 12, trees: int = 2):
+    """Root-to-leaf paths of random trees: forks of earlier paths plus fresh roots; small vocabularies
+    also give accidental sharing, duplicates and paths that are prefixes of others."""
+    paths: list[list[int]] = []
+    for i in range(n):
+        if not paths or rng.random() < trees / max(n, 1):
+            p = rng.integers(0, vocab, rng.integers(1, max_len + 1)).tolist()
+        else:
+            parent = paths[rng.integers(0, len(paths))]
+            fork = int(rng.integers(0, len(parent) + 1))
+            tail = rng.integers(0, vocab, rng.integers(0, max_len - fork + 1)).tolist()
+            p = parent[:fork] + tail
+            if not p:
+                p = [int(rng.integers(0, vocab))]
+        paths.append(p)
+    return paths
+
+
+forest_params = st.tuples(
+    st.integers(0, 2**31 - 1),  # seed
+    st.integers(1, 40),  # N
+    st.integers(2, 5),  # vocab
+    st.integers(1, 14),  # max_len
+)
+
+
+def independent_objective(plan: MicrobatchPlan):
+    w = np.asarray(plan.work)
+    per_replica = [[w[i] for i in r] for r in plan.replicas]
+    slots = list(zip(*per_replica))
+    return (int(w.sum()), int(sum(max(s) for s in slots)), int(max(sum(r) for r in per_replica)))
+
+
+def check_plan(plan: MicrobatchPlan, seqs, dp: int, capacity: int) -> None:
+    plan.validate()
+    k = len(plan.microbatches)
+    assert k % dp == 0 and k >= dp
+    assert sorted(i for mb in plan.microbatches for i in mb) == list(range(len(seqs)))
+    assert all(len(mb) > 0 for mb in plan.microbatches)
+    assert len(plan.replicas) == dp and all(len(r) == k // dp for r in plan.replicas)
+    for mb, w in zip(plan.microbatches, plan.work):
+        assert w == brute_work([seqs[i] for i in mb])
+        assert w <= capacity
+    assert tuple(plan.objective) == independent_objective(plan)
+    d = plan.to_dict()
+    assert set(d) == {"microbatches", "replicas", "work", "objective"}
+    json.dumps(d)
+
+
+# ----------------------------------------------------------------------------------- prefix cost
+
+
+@settings(max_examples=60, deadline=None)
+@given(forest_params)
+def test_interval_work_pair_lcp_and_split_cost(params):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = sorted(seqs)  # Python list order is numeric lexicographic with prefixes first
+    assert [seqs[i] for i in idx.order] == srt
+    assert idx.total_work == brute_work(seqs)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            assert int(idx.interval_work(a, b)) == brute_work(srt[a:b])
+            for t in range(a + 1, b):  # Eq. 6
+                assert brute_work(srt[a:t]) + brute_work(srt[t:b]) - brute_work(srt[a:b]) == idx.lcp[t]
+    p, q = np.meshgrid(np.arange(n), np.arange(n))
+    got = idx.pair_lcp(p.ravel(), q.ravel())
+    for (i, j), v in zip(zip(p.ravel(), q.ravel()), got):
+        x, y = srt[i], srt[j]
+        ref = next((t for t in range(min(len(x), len(y))) if x[t] != y[t]), min(len(x), len(y)))
+        assert v == ref
+    sub = np.random.default_rng(seed).random(n) < 0.5
+    assert idx.group_work(np.flatnonzero(sub)) == brute_work([s for s, m in zip(srt, sub) if m])
+
+
+def test_first_feasible_start_is_the_first_fitting_start():
+    rng = np.random.default_rng(3)
+    seqs = random_forest(rng, 30, vocab=3, max_len=10)
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    first = first_feasible_start(idx, 15)
+    for e in range(1, idx.n + 1):
+        fits = [s for s in range(e) if idx.interval_work(s, e) <= 15]
+        assert first[e] == fits[0]
+        assert fits == list(range(fits[0], e))  # monotone: every later start fits too
+
+
+# ----------------------------------------------------------------------------------- natural
+
+
+def naive_natural(srt, capacity):
+    """Recursive lowest-valley splits written from the paper's wording, on sequences directly."""
+    def lcp(x, y):
+        return next((t for t in range(min(len(x), len(y))) if x[t] != y[t]), min(len(x), len(y)))
+
+    if brute_work(srt) <= capacity:
+        return [len(srt)]
+    best = min(
+        range(1, len(srt)),
+        key=lambda t: (lcp(srt[t - 1], srt[t]), max(brute_work(srt[:t]), brute_work(srt[t:])),
+                       abs(brute_work(srt[:t]) - brute_work(srt[t:])), t),
+    )
+    return naive_natural(srt[:best], capacity) + naive_natural(srt[best:], capacity)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.integers(0, 30))
+def test_natural_partition_matches_naive_recursion(params, extra):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    cuts = natural_partition(idx, capacity)
+    sizes = naive_natural(sorted(seqs), capacity)
+    assert np.diff(cuts).tolist() == sizes
+
+
+def test_k_range_equations_7_8():
+    assert k_range(1000, 100, 4, 13, 50) == [12, 16]  # K_min = 4*ceil(1000/400)=12, K_max = min(16, 48)
+    assert k_range(10, 100, 4, 1, 50) == [4]
+    assert k_range(1000, 100, 4, 30, 21) == [12, 16, 20]  # K_max capped by D*floor(N/D)
+    assert k_range(1000, 100, 4, 30, 9) == [12]  # K_max = max(K_min, ...)
+
+
+# ----------------------------------------------------------------------------------- exact DP
+
+
+def brute_contiguous(srt, capacity, k):
+    """Best (total, peak) over every contiguous partition of srt into k capacity-feasible parts."""
+    n = len(srt)
+    best = None
+    for inner in itertools.combinations(range(1, n), k - 1):
+        cuts = (0, *inner, n)
+        works = [brute_work(srt[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        if max(works) > capacity:
+            continue
+        key = (sum(works), max(works))
+        best = key if best is None or key < best else best
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.integers(0, 20))
+def test_exact_dp_equals_brute_force_over_contiguous_partitions(params, extra):
+    seed, n, vocab, max_len = params
+    n = min(n, 10)
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = sorted(seqs)
+    ks = list(range(1, n + 1))
+    found = exact_partitions(idx, capacity, ks)
+    for k in ks:
+        ref = brute_contiguous(srt, capacity, k)
+        if ref is None:
+            assert k not in found
+            continue
+        cuts = found[k]
+        works = [brute_work(srt[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        assert len(works) == k and max(works) <= capacity
+        assert (sum(works), max(works)) == ref
+
+
+# ----------------------------------------------------------------------------------- heuristic
+
+
+def test_sample_targets_budget():
+    ks = list(range(8, 8 + 4 * 100, 4))
+    got = sample_targets(ks)
+    assert len(got) <= 32 and got[0] == ks[0] and got[-1] == ks[-1]
+    assert got[:16] == ks[:16]  # dense small values from K_min
+    assert sample_targets(ks[:20]) == ks[:20]
+
+
+@settings(max_examples=30, deadline=None)
+@given(forest_params, st.integers(0, 20))
+def test_evolved_partitions_are_feasible_and_follow_eq6(params, extra):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    nat = natural_partition(idx, capacity)
+    k0 = nat.shape[0] - 1
+    out = evolve_natural(idx, nat, capacity, list(range(1, n + 1)))
+    srt = sorted(seqs)
+    assert k0 in out
+    for k, cuts in out.items():
+        assert cuts.shape[0] - 1 == k and cuts[0] == 0 and cuts[-1] == n and np.all(np.diff(cuts) > 0)
+        works = [brute_work(srt[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        assert max(works) <= capacity
+        # Eq. 6: total work = G + sum of the LCPs at the cuts.
+        assert sum(works) == idx.total_work + int(idx.lcp[cuts[1:-1]].sum())
+    for k in range(k0, n + 1):  # splits are always legal
+        assert k in out
+
+
+# ----------------------------------------------------------------------------------- greedy
+
+
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.integers(0, 20), st.sampled_from(["best_fit", "max_shared"]))
+def test_greedy_placement_feasible_and_post_processing(params, extra, policy):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = sorted(seqs)
+    for order in processing_orders(idx).values():
+        assert sorted(order) == list(range(n))
+        owner = greedy_place(idx, order, policy, capacity)
+        k = int(owner.max()) + 1
+        assert set(owner.tolist()) == set(range(k))
+        for g in range(k):
+            assert brute_work([srt[p] for p in np.flatnonzero(owner == g)]) <= capacity
+        merged = eliminate_small(idx, owner, capacity)
+        k2 = int(merged.max()) + 1
+        assert k2 <= k and set(merged.tolist()) == set(range(k2))
+        w_before = sum(brute_work([srt[p] for p in np.flatnonzero(owner == g)]) for g in range(k))
+        w_after = [brute_work([srt[p] for p in np.flatnonzero(merged == g)]) for g in range(k2)]
+        assert max(w_after) <= capacity and sum(w_after) <= w_before
+        for dp in (1, 2, 3):
+            aligned = align_to_dp(idx, merged, dp)
+            if k2 + (-k2) % dp > n:
+                assert aligned is None
+                continue
+            k3 = int(aligned.max()) + 1
+            assert k3 % dp == 0 and k3 - k2 == (-k2) % dp and set(aligned.tolist()) == set(range(k3))
+
+
+def test_greedy_eq10_insertion_cost_brute_force():
+    """neighbour_shared is |x| minus the work x adds to its microbatch (Eq. 10 with p, q its neighbours)."""
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        seqs = random_forest(rng, 25, vocab=3, max_len=10)
+        idx = build_prefix_index([np.asarray(s) for s in seqs])
+        srt = sorted(seqs)
+        owner = rng.integers(0, 4, idx.n)
+        sh = neighbour_shared(idx, owner)
+        for p in range(idx.n):
+            mates = [srt[q] for q in np.flatnonzero(owner == owner[p]) if q != p]
+            delta = brute_work(mates + [srt[p]]) - brute_work(mates)
+            assert len(srt[p]) - sh[p] == delta
+
+
+# ----------------------------------------------------------------------------------- refinement
+
+
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.integers(0, 20), st.integers(0, 2**31 - 1))
+def test_refinement_keeps_k_coverage_capacity_and_never_adds_work(params, extra, seed2):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = sorted(seqs)
+    nat = natural_partition(idx, capacity)
+    cuts = boundary_refine(idx, nat, capacity)
+    assert cuts.shape == nat.shape and np.all(np.diff(cuts) > 0)
+    wk = lambda c: [brute_work(srt[a:b]) for a, b in zip(c[:-1], c[1:])]  # noqa: E731
+    assert max(wk(cuts)) <= capacity
+    assert (sum(wk(cuts)), max(wk(cuts))) <= (sum(wk(nat)), max(wk(nat)))
+    owner = greedy_place(idx, processing_orders(idx)["len_desc"], "best_fit", capacity)
+    k = int(owner.max()) + 1
+    rep = sparse_repair(idx, owner, capacity)
+    assert set(rep.tolist()) == set(range(k))
+    before = sum(brute_work([srt[p] for p in np.flatnonzero(owner == g)]) for g in range(k))
+    after = [brute_work([srt[p] for p in np.flatnonzero(rep == g)]) for g in range(k)]
+    assert max(after) <= capacity and sum(after) <= before
+    if not np.array_equal(rep, owner):
+        assert sum(after) < before  # only strict improvements are applied
+
+
+# ----------------------------------------------------------------------------------- schedule
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=40), st.integers(1, 5))
+def test_assign_slots(work, dp):
+    work = work[: len(work) - len(work) % dp] or None
+    if work is None:
+        return
+    w = np.asarray(work)
+    slots = assign_slots(w, dp)
+    k = w.shape[0]
+    assert sorted(slots.ravel().tolist()) == list(range(k))
+    heavy_first = np.sort(w)[::-1]
+    for j in range(k // dp):  # slot j holds the j-th block of D by descending work
+        assert sorted(w[slots[j]].tolist()) == sorted(heavy_first[j * dp : (j + 1) * dp].tolist())
+    load = np.zeros(dp, dtype=np.int64)
+    for j in range(k // dp):  # heavier microbatch -> replica with less cumulative work so far
+        by_load = np.argsort(load, kind="stable")
+        assert np.all(np.diff(w[slots[j, by_load]]) <= 0)
+        load += w[slots[j]]
+    total, crit, peak = objective(w, slots)
+    assert total == w.sum() and crit == sum(w[s].max() for s in slots) and peak == w[slots].sum(axis=0).max()
+
+
+# ----------------------------------------------------------------------------------- end to end
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forest_params, st.integers(0, 25), st.integers(1, 4))
+def test_plan_properties(params, extra, dp):
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    if n < dp:
+        with pytest.raises(PlanningError, match="DP replicas"):
+            plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+        return
+    try:
+        plan = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+    except PlanningError as e:  # legitimate only when no multiple of D fits into N nonempty microbatches
+        assert "no DP-compatible plan" in str(e)
+        if n <= 8:
+            assert min_feasible_k(seqs, capacity, dp) is None
+        return
+    check_plan(plan, seqs, dp, capacity)
+    again = plan_microbatches([np.asarray(s) for s in seqs], dp_degree=dp, capacity=capacity)
+    assert again.to_dict() == plan.to_dict()  # deterministic, and the input type does not matter
+
+
+def set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1 :]
+        yield [[first]] + part
+
+
+def min_feasible_k(seqs, capacity, dp):
+    """Smallest K % D == 0 over all set partitions into capacity-feasible parts (None if there is none)."""
+    ks = [len(p) for p in set_partitions(list(range(len(seqs))))
+          if len(p) % dp == 0 and all(brute_work([seqs[i] for i in b]) <= capacity for b in p)]
+    return min(ks) if ks else None
+
+
+def test_large_input_uses_heuristic_mode_and_is_valid():
+    rng = np.random.default_rng(5)
+    seqs = random_forest(rng, 700, vocab=4, max_len=40, trees=30)
+    capacity = 400
+    plan = plan_microbatches(seqs, dp_degree=4, capacity=capacity)
+    check_plan(plan, seqs, 4, capacity)
+    assert not plan.candidate.startswith("exact")
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    # Never worse than the natural partition evolved to any sampled K (those are candidates too).
+    nat = natural_partition(idx, capacity)
+    targets = k_range(idx.total_work, capacity, 4, nat.shape[0] - 1, idx.n)
+    for k, cuts in evolve_natural(idx, nat, capacity, sample_targets(targets)).items():
+        assert plan.objective[0] <= idx.total_work + int(idx.lcp[cuts[1:-1]].sum())
+
+
+def test_small_input_contains_exact_candidates():
+    rng = np.random.default_rng(7)
+    seqs = random_forest(rng, 60, vocab=3, max_len=20, trees=4)
+    capacity = 60
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    label, owner, work, slots, j = plan_index(idx, 2, capacity)
+    nat = natural_partition(idx, capacity)
+    targets = k_range(idx.total_work, capacity, 2, nat.shape[0] - 1, idx.n)
+    for k, cuts in exact_partitions(idx, capacity, targets).items():
+        assert j[0] <= idx.total_work + int(idx.lcp[cuts[1:-1]].sum())
+
+
+def test_rollout_batch_input_and_dp1():
+    batch = RolloutBatch.from_tokens([[1, 2, 3], [1, 2, 4], [5, 6], [5, 7, 8, 9]])
+    plan = plan_microbatches(batch, dp_degree=1, capacity=100)
+    assert plan.microbatches == [[0, 1, 2, 3]] and plan.work == [9] and plan.replicas == [[0]]
+    assert plan.objective == (9, 9, 9)
+
+
+def test_bad_inputs_have_clear_errors():
+    seqs = [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [4]]
+    with pytest.raises(PlanningError, match="trajectory 1 has 7 tokens.*capacity 5"):
+        plan_microbatches(seqs, dp_degree=1, capacity=5)
+    with pytest.raises(PlanningError, match="dp_degree must be >= 1"):
+        plan_microbatches(seqs, dp_degree=0, capacity=5)
+    with pytest.raises(PlanningError, match="capacity must be >= 1"):
+        plan_microbatches(seqs, dp_degree=1, capacity=0)
+    with pytest.raises(PlanningError, match="empty input"):
+        plan_microbatches([], dp_degree=1, capacity=5)
+    with pytest.raises(PlanningError, match="3 trajectories cannot fill 4 DP replicas"):
+        plan_microbatches(seqs, dp_degree=4, capacity=50)
+    with pytest.raises(ValueError, match="trajectory 1"):
+        plan_microbatches([[1], []], dp_degree=1, capacity=5)
+    with pytest.raises(PlanningError, match="no DP-compatible plan"):
+        plan_microbatches([[1, 2], [3, 4], [5, 6]], dp_degree=2, capacity=2)  # needs K = 3, not a multiple of 2
+
+
+def test_cli_prints_summary_and_writes_json(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    seqs = random_forest(rng, 30, vocab=4, max_len=20, trees=3)
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"tokens": s}) + "\n" for s in seqs))
+    out = tmp_path / "plan.json"
+    assert main(["--input", str(f), "--dp", "2", "--capacity", "40", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("K ", "total compact work", "slot-critical work", "max replica work", "P50", "P95",
+                 "step-total imbalance", "planning time"):
+        assert word in text
+    d = json.loads(out.read_text())
+    plan = MicrobatchPlan(d["microbatches"], d["replicas"], d["work"], tuple(d["objective"]), 40, 2)
+    check_plan(plan, seqs, 2, 40)
+    f.write_text(json.dumps({"tokens": list(range(50))}) + "\n")
+    assert main(["--input", str(f), "--dp", "1", "--capacity", "40"]) == 2
+    assert "trajectory 0 has 50 tokens" in capsys.readouterr().err
