@@ -1,0 +1,214 @@
+"""Benchmarks of the HARTS kernels (issue 7): ``python -m harts.bench.kernels [--out DIR] [--quick]``.
+
+1. ``chunk_kda_round`` fwd+bwd vs fla's ``chunk_kda`` on the same input (bf16, T = 64K, H = 16,
+   K = V = 128), with one requested boundary per 4 chunks (and with none), for one 64K sequence and
+   for 16 packed 4K sequences.
+2. ``compact_logprobs`` fwd+bwd at C = 64K, V = 157,184, D = 1536, S/C = 5.6 vs expanding the
+   compact rows to the S semantic positions and taking log_softmax. The expanded S x V logits
+   (~115 GB in bf16) do not fit on one GPU, so the baseline runs in chunks of S positions (the
+   chunked-CE loop a trainer without prefix sharing would run); peak extra memory of ours is
+   measured over the inputs.
+
+Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
+Legend: T tokens, H heads, K/V head dims, C compact rows, S semantic positions, V vocab, D hidden.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def _time_ms(fn, warmup=2, reps=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5):
+    from fla.ops.kda import chunk_kda
+
+    from harts.ops.kda_round import chunk_kda_round
+
+    rows = []
+    dev = "cuda"
+    for lens in layouts:
+        assert sum(lens) == T
+        torch.manual_seed(0)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.long, device=dev)
+        q = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16).requires_grad_()
+        k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
+        v = torch.randn(1, T, H, V, device=dev, dtype=torch.bfloat16).requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, device=dev)).requires_grad_()
+        beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16).requires_grad_()
+        do = torch.randn(1, T, H, V, device=dev, dtype=torch.bfloat16)
+        seq, chunk = [], []
+        for n, ln in enumerate(lens):
+            nt = -(-ln // 64)
+            for c in range(0, nt + 1, every):
+                seq.append(n)
+                chunk.append(c)
+        dB = torch.randn(len(seq), H, K, V, device=dev)
+        leaves = [q, k, v, g, beta]
+
+        def run_fla():
+            o, _ = chunk_kda(q, k, v, g, beta, cu_seqlens=cu)
+            torch.autograd.backward([o], [do])
+            for x in leaves:
+                x.grad = None
+
+        def run_round(with_req):
+            def f():
+                o, _, B = chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq if with_req else None,
+                                          state_chunk=chunk if with_req else None)
+                torch.autograd.backward([o] + ([B] if with_req else []), [do] + ([dB] if with_req else []))
+                for x in leaves:
+                    x.grad = None
+            return f
+
+        def run_fla_fwd():
+            with torch.no_grad():
+                chunk_kda(q, k, v, g, beta, cu_seqlens=cu)
+
+        def run_round_fwd():
+            with torch.no_grad():
+                chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq, state_chunk=chunk)
+        t_fla = _time_ms(run_fla, reps=reps)
+        t_none = _time_ms(run_round(False), reps=reps)
+        t_req = _time_ms(run_round(True), reps=reps)
+        t_fla_f = _time_ms(run_fla_fwd, reps=reps)
+        t_req_f = _time_ms(run_round_fwd, reps=reps)
+        rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
+                         round_no_req_fwd_bwd_ms=t_none, round_fwd_bwd_ms=t_req, ratio=t_req / t_fla,
+                         ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f))
+        del q, k, v, g, beta, do, dB
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3):
+    from harts.ops.logprobs import compact_logprobs
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    S = int(C * ratio)
+    h = (torch.randn(C, D, device=dev) * 0.05).bfloat16()
+    w = (torch.randn(V, D, device=dev) * 0.05).bfloat16()
+    rows = torch.cat([torch.arange(C, device=dev), torch.randint(0, C, (S - C,), device=dev)])
+    tgts = torch.randint(0, V, (S,), device=dev)
+    up = torch.randn(S, device=dev)
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def ours():
+        out = compact_logprobs(hl, wl, rows, tgts)
+        torch.autograd.backward([out], [up])
+
+    def expand_chunked():
+        for s in range(0, S, baseline_chunk):
+            r, t = rows[s:s + baseline_chunk], tgts[s:s + baseline_chunk]
+            logits = hl[r] @ wl.T
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, t[:, None])[:, 0]
+            torch.autograd.backward([lp], [up[s:s + baseline_chunk]])
+
+    ours()
+    hl.grad = wl.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ours()
+    torch.cuda.synchronize()
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    grads_bytes = hl.grad.numel() * hl.grad.element_size() + wl.grad.numel() * wl.grad.element_size()
+
+    def ours_t():
+        hl.grad = wl.grad = None
+        ours()
+
+    def base_t():
+        hl.grad = wl.grad = None
+        expand_chunked()
+    t_ours = _time_ms(ours_t, warmup=1, reps=reps)
+    t_base = _time_ms(base_t, warmup=1, reps=reps)
+    with torch.no_grad():
+        t_ours_f = _time_ms(lambda: compact_logprobs(h, w, rows, tgts), warmup=1, reps=reps)
+    limit = C * 8192 * 4
+    return [dict(C=C, V=V, D=D, S=S, ours_fwd_bwd_ms=t_ours, ours_fwd_ms=t_ours_f, expand_fwd_bwd_ms=t_base,
+                 speedup=t_base / t_ours, peak_extra_bytes=peak_extra, peak_extra_minus_grads_bytes=peak_extra - grads_bytes,
+                 limit_bytes=limit, within_limit=peak_extra <= limit)]
+
+
+def _table(rows, title):
+    if not rows:
+        return
+    keys = list(rows[0])
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    ap.add_argument("--only", choices=["kda", "logprobs"], default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("harts.bench.kernels needs a CUDA GPU")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+    res["triton"] = triton.__version__
+    t0 = time.time()
+    if a.only in (None, "kda"):
+        kw = dict(T=8192, layouts=((8192,), (2048,) * 4)) if a.quick else {}
+        res["kda"] = bench_kda(**kw)
+        _table(res["kda"], "chunk_kda_round vs fla chunk_kda (bf16, fwd+bwd, ms; ratio = round / fla)")
+    if a.only in (None, "logprobs"):
+        kw = dict(C=4096, V=32768) if a.quick else {}
+        res["logprobs"] = bench_logprobs(**kw)
+        _table(res["logprobs"], "compact_logprobs vs expand + log_softmax (bf16, fwd+bwd, ms)")
+    res["wall_s"] = time.time() - t0
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kernels.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        if "kda" in res:
+            labels = [r["layout"] for r in res["kda"]]
+            x = range(len(labels))
+            ax[0].bar([i - 0.25 for i in x], [r["fla_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="fla chunk_kda")
+            ax[0].bar(list(x), [r["round_no_req_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="round, no req")
+            ax[0].bar([i + 0.25 for i in x], [r["round_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="round, 1/4 chunks")
+            ax[0].set_xticks(list(x), labels)
+            ax[0].set_ylabel("fwd+bwd ms")
+            ax[0].legend()
+        if "logprobs" in res:
+            r = res["logprobs"][0]
+            ax[1].bar(["compact (ours)", "expand+log_softmax"], [r["ours_fwd_bwd_ms"], r["expand_fwd_bwd_ms"]])
+            ax[1].set_ylabel("fwd+bwd ms")
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "kernels.png"), dpi=100)
+    except ImportError:
+        pass
+    print(f"\nwrote {os.path.join(a.out, 'kernels.json')}")
+
+
+if __name__ == "__main__":
+    main()
