@@ -71,8 +71,10 @@ def _dfs_pieces(index: PrefixIndex, a: int, b: int, capacity: int) -> list[tuple
     return pieces
 
 
-def _cp_sat_bin_packing(sizes: list[int], capacity: int, time_limit: float) -> list[int]:
-    """Fewest bins of capacity T holding every piece (OR-Tools CP-SAT, one worker). Returns bin of each."""
+def _cp_sat_bin_packing(sizes: list[int], capacity: int, time_limit: float, stats: dict | None = None) -> list[int]:
+    """Fewest bins of capacity T holding every piece (OR-Tools CP-SAT, one worker). Returns bin of each;
+    ``stats`` counts how each replica's model ended (FFD already tight / OPTIMAL / FEASIBLE at the limit)."""
+    stats = {} if stats is None else stats
     from ortools.sat.python import cp_model
 
     n = len(sizes)
@@ -91,6 +93,7 @@ def _cp_sat_bin_packing(sizes: list[int], capacity: int, time_limit: float) -> l
     nb = len(ffd_bins)
     lower = max(1, math.ceil(sum(sizes) / capacity))
     if nb == lower:
+        stats["ffd_tight"] = stats.get("ffd_tight", 0) + 1
         return hint
     m = cp_model.CpModel()
     x = [[m.NewBoolVar(f"x{i}_{b}") for b in range(nb)] for i in range(n)]
@@ -111,6 +114,8 @@ def _cp_sat_bin_packing(sizes: list[int], capacity: int, time_limit: float) -> l
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.random_seed = 0
     status = solver.Solve(m)
+    name = solver.StatusName(status)
+    stats[name] = stats.get(name, 0) + 1
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint
     return [next(b for b in range(nb) if solver.Value(x[i][b])) for i in range(n)]
@@ -132,7 +137,7 @@ def _sub_index(index: PrefixIndex, members: np.ndarray) -> PrefixIndex:
     return index_from_lcp(np.arange(members.shape[0]), index.length[members], lcp)
 
 
-def plan_ortools(arrays, dp: int, capacity: int, time_limit: float = 10.0):
+def plan_ortools(arrays, dp: int, capacity: int, time_limit: float = 10.0, stats: dict | None = None):
     index = build_prefix_index(arrays)
     trees = _tree_ranges(index)
     tree_work = index.interval_work(trees[:, 0], trees[:, 1])
@@ -151,7 +156,7 @@ def plan_ortools(arrays, dp: int, capacity: int, time_limit: float = 10.0):
             replicas.append([])
             continue
         sizes = [int(index.interval_work(a, b)) for a, b in pieces]
-        bins = _cp_sat_bin_packing(sizes, capacity, time_limit)
+        bins = _cp_sat_bin_packing(sizes, capacity, time_limit, stats)
         groups: dict[int, list[np.ndarray]] = {}
         for (a, b), g in zip(pieces, bins):
             groups.setdefault(g, []).append(np.arange(a, b))
@@ -216,8 +221,9 @@ PLANNERS = {"harts": plan_harts, "ortools": plan_ortools, "natural": plan_natura
 def run_step(arrays, dp: int, capacity: int, time_limit: float) -> dict:
     out = {}
     for name, fn in PLANNERS.items():
+        cp_stats: dict = {}
         t0 = time.perf_counter()
-        work, slots = fn(arrays, dp, capacity, time_limit) if name == "ortools" else fn(arrays, dp, capacity)
+        work, slots = fn(arrays, dp, capacity, time_limit, cp_stats) if name == "ortools" else fn(arrays, dp, capacity)
         sec = time.perf_counter() - t0
         assert work.max() <= capacity and slots.shape[1] == dp
         out[name] = {
@@ -229,6 +235,8 @@ def run_step(arrays, dp: int, capacity: int, time_limit: float) -> dict:
             "slot_imbalance": slot_imbalances(work, slots).tolist(),
             "step_imbalance": step_imbalance(work, slots),
         }
+        if name == "ortools":
+            out[name]["cp_sat"] = cp_stats
     return out
 
 
@@ -300,6 +308,11 @@ def main(argv=None) -> int:
             m = summary[name]
             print(f"{name:>8} {m['slots']:>6} {m['compact']:>12,} {raw_total / m['compact']:>11.3f} {100 * m['slot_p50']:>10.4f} "
                   f"{100 * m['slot_p95']:>10.4f} {100 * m['step_p50']:>10.4f} {100 * m['step_max']:>10.4f} {m['seconds']:>12.3f}")
+        cp = {}
+        for r in rows:
+            for kk, v in r["ortools"]["cp_sat"].items():
+                cp[kk] = cp.get(kk, 0) + v
+        print(f"OR-Tools CP-SAT outcomes per replica model: {cp} (time limit {args.ortools_time_limit} s)")
         wins = all(r["harts"]["compact"] <= r["ortools"]["compact"] for r in rows)
         print(f"HARTS compact <= OR-Tools on every step: {wins}; max HARTS planning time {summary['harts']['max_seconds']:.3f} s; "
               f"min time ratio OR/HARTS {min(r['ortools']['seconds'] / r['harts']['seconds'] for r in rows):.2f}x")
