@@ -123,7 +123,7 @@ class MLA(nn.Module):
 
     def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
         q, k, v = self.project(x_TD, position_ids_T)
-        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale, backend=self.cfg.backend,
+        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale, backend=self.cfg.op_backend("attention"),
                              max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
         return self.output(o, x_TD)
 
@@ -161,7 +161,7 @@ class KDA(nn.Module):
 
     def project(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor):
         """Convolved q, k, v [T,H,Kh], raw gate input f [T,H,Kh], beta [T,H] (sigmoid applied, fp32+)."""
-        T, be = x_TD.shape[0], self.cfg.backend
+        T, be = x_TD.shape[0], self.cfg.op_backend("conv")
         conv = lambda proj, c: short_conv(proj(x_TD), c.weight.squeeze(1), cu_seqlens, "silu", backend=be)
         q = conv(self.q_proj, self.q_conv1d).view(T, self.H, self.Kh)
         k = conv(self.k_proj, self.k_conv1d).view(T, self.H, self.Kh)
@@ -173,7 +173,7 @@ class KDA(nn.Module):
     def core(self, q, k, v, f, beta, cu_seqlens, initial_state=None, output_final_state=False):
         return kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu_seqlens, lower_bound=self.cfg.kda_lower_bound,
                    chunk_size=self.cfg.kda_chunk_size, initial_state_NHKV=initial_state,
-                   output_final_state=output_final_state, backend=self.cfg.backend)
+                   output_final_state=output_final_state, backend=self.cfg.op_backend("kda"))
 
     def output(self, o_THV: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
         gate = self.g_proj(x_TD).view(o_THV.shape)
@@ -235,7 +235,7 @@ class MoE(nn.Module):
             norm_topk_prob=c.norm_topk_prob)
         self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
         ex = self.experts
-        y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.backend)
+        y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
         return y + self.shared_experts(x_TD)
 
 

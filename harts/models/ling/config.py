@@ -58,12 +58,22 @@ class LingConfig:
     # HARTS-only knobs (not written to config.json)
     recompute: bool = False  # full activation recomputation per block (torch.utils.checkpoint)
     backend: str = "auto"  # "auto" | "reference" | "fast"; see harts.ops.backend
+    # per-op overrides of ``backend`` (None = use ``backend``)
+    attention_backend: str | None = None
+    kda_backend: str | None = None
+    conv_backend: str | None = None
+    moe_backend: str | None = None
     logprobs_chunk_size: int = 4096
 
     # ---------------------------------------------------------------- derived
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def op_backend(self, op: str) -> str:
+        """Requested backend for op in ('attention', 'kda', 'conv', 'moe')."""
+        v = getattr(self, f"{op}_backend")
+        return self.backend if v is None else v
 
     def layer_type(self, i: int) -> str:
         """'mla' or 'kda' for 0-based layer i (official rule, incl. the ragged-tail-is-MLA clause)."""
@@ -87,8 +97,10 @@ class LingConfig:
             raise ValueError(f"kda_lower_bound={self.kda_lower_bound} must lie in [-5, 0)")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even (interleaved RoPE pairs)")
-        if self.backend not in ("auto", "reference", "fast"):
-            raise ValueError(f"backend={self.backend!r}: expected 'auto', 'reference' or 'fast'")
+        for name in ("backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend"):
+            v = getattr(self, name)
+            if v not in ("auto", "reference", "fast") and not (v is None and name != "backend"):
+                raise ValueError(f"{name}={v!r}: expected 'auto', 'reference' or 'fast'")
         return self
 
     # ---------------------------------------------------------------- presets
@@ -128,7 +140,8 @@ class LingConfig:
         return dataclasses.replace(cfg, **overrides).validate()
 
     # ---------------------------------------------------------------- HF config.json
-    _HARTS_ONLY = ("recompute", "backend", "logprobs_chunk_size", "kda_chunk_size")
+    _HARTS_ONLY = ("recompute", "backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend",
+                   "logprobs_chunk_size", "kda_chunk_size")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The released config.json keys (plus the aliases transformers' BailingHybridConfig reads)."""

@@ -9,5 +9,5 @@ def short_conv_fast(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: tor
     from fla.modules.causal_conv1d import causal_conv1d
 
     y, _ = causal_conv1d(x_TC.unsqueeze(0), weight=weight_CW.to(x_TC.dtype), bias=None, activation=activation,
-                         cu_seqlens=cu_seqlens.to(torch.int32 if cu_seqlens.dtype == torch.int32 else torch.long))
+                         cu_seqlens=cu_seqlens.to(torch.long))
     return y.squeeze(0)

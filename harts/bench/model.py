@@ -1,0 +1,250 @@
+"""Trajectory-wise training step of the full Ling-3.0-tiny on one GPU: forward + backward, bf16, full
+activation recomputation, a packed microbatch of whole trajectories (varlen, no padding).
+
+    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--out DIR]
+
+Prints a table and writes DIR/model_bench.json. Numbers:
+- tokens/s over timed iterations (CUDA events, after warm-up that includes Triton autotuning);
+- MFU = model FLOPs / (time * peak), model FLOPs = 3 x forward FLOPs (fwd + 2x for bwd), counted
+  honestly: 2 x active matmul parameters per token (routed experts at top-k only, shared expert, router,
+  all projections, LM head; no embedding lookup), causal MLA attention 2*H*(Dqk+Dv)*L(L+1)/2 per
+  sequence, the KDA chunked core per token per head 4CK + 3CV + 6KV (intra-chunk A_qk/A_kk, WY products,
+  state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward (4x fwd);
+- peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family.
+The loss is -mean log p(next token) through ``token_logprobs`` (chunked, checkpointed): no T x V fp32
+tensor is ever materialised (at most one chunk's logits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from harts.models.ling import LingConfig, LingForCausalLM
+
+H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)
+
+FAMILIES = [  # (family, substrings of kernel names, lower-case); first match wins
+    ("attention (flash varlen)", ("flash", "fmha", "attention", "attn")),
+    ("kda core (fla chunk_kda)", ("kda", "chunk_gated_delta", "chunk_gla", "delta_h", "wy_", "recompute_w_u",
+                                  "l2norm", "chunk_local_cumsum", "solve_tril", "intra")),
+    ("short conv (fla)", ("causal_conv1d", "conv")),
+    ("moe grouped gemm", ("grouped",)),
+    ("dense gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "splitk")),
+    ("softmax/logsumexp", ("softmax", "logsumexp")),
+    ("sort/topk/index (routing)", ("sort", "topk", "radix", "scatter", "gather", "index", "bincount", "cumsum")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cast")),
+]
+
+
+def family_of(name: str) -> str:
+    n = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in n for k in keys):
+            return fam
+    return "other"
+
+
+def trajectory_lengths(total: int, spec: str, seed: int) -> list[int]:
+    kind, lo, hi = spec.split(":")
+    lo, hi = int(lo), int(hi)
+    if kind != "uniform":
+        raise ValueError(f"--lens {spec!r}: only 'uniform:LO:HI'")
+    g = torch.Generator().manual_seed(seed)
+    lens, left = [], total
+    while left > 0:
+        n = min(left, int(torch.randint(lo, hi + 1, (1,), generator=g)))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def forward_flops_per_step(cfg: LingConfig, model: LingForCausalLM, lens: list[int]) -> dict[str, float]:
+    T = sum(lens)
+    active_matmul = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "word_embeddings" in name or "conv1d" in name:
+            continue
+        n = p.numel()
+        if ".mlp.experts." in name:
+            n = n // cfg.num_experts * cfg.num_experts_per_tok
+        active_matmul += n
+    n_mla = sum(cfg.layer_type(i) == "mla" for i in range(cfg.num_hidden_layers))
+    n_kda = cfg.num_hidden_layers - n_mla
+    H = cfg.num_attention_heads
+    pairs = sum(L * (L + 1) / 2 for L in lens)
+    attn = n_mla * 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * pairs
+    C, K, V = cfg.kda_chunk_size, cfg.head_dim, cfg.head_dim
+    kda = n_kda * T * H * (4 * C * K + 3 * C * V + 6 * K * V)
+    conv = n_kda * T * 3 * 2 * H * cfg.head_dim * cfg.short_conv_kernel_size
+    return {"matmul": 2.0 * active_matmul * T, "attention": attn, "kda": kda, "conv": conv,
+            "active_matmul_params": active_matmul}
+
+
+def build_model(cfg: LingConfig, device: str) -> LingForCausalLM:
+    with torch.device("meta"):
+        model = LingForCausalLM(cfg)
+    model.to_empty(device=device)
+    model.cast_(torch.bfloat16)
+    model.init_weights(seed=0)
+    return model
+
+
+def train_step(model, ids, pos, cu, max_len, z_coef=2.9e-6):
+    h = model(ids, pos, cu, max_seqlen=max_len)
+    tgt = torch.roll(ids, -1)  # the last token of each trajectory predicts garbage; fine for a benchmark
+    loss = -model.token_logprobs(h, tgt).mean()
+    loss = loss + z_coef * sum(s.z_loss for s in model.router_stats())
+    loss.backward()
+    return loss.detach()
+
+
+def run(args, overrides: dict) -> dict:
+    dev = "cuda"
+    cfg = LingConfig.preset(args.preset, recompute=not args.no_recompute, **overrides)
+    lens = trajectory_lengths(args.tokens, args.lens, args.seed)
+    T = sum(lens)
+    torch.manual_seed(args.seed)
+    model = build_model(cfg, dev)
+    ids = torch.randint(0, cfg.vocab_size, (T,), device=dev)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    max_len = max(lens)
+    params_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+
+    t0 = time.time()
+    for _ in range(args.warmup):
+        model.zero_grad(set_to_none=True)
+        train_step(model, ids, pos, cu, max_len)
+    torch.cuda.synchronize()
+    warm_s = time.time() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        model.zero_grad(set_to_none=True)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        loss = train_step(model, ids, pos, cu, max_len)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    step_s = sorted(times)[len(times) // 2]
+    fl = forward_flops_per_step(cfg, model, lens)
+    fwd = fl["matmul"] + fl["attention"] + fl["kda"] + fl["conv"]
+    model_flops = 3 * fwd
+    hw_flops = 4 * fwd if cfg.recompute else 3 * fwd
+    res = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
+        "overrides": overrides, "recompute": cfg.recompute, "dtype": "bfloat16",
+        "tokens": T, "num_trajectories": len(lens), "max_len": max_len, "lens_spec": args.lens,
+        "params_total": model.num_params(), "params_active": model.num_params(active=True),
+        "params_gib": params_gb, "warmup_s": warm_s, "step_times_s": times, "step_s_median": step_s,
+        "tokens_per_s": T / step_s, "loss": float(loss),
+        "fwd_flops": {k: v for k, v in fl.items()}, "model_flops_per_step": model_flops,
+        "mfu": model_flops / step_s / H200_BF16_DENSE_PEAK, "hfu": hw_flops / step_s / H200_BF16_DENSE_PEAK,
+        "peak_mem_gib": peak, "peak_flops_assumed": H200_BF16_DENSE_PEAK,
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step(model, ids, pos, cu, max_len)
+            torch.cuda.synchronize()
+        fams: dict[str, float] = {}
+        kernels = []
+        for e in prof.key_averages():
+            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if us <= 0:
+                continue
+            fams[family_of(e.key)] = fams.get(family_of(e.key), 0.0) + us / 1e3
+            kernels.append((e.key[:120], us / 1e3, e.count))
+        total = sum(fams.values()) or 1.0
+        res["profile_ms_by_family"] = dict(sorted(fams.items(), key=lambda kv: -kv[1]))
+        res["profile_share_by_family"] = {k: v / total for k, v in res["profile_ms_by_family"].items()}
+        res["profile_top_kernels"] = [{"name": n, "ms": ms, "count": c}
+                                      for n, ms, c in sorted(kernels, key=lambda x: -x[1])[:25]]
+        res["profile_kernel_ms_total"] = total
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def print_table(r: dict) -> None:
+    print(f"\n== Ling-3.0-tiny trajectory-wise fwd+bwd on {r['device']} (torch {r['torch']}) ==")
+    rows = [
+        ("backends", json.dumps(r["overrides"]) if r["overrides"] else "auto (all fast)"),
+        ("tokens / trajectories / max len", f"{r['tokens']} / {r['num_trajectories']} / {r['max_len']}"),
+        ("params total / active", f"{r['params_total'] / 1e9:.3f}B / {r['params_active'] / 1e9:.3f}B"),
+        ("step time (median)", f"{r['step_s_median']:.3f} s  (all: {', '.join(f'{t:.3f}' for t in r['step_times_s'])})"),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
+        ("model TFLOP/step (3x fwd)", f"{r['model_flops_per_step'] / 1e12:.1f}"),
+        ("fwd TFLOP: matmul/attn/kda/conv", "/".join(f"{r['fwd_flops'][k] / 1e12:.2f}" for k in
+                                                     ("matmul", "attention", "kda", "conv"))),
+        ("MFU / HFU (peak 989 TF bf16)", f"{100 * r['mfu']:.1f}% / {100 * r['hfu']:.1f}%"),
+        ("peak memory", f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),
+        ("warm-up (incl. autotune)", f"{r['warmup_s']:.1f} s"),
+    ]
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b}")
+    if "profile_ms_by_family" in r:
+        print(f"  -- GPU kernel time by op family (one step, {r['profile_kernel_ms_total']:.0f} ms) --")
+        for k, v in r["profile_ms_by_family"].items():
+            print(f"  {k:<{w}}  {v:8.1f} ms  {100 * r['profile_share_by_family'][k]:5.1f}%")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="ling3-tiny")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--lens", default="uniform:4096:16384", help="trajectory lengths: uniform:LO:HI")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-recompute", action="store_true")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        print("harts.bench.model needs a CUDA GPU")
+        return 2
+    # If a fast backend fails on this machine, say so and measure with that op on the reference path.
+    attempts = [{}, {"moe_backend": "reference"}, {"moe_backend": "reference", "attention_backend": "reference"}]
+    results, errors = None, []
+    for ov in attempts:
+        try:
+            results = run(args, ov)
+            break
+        except Exception:
+            errors.append({"overrides": ov, "traceback": traceback.format_exc()[-3000:]})
+            print(f"[bench] attempt with overrides {ov} failed:\n{errors[-1]['traceback']}", flush=True)
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"result": results, "failed_attempts": errors}
+    (out / "model_bench.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if results is None:
+        print("[bench] all attempts failed")
+        return 1
+    print_table(results)
+    print(f"\nwrote {out / 'model_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
