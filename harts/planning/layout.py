@@ -232,11 +232,17 @@ def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 
     init_chunk = plan.init_chunk()
     init_src = np.full(Q, -1, dtype=np.int64)
     has = plan.seq_init >= 0
-    for q in np.flatnonzero(has).tolist():  # one searchsorted per non-root sequence
-        j = int(plan.seq_init[q])
-        k = int(eo[j]) + int(np.searchsorted(ec[eo[j] : eo[j + 1]], init_chunk[q]))
-        assert k < eo[j + 1] and ec[k] == init_chunk[q], f"sequence {q}: its initial state is not emitted"
-        init_src[q] = k
+    if has.any():
+        # The emit list is sorted by (sequence, chunk): look every initial state up in one searchsorted.
+        M = int(ec.max()) + 1
+        keys = emit_seq_global * M + ec
+        want = plan.seq_init[has] * M + init_chunk[has]
+        k = np.searchsorted(keys, want)
+        ok = (k < keys.shape[0]) & (keys[np.minimum(k, keys.shape[0] - 1)] == want)
+        if not ok.all():
+            q = int(np.flatnonzero(has)[np.flatnonzero(~ok)[0]])
+            raise AssertionError(f"sequence {q}: its initial state is not emitted by sequence {int(plan.seq_init[q])}")
+        init_src[has] = k
 
     # Rounds
     in_len = e - a
