@@ -1,0 +1,50 @@
+"""Causal depthwise short convolution over the paths of a compact trie.
+
+In the compact layout a row's causal-convolution window is not the previous physical rows but its
+true ancestors on the trajectory path: ``pred_CW[c, s]`` is the physical row s steps back from row c
+along its path (``pred_CW[c, 0] = c``), or -1 where the path is shorter (zero contribution, exactly
+like the start of a sequence in ``harts.ops.conv.short_conv``). The convolution therefore runs once per
+compact row and replayed KDA positions reuse the already convolved values (paper 4.2).
+
+Convention as ``short_conv``: weight[:, W-1] multiplies the current row, weight[:, W-1-s] the row s
+steps back. Legend: C compact rows, P channels, W kernel width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["tree_short_conv", "predecessor_index"]
+
+
+def predecessor_index(parent_C: torch.Tensor, width: int) -> torch.Tensor:
+    """[C, W] rows 0..W-1 steps back along each row's path (-1 past the root), from parent pointers."""
+    C = parent_C.shape[0]
+    pred = torch.empty(C, width, dtype=torch.long, device=parent_C.device)
+    pred[:, 0] = torch.arange(C, device=parent_C.device)
+    for s in range(1, width):
+        prev = pred[:, s - 1]
+        pred[:, s] = torch.where(prev >= 0, parent_C[prev.clamp_min(0)], torch.full_like(prev, -1))
+    return pred
+
+
+def tree_short_conv(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_CW: torch.Tensor,
+                    activation: str | None = "silu") -> torch.Tensor:
+    """Gather-based path convolution; exact in float64 and differentiable (index_select backward
+    accumulates each row's gradient from every descendant window that reads it)."""
+    if x_CP.dim() != 2 or weight_PW.dim() != 2 or x_CP.shape[1] != weight_PW.shape[0]:
+        raise ValueError(f"tree_short_conv: x {tuple(x_CP.shape)} must be [C, P], weight {tuple(weight_PW.shape)} [P, W]")
+    W = weight_PW.shape[1]
+    if pred_CW.shape != (x_CP.shape[0], W):
+        raise ValueError(f"tree_short_conv: pred must be [C={x_CP.shape[0]}, W={W}], got {tuple(pred_CW.shape)}")
+    w = weight_PW.to(x_CP.dtype)
+    y_CP = x_CP * w[:, W - 1]
+    for s in range(1, W):
+        idx = pred_CW[:, s]
+        valid = (idx >= 0).to(x_CP.dtype)[:, None]
+        y_CP = y_CP + x_CP.index_select(0, idx.clamp_min(0)) * valid * w[:, W - 1 - s]
+    if activation in ("silu", "swish"):
+        return F.silu(y_CP)
+    if activation is not None:
+        raise ValueError(f"tree_short_conv: unsupported activation {activation!r}")
+    return y_CP

@@ -1,0 +1,202 @@
+"""``harts.pack``: one microbatch as device tensors, with prefix sharing (HARTS) or without (baseline).
+
+The planning layout (``harts.planning.layout``) is numpy; this module turns it into tensors once per
+microbatch so the model never walks a tree. With ``prefix_sharing=False`` the same type describes the
+trajectory-wise packed batch (every trajectory its own varlen sequence, no sharing), which the model
+runs through its ordinary packed path: the baseline HARTS is measured against.
+
+Legend: P physical rows (compact rows + alignment padding), N trajectories, S semantic positions,
+S' = S - N nonterminal semantic positions (those with a next-token target), Q input sequences,
+E emitted boundary states, w conv width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+import torch
+
+from harts.data.trajectory import RolloutBatch, Trajectory, as_token_arrays
+
+
+@dataclass(frozen=True, eq=False)
+class KDARound:
+    """One packed KDA call: input positions gather physical rows (replay positions read ancestors)."""
+
+    cu_seqlens: torch.Tensor  # [n+1] long, input offsets incl. replay
+    cu_seqlens_cpu: torch.Tensor  # same on the host (no device sync to read lengths)
+    max_seqlen: int
+    gather: torch.Tensor  # [T_r] physical row of every input position
+    gather_is_identity: bool  # no replay and rows in order: skip the gather
+    output_positions: torch.Tensor  # [C_r] input positions that produce outputs
+    phys_start: int  # outputs fill physical rows [phys_start, phys_end) in order
+    phys_end: int
+    init_source: torch.Tensor  # [n] long, index into the flat emitted-state list, -1 = zero state
+    has_init: bool
+    emit_seq: torch.Tensor  # [E_r] long, local sequence of each requested boundary state
+    emit_chunk: torch.Tensor  # [E_r] long, sequence-local chunk whose start state is requested
+
+    @property
+    def num_states(self) -> int:
+        return int(self.emit_seq.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class CompactBatch:
+    """Plan + layout of one microbatch as tensors, plus the original per-trajectory metadata.
+
+    ``prefix_sharing`` False: rows are the semantic positions in original order and ``cu_seqlens`` the
+    trajectory boundaries (the baseline); the KDA/MLA/conv views below are then unused.
+    """
+
+    prefix_sharing: bool
+    chunk_size: int
+    conv_width: int
+    num_rows: int  # compact rows (work), excluding padding
+    input_ids: torch.Tensor  # [P] long
+    position_ids: torch.Tensor  # [P] long
+    multiplicity: torch.Tensor  # [P] long, q_c (0 for padding)
+    logprob_rows: torch.Tensor  # [S'] long, physical row of each nonterminal semantic position
+    logprob_targets: torch.Tensor  # [S'] long, its next token
+    logprob_offsets: tuple[int, ...]  # N+1, trajectory i's entries in logprob_rows
+    trajectories: tuple[Trajectory, ...]  # original metadata, unchanged
+    # baseline (prefix_sharing=False)
+    cu_seqlens: torch.Tensor | None = None  # [N+1] long
+    max_seqlen: int = 0
+    # compact (prefix_sharing=True)
+    conv_pred: torch.Tensor | None = None  # [P, w] physical rows 0..w-1 steps back on the path, -1 = none
+    rounds: tuple[KDARound, ...] = ()
+    num_states: int = 0
+    mla_q_rows: torch.Tensor | None = None  # [C]
+    mla_q_is_identity: bool = True
+    mla_kv_rows: torch.Tensor | None = None  # [sum_q e_q]
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    stats: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ sizes and helpers
+    @property
+    def num_phys(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.logprob_offsets) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def split(self, values_S: torch.Tensor) -> list[torch.Tensor]:
+        """Per-trajectory views of a tensor over nonterminal semantic positions (e.g. log-probs)."""
+        o = self.logprob_offsets
+        return [values_S[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+
+    def semantic(self, name: str, *, dtype=torch.float64, default: float | None = None) -> torch.Tensor:
+        """A per-token metadata field, aligned with ``logprob_rows`` (entry t+1 of each trajectory, i.e.
+        the metadata of the predicted token). Scalar ``advantage`` broadcasts. Missing fields raise
+        unless ``default`` is given."""
+        parts = []
+        for i, t in enumerate(self.trajectories):
+            arr = t.token_advantages() if name == "advantages" else getattr(t, name)
+            if arr is None:
+                if default is None:
+                    raise KeyError(f"trajectory {i} has no {name!r}")
+                arr = np.full(len(t), default, dtype=np.float64)
+            parts.append(np.asarray(arr)[1:])
+        flat = np.concatenate(parts) if parts else np.zeros(0)
+        return torch.as_tensor(flat, dtype=dtype, device=self.device)
+
+    def to(self, device, non_blocking: bool = False) -> "CompactBatch":
+        """Move every index tensor to ``device`` (the host copies of cu_seqlens stay on the CPU)."""
+        def mv(x):
+            return x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x
+
+        changes = {f.name: mv(getattr(self, f.name)) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        changes["rounds"] = tuple(
+            replace(r, **{f.name: mv(getattr(r, f.name)) for f in fields(r)
+                          if isinstance(getattr(r, f.name), torch.Tensor) and f.name != "cu_seqlens_cpu"})
+            for r in self.rounds)
+        return replace(self, **changes)
+
+
+def _t(a) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long)
+
+
+def _trajectories(trajectories) -> tuple[Trajectory, ...]:
+    if isinstance(trajectories, RolloutBatch):
+        return trajectories.trajectories
+    out = []
+    arrays = as_token_arrays(trajectories)
+    for t, a in zip(trajectories, arrays):
+        out.append(t if isinstance(t, Trajectory) else Trajectory(tokens=a))
+    return tuple(out)
+
+
+def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_width: int = 4,
+         pad_to_multiple: int = 1) -> CompactBatch:
+    """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch."""
+    trajs = _trajectories(trajectories)
+    if not trajs:
+        raise ValueError("pack: empty microbatch (no trajectories)")
+    arrays = [t.tokens for t in trajs]
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    lp_offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths - 1, out=lp_offsets[1:])
+    if not prefix_sharing:
+        return _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width)
+
+    from harts.planning.calls import plan_calls
+    from harts.planning.layout import build_layout
+
+    plan = plan_calls(arrays, chunk_size=chunk_size)
+    lay = build_layout(plan, conv_width=conv_width, pad_to_multiple=pad_to_multiple)
+    from harts.ops.tree_conv import predecessor_index
+
+    rounds = []
+    for r in lay.rounds:
+        ident = bool(r.replay_tokens == 0 and np.array_equal(r.gather, np.arange(r.phys_start, r.phys_end)))
+        rounds.append(KDARound(
+            cu_seqlens=_t(r.cu_seqlens), cu_seqlens_cpu=_t(r.cu_seqlens), max_seqlen=int(r.max_seqlen),
+            gather=_t(r.gather), gather_is_identity=ident, output_positions=_t(r.output_positions),
+            phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
+            has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk)))
+    C, P = lay.num_rows, lay.num_phys
+    return CompactBatch(
+        prefix_sharing=True, chunk_size=chunk_size, conv_width=conv_width, num_rows=C,
+        input_ids=_t(lay.tokens), position_ids=_t(lay.position_ids), multiplicity=_t(lay.multiplicity),
+        logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
+        logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
+        conv_pred=predecessor_index(_t(lay.parent_phys), conv_width),
+        rounds=tuple(rounds), num_states=lay.num_states,
+        mla_q_rows=_t(lay.mla_q_rows), mla_q_is_identity=bool(np.array_equal(lay.mla_q_rows, np.arange(P))),
+        mla_kv_rows=_t(lay.mla_kv_rows), cu_seqlens_q=_t(lay.cu_seqlens_q), cu_seqlens_k=_t(lay.cu_seqlens_k),
+        max_seqlen_q=int(lay.max_seqlen_q), max_seqlen_k=int(lay.max_seqlen_k),
+        stats={"raw_tokens": int(lengths.sum()), "compact_rows": C, "phys_rows": P,
+               "kda_calls": lay.num_rounds, "kda_sequences": lay.num_sequences,
+               "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,
+               "mla_kv_rows": lay.mla_kv_tokens},
+    )
+
+
+def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width) -> CompactBatch:
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    S = int(offsets[-1])
+    positions = np.arange(S, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    tokens = np.concatenate(arrays)
+    nonterminal = positions < np.repeat(lengths - 1, lengths)
+    rows = np.flatnonzero(nonterminal)
+    return CompactBatch(
+        prefix_sharing=False, chunk_size=chunk_size, conv_width=conv_width, num_rows=S,
+        input_ids=_t(tokens), position_ids=_t(positions), multiplicity=torch.ones(S, dtype=torch.long),
+        logprob_rows=_t(rows), logprob_targets=_t(tokens[rows + 1]),
+        logprob_offsets=tuple(int(x) for x in lp_offsets), trajectories=trajs,
+        cu_seqlens=_t(offsets), max_seqlen=int(lengths.max()),
+        stats={"raw_tokens": S, "compact_rows": S, "phys_rows": S, "kda_calls": 1,
+               "kda_sequences": len(arrays), "replay_tokens": 0, "boundary_states": 0, "mla_kv_rows": S},
+    )

@@ -1,0 +1,150 @@
+"""Compact execution of Ling-3.0 on a ``CompactBatch`` (paper 3.4, 4.2).
+
+Every layer reads and writes the same physical rows: embeddings, projections, norms, MoE and the LM
+head run once per compact row. Only the sequence mixers see other views:
+
+- KDA: projections once per row; the causal short convolution over each row's true ancestors
+  (``conv_pred``); then one packed call per planned round. A round gathers its input rows (replay
+  positions read their ancestors' already computed q/k/v/gate/beta, never recomputed), starts each
+  sequence from a zero state or a boundary state emitted by an earlier round (a differentiable tensor, so
+  backward flows into the producer's scan), and writes outputs only for its own rows.
+- MLA: q/k/v once per row at the row's original position id; one varlen call with packed Q = each
+  branch's own rows and KV = its ancestors + own rows (bottom-right causal, Eq. 22); index_select's
+  backward accumulates gradients into shared ancestors.
+- MoE: routing and experts once per row; multiplicities q_c weight the router statistics.
+
+Legend: P physical rows, D hidden, H heads, K/V head dims, T_r input positions of round r, E boundary
+states, S' nonterminal semantic positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from harts.ops.attention import varlen_attention
+from harts.ops.backend import resolve
+from harts.ops.tree_conv import tree_short_conv
+from harts.runtime.batch import CompactBatch
+
+__all__ = ["compact_hidden", "hidden_states", "logprobs", "kda_mix", "mla_mix"]
+
+
+# ------------------------------------------------------------------------------------------ KDA
+def _kda_project(attn, x_PD: torch.Tensor, batch: CompactBatch):
+    P = x_PD.shape[0]
+    conv = lambda proj, c: tree_short_conv(proj(x_PD), c.weight.squeeze(1), batch.conv_pred, "silu")
+    q = conv(attn.q_proj, attn.q_conv1d).view(P, attn.H, attn.Kh)
+    k = conv(attn.k_proj, attn.k_conv1d).view(P, attn.H, attn.Kh)
+    v = conv(attn.v_proj, attn.v_conv1d).view(P, attn.H, attn.Kh)
+    f = attn.f_proj(x_PD).view(P, attn.H, attn.Kh)
+    beta = torch.sigmoid(attn.b_proj(x_PD).to(torch.promote_types(x_PD.dtype, torch.float32)))
+    return q, k, v, f, beta
+
+
+def _round_fn(cfg, device, dtype):
+    which = resolve("kda", cfg.op_backend("kda"), device, dtype)
+    if which == "fast":
+        from harts.ops.kda_round import chunk_kda_round
+
+        return chunk_kda_round
+    from harts.ops.kda_round import chunk_kda_round_reference
+
+    return chunk_kda_round_reference
+
+
+def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+    """KDA over the planned rounds; returns the layer output [P, D] (before the residual)."""
+    cfg = attn.cfg
+    q, k, v, f, beta = _kda_project(attn, x_PD, batch)
+    run_round = _round_fn(cfg, x_PD.device, q.dtype)
+    P, H, Kh = q.shape
+    states = []  # emitted boundary states, round by round, each [E_r, H, K, V] fp32+
+    outs = []
+    state_dtype = torch.promote_types(q.dtype, torch.float32)
+    for r in batch.rounds:
+        if r.gather_is_identity:
+            sl = slice(r.phys_start, r.phys_end)
+            qr, kr, vr, fr, br = q[sl], k[sl], v[sl], f[sl], beta[sl]
+        else:
+            qr, kr, vr, fr, br = (t.index_select(0, r.gather) for t in (q, k, v, f, beta))
+        init = None
+        if r.has_init:
+            zero = q.new_zeros((1, H, Kh, Kh), dtype=state_dtype)
+            bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
+            init = bank.index_select(0, r.init_source + 1)
+        o, _, boundary = run_round(
+            qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), fr.unsqueeze(0), br.unsqueeze(0), r.cu_seqlens,
+            initial_state=init, output_final_state=False,
+            state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias,
+            safe_gate=True, lower_bound=cfg.kda_lower_bound, chunk_size=cfg.kda_chunk_size)
+        if r.num_states:
+            states.append(boundary)
+        o = o.squeeze(0)
+        outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
+    if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
+        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, H, Kh)))
+    o_PHV = torch.cat(outs, dim=0)
+    return attn.output(o_PHV, x_PD)
+
+
+# ------------------------------------------------------------------------------------------ MLA
+def mla_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+    q, k, v = attn.project(x_PD, batch.position_ids)
+    if not batch.mla_q_is_identity:
+        q = q.index_select(0, batch.mla_q_rows)
+    o = varlen_attention(q, k.index_select(0, batch.mla_kv_rows), v.index_select(0, batch.mla_kv_rows),
+                         batch.cu_seqlens_q, batch.cu_seqlens_k, attn.scale, backend=attn.cfg.op_backend("attention"),
+                         max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
+    if not batch.mla_q_is_identity:
+        o = torch.zeros((x_PD.shape[0],) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(
+            0, batch.mla_q_rows, o)
+    return attn.output(o, x_PD)
+
+
+# ------------------------------------------------------------------------------------------ model
+def _compact_layer(layer, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor) -> torch.Tensor:
+    mix = mla_mix if layer.kind == "mla" else kda_mix
+    h_PD = h_PD + mix(layer.attention, layer.input_layernorm(h_PD), batch)
+    x = layer.post_attention_layernorm(h_PD)
+    from harts.models.ling.blocks import MoE
+
+    y = layer.mlp(x, weight_P) if isinstance(layer.mlp, MoE) else layer.mlp(x)
+    return h_PD + y
+
+
+def compact_hidden(model, batch: CompactBatch) -> torch.Tensor:
+    """Final-normed hidden states of the physical rows [P, D] on the compact path."""
+    m = model.model
+    weight_P = batch.multiplicity
+    h = m.word_embeddings(batch.input_ids)
+    weight_P = weight_P.to(torch.promote_types(h.dtype, torch.float32))
+    for layer in m.layers:
+        if model.config.recompute and torch.is_grad_enabled():
+            # The plan is fixed: recomputation re-runs the same views, no replanning, nothing kept.
+            h = checkpoint(_compact_layer, layer, h, batch, weight_P, use_reentrant=False)
+        else:
+            h = _compact_layer(layer, h, batch, weight_P)
+    return m.norm(h)
+
+
+def hidden_states(model, batch: CompactBatch) -> torch.Tensor:
+    """Hidden states of the batch's rows: compact path, or the ordinary packed path for the baseline."""
+    if batch.prefix_sharing:
+        return compact_hidden(model, batch)
+    return model(batch.input_ids, batch.position_ids, batch.cu_seqlens, None, batch.max_seqlen)
+
+
+def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(z_{m(s)})[y_s] for every nonterminal semantic position in original order [S'].
+
+    Row max / sum-exp are computed once per compact row; no S' x V tensor exists (Eq. 19 backward
+    accumulates each row's gradient from all its semantic positions).
+    """
+    h = hidden_states(model, batch) if hidden_PD is None else hidden_PD
+    w = model.lm_head.weight
+    if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from harts.ops.logprobs import compact_logprobs
+
+        return compact_logprobs(h, w, batch.logprob_rows, batch.logprob_targets)
+    return model.token_logprobs(h, batch.logprob_targets, batch.logprob_rows)
