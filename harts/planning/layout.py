@@ -46,8 +46,10 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(starts[k], starts[k] + lengths[k]) over k."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
-    base = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) - np.repeat(base, lengths) + np.repeat(np.asarray(starts, np.int64), lengths)
+    shift = np.asarray(starts, np.int64) - (np.cumsum(lengths) - lengths)
+    out = np.repeat(shift, lengths)
+    out += np.arange(total, dtype=np.int64)
+    return out
 
 
 def _cu(lengths: np.ndarray) -> np.ndarray:
