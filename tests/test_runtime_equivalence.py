@@ -1,0 +1,145 @@
+"""The strongest test: on CPU in float64, HARTS equals ordinary trajectory-wise training.
+
+The independent reference is the model's ordinary packed forward over each trajectory separately
+(``pack(..., prefix_sharing=False)``): no trie, no rounds, no boundary states, no MLA views. HARTS runs
+the same model on the compact layout. Log-probs, every parameter's gradient under a GRPO-style loss with
+per-position advantages and masks, and the multiplicity-weighted MoE statistics must agree.
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from harts.models.ling import LingConfig, LingForCausalLM
+from harts.runtime import logprobs, pack
+
+VOCAB = 512
+
+
+def make_model(chunk_size: int, recompute: bool = False, seed: int = 0):
+    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=chunk_size, recompute=recompute)
+    torch.manual_seed(seed)
+    model = LingForCausalLM(cfg).double()
+    # Non-zero expert bias so grouped routing with the bias is exercised.
+    for i, m in enumerate(model.moe_layers()):
+        m.gate.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts, dtype=torch.float32).roll(i))
+    return model
+
+
+def grpo_loss(lp_S, adv_S, mask_S):
+    """Token-level policy-gradient surrogate with per-position advantages and a loss mask."""
+    return -(adv_S * mask_S * lp_S).sum() / mask_S.sum().clamp_min(1.0)
+
+
+def run(model, batch, adv_S, mask_S):
+    model.zero_grad(set_to_none=True)
+    lp = logprobs(model, batch)
+    loss = grpo_loss(lp, adv_S, mask_S)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    stats = model.router_stats()
+    return lp.detach(), grads, stats
+
+
+def assert_equivalent(trajs, chunk_size, recompute=False, seed=0):
+    model = make_model(chunk_size, recompute, seed)
+    hb = pack(trajs, chunk_size=chunk_size)
+    bb = pack(trajs, chunk_size=chunk_size, prefix_sharing=False)
+    assert hb.logprob_rows.shape == bb.logprob_rows.shape
+    assert torch.equal(hb.logprob_targets, bb.logprob_targets)  # same targets, original order
+    g = torch.Generator().manual_seed(seed + 1)
+    n = hb.logprob_rows.shape[0]
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = (torch.rand(n, generator=g) < 0.7).double()
+    lp_h, g_h, st_h = run(model, hb, adv, mask)
+    lp_b, g_b, st_b = run(model, bb, adv, mask)
+    rel = ((lp_h - lp_b).abs().max() / lp_b.abs().max()).item()
+    assert rel <= 1e-9, f"log-probs differ: relative {rel:.3e}"
+    assert g_h.keys() == g_b.keys()
+    for name in g_b:
+        scale = g_b[name].abs().max().item()
+        err = (g_h[name] - g_b[name]).abs().max().item()
+        assert err <= 1e-9 * max(scale, 1e-12), f"grad {name}: {err:.3e} vs scale {scale:.3e}"
+    for layer, (a, b) in enumerate(zip(st_h, st_b)):
+        assert torch.equal(a.counts_E, b.counts_E), f"MoE layer {layer}: weighted counts differ"
+        assert a.weight_sum.item() == b.weight_sum.item() == sum(len(t) for t in trajs)
+        assert abs(a.z_loss.item() - b.z_loss.item()) <= 1e-12 * max(1.0, abs(b.z_loss.item()))
+        assert abs(a.aux_loss.item() - b.aux_loss.item()) <= 1e-12 * max(1.0, abs(b.aux_loss.item()))
+    return hb
+
+
+def fork_tree(B: int, rng: np.random.Generator):
+    """Forks at B-1, B, B+1 and 2B+1 (deeper), fan-out 4 at one fork, a prefix trajectory, a duplicate,
+    a single-token trajectory and a second, unrelated tree."""
+    root = rng.integers(0, VOCAB, 3 * B + 5).tolist()
+
+    def branch(p, n):
+        first = (root[p] + 1 + int(rng.integers(0, VOCAB - 1))) % VOCAB if p < len(root) else int(rng.integers(0, VOCAB))
+        return root[:p] + [first] + rng.integers(0, VOCAB, n - 1).tolist()
+
+    trajs = [root, branch(B - 1, 6), branch(B, 5), branch(B + 1, 2 * B), branch(2 * B + 1, 3)]
+    trajs += [branch(B + 1, 4) for _ in range(2)]  # fan-out 4 at position B + 1
+    trajs += [root[: B + 3], list(trajs[1]), root[:1]]
+    other = rng.integers(0, VOCAB, B + 7).tolist()
+    trajs += [other, other[: B // 2] + [(other[B // 2] + 1) % VOCAB] * 3]
+    return trajs
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_fork_tree_equals_trajectory_wise(chunk_size):
+    trajs = fork_tree(chunk_size, np.random.default_rng(chunk_size))
+    hb = assert_equivalent(trajs, chunk_size)
+    assert hb.stats["replay_tokens"] > 0 and hb.stats["boundary_states"] > 0  # the test exercises handoffs
+    assert hb.stats["compact_rows"] < hb.stats["raw_tokens"]
+
+
+def test_fork_tree_equals_trajectory_wise_with_recomputation():
+    assert_equivalent(fork_tree(4, np.random.default_rng(7)), 4, recompute=True)
+
+
+@st.composite
+def rollout_forests(draw, B=4):
+    """Several trees; forks biased to B-1, B, B+1 (and their multiples), fan-out up to 4, prefix
+    trajectories and duplicates."""
+    trajs = []
+    for _ in range(draw(st.integers(1, 3))):
+        root = draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=4 * B))
+        paths = [root]
+        for _ in range(draw(st.integers(0, 5))):
+            src = paths[draw(st.integers(0, len(paths) - 1))]
+            kind = draw(st.sampled_from(["fork", "fork", "fork", "prefix", "duplicate"]))
+            if kind == "prefix":
+                paths.append(src[: draw(st.integers(1, len(src)))])
+            elif kind == "duplicate":
+                paths.append(list(src))
+            else:
+                m = draw(st.sampled_from([1, 2]))
+                p = draw(st.sampled_from([m * B - 1, m * B, m * B + 1, draw(st.integers(1, len(src)))]))
+                p = min(p, len(src))
+                tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=2 * B))
+                if p < len(src):
+                    tail[0] = (src[p] + 1 + tail[0] % (VOCAB - 1)) % VOCAB
+                paths.append(src[:p] + tail)
+        trajs.extend(paths)
+    return [trajs[i] for i in draw(st.permutations(range(len(trajs))))]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rollout_forests())
+def test_random_forests_equal_trajectory_wise(trajs):
+    assert_equivalent(trajs, 4)
+
+
+def test_compact_batch_split_and_metadata():
+    from harts.data import Trajectory
+
+    trajs = [Trajectory.create([1, 2, 3, 4], advantage=0.5, loss_mask=[0, 1, 1, 0]),
+             Trajectory.create([1, 2, 9], advantage=-1.0, loss_mask=[0, 0, 1])]
+    b = pack(trajs, chunk_size=4)
+    assert b.num_rows == 5 and b.num_trajectories == 2
+    adv = b.semantic("advantages")
+    assert adv.tolist() == [0.5, 0.5, 0.5, -1.0, -1.0]
+    assert [x.tolist() for x in b.split(b.semantic("loss_mask"))] == [[1, 1, 0], [0, 1]]
+    assert [x.tolist() for x in b.split(b.logprob_targets)] == [[2, 3, 4], [2, 9]]
+    with pytest.raises(KeyError, match="old_logprobs"):
+        b.semantic("old_logprobs")
