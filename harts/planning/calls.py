@@ -335,6 +335,9 @@ def plan_segment_tree(tree: SegmentTree, chunk_size: int, *, trie=None, leaf_tra
 
     # Vectorised bookkeeping: sequences are named by their first segment.
     direct_a = np.asarray(direct, dtype=np.int64)
+    if np.any(direct_a[~leaf] < 0):
+        v = int(np.flatnonzero(~leaf & (direct_a < 0))[0])
+        raise AssertionError(f"segment {v}: no direct child fits its round budget (DP and recovery disagree)")
     nonroot = parent >= 0
     pp = np.maximum(parent, 0)
     is_direct = nonroot & (direct_a[pp] == np.arange(G))
