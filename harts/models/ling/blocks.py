@@ -123,8 +123,9 @@ class MLA(nn.Module):
 
     def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
         q, k, v = self.project(x_TD, position_ids_T)
-        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale, backend=self.cfg.op_backend("attention"),
-                             max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale,
+                             backend=self.cfg.op_backend("attention"), max_seqlen_q=max_seqlen,
+                             max_seqlen_k=max_seqlen)
         return self.output(o, x_TD)
 
 
