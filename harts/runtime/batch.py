@@ -74,6 +74,8 @@ class CompactBatch:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    kda_output_perm: torch.Tensor | None = None  # rounds' concatenated outputs -> physical order (no-replay)
+    replay: bool = True  # False only for the fidelity ablation (see pack)
     stats: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ sizes and helpers
@@ -138,8 +140,15 @@ def _trajectories(trajectories) -> tuple[Trajectory, ...]:
 
 
 def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_width: int = 4,
-         pad_to_multiple: int = 1) -> CompactBatch:
-    """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch."""
+         pad_to_multiple: int = 1, replay: bool = True) -> CompactBatch:
+    """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch.
+
+    ``replay=False`` is the fidelity ablation of paper 5.4 (never for training): instead of the planned
+    rounds, every fork-free segment is its own KDA sequence, started from its parent segment's final
+    state (the exact state at the fork, passed directly), so a branch's chunk grid starts at the fork
+    instead of being restored by replaying [a(p), p). Identical in real arithmetic; in finite precision
+    the chunkwise kernels round differently, which is what the fidelity benchmark measures.
+    """
     trajs = _trajectories(trajectories)
     if not trajs:
         raise ValueError("pack: empty microbatch (no trajectories)")
@@ -166,13 +175,17 @@ def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_wid
             phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
             has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk)))
     C, P = lay.num_rows, lay.num_phys
+    perm = None
+    if not replay:
+        rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
     return CompactBatch(
         prefix_sharing=True, chunk_size=chunk_size, conv_width=conv_width, num_rows=C,
         input_ids=_t(lay.tokens), position_ids=_t(lay.position_ids), multiplicity=_t(lay.multiplicity),
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
         conv_pred=predecessor_index(_t(lay.parent_phys), conv_width),
-        rounds=tuple(rounds), num_states=lay.num_states,
+        rounds=tuple(rounds), num_states=lay.num_states if replay else n_states,
+        kda_output_perm=perm, replay=replay,
         mla_q_rows=_t(lay.mla_q_rows), mla_q_is_identity=bool(np.array_equal(lay.mla_q_rows, np.arange(P))),
         mla_kv_rows=_t(lay.mla_kv_rows), cu_seqlens_q=_t(lay.cu_seqlens_q), cu_seqlens_k=_t(lay.cu_seqlens_k),
         max_seqlen_q=int(lay.max_seqlen_q), max_seqlen_k=int(lay.max_seqlen_k),
@@ -200,3 +213,38 @@ def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_w
         stats={"raw_tokens": S, "compact_rows": S, "phys_rows": S, "kda_calls": 1,
                "kda_sequences": len(arrays), "replay_tokens": 0, "boundary_states": 0, "mla_kv_rows": S},
     )
+
+
+def _segment_rounds(trie, phys_of_row: np.ndarray, B: int):
+    """No-replay schedule: one sequence per trie segment, round = segment depth, each segment started
+    from its parent's final state. Returns (rounds, output permutation, number of states)."""
+    G = trie.num_segments
+    depth = np.zeros(G, dtype=np.int64)
+    for g in range(G):  # parents precede children (preorder)
+        p = trie.segment_parent[g]
+        depth[g] = depth[p] + 1 if p >= 0 else 0
+    has_child = np.zeros(G, dtype=bool)
+    has_child[trie.segment_parent[trie.segment_parent >= 0]] = True
+    state_of_seg = np.full(G, -1, dtype=np.int64)
+    rounds, cat_rows, n_states = [], [], 0
+    for d in range(int(depth.max()) + 1):
+        segs = np.flatnonzero(depth == d)
+        lens = trie.segment_end[segs] - trie.segment_start[segs]
+        cu = np.zeros(len(segs) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        gather = np.concatenate([phys_of_row[trie.segment_start[g]:trie.segment_end[g]] for g in segs])
+        parents = trie.segment_parent[segs]
+        init = np.where(parents >= 0, state_of_seg[np.maximum(parents, 0)], -1)
+        emit = np.flatnonzero(has_child[segs])
+        state_of_seg[segs[emit]] = n_states + np.arange(len(emit))
+        n_states += len(emit)
+        rounds.append(KDARound(
+            cu_seqlens=_t(cu), cu_seqlens_cpu=_t(cu), max_seqlen=int(lens.max()), gather=_t(gather),
+            gather_is_identity=False, output_positions=_t(np.arange(int(cu[-1]))), phys_start=0, phys_end=0,
+            init_source=_t(init), has_init=bool((init >= 0).any()), emit_seq=_t(emit),
+            emit_chunk=_t(-(-lens[emit] // B))))  # chunk == number of chunks: the end state
+        cat_rows.append(gather)
+    cat = np.concatenate(cat_rows)
+    perm = np.empty_like(cat)
+    perm[cat] = np.arange(cat.shape[0])
+    return tuple(rounds), _t(perm), n_states

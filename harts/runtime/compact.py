@@ -85,6 +85,8 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
         outs.append(q.new_zeros((batch.num_phys - batch.num_rows, H, Kh)))
     o_PHV = torch.cat(outs, dim=0)
+    if batch.kda_output_perm is not None:  # no-replay ablation: segments ran in their own order
+        o_PHV = o_PHV.index_select(0, batch.kda_output_perm)
     return attn.output(o_PHV, x_PD)
 
 
