@@ -114,6 +114,20 @@ class LingForCausalLM(nn.Module):
         return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
                                           chunk_size=self.config.logprobs_chunk_size)
 
+    # ------------------------------------------------------------------ HARTS batches
+    def logprobs(self, batch) -> torch.Tensor:
+        """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
+        order (use ``batch.split`` for per-trajectory tensors). Runs the compact path for a HARTS batch
+        and the ordinary packed path for a trajectory-wise one; no [S, V] tensor is built."""
+        from harts.runtime.compact import logprobs
+
+        return logprobs(self, batch)
+
+    def moe_counts(self) -> torch.Tensor:
+        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward (what the
+        expert-bias update consumes; all-reduce over DP before ``update_expert_bias``)."""
+        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
+
     # ------------------------------------------------------------------ MoE
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
