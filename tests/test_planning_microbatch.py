@@ -356,6 +356,33 @@ def test_plan_properties(params, extra, dp):
     assert again.to_dict() == plan.to_dict()  # deterministic, and the input type does not matter
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forest_params, st.integers(0, 25), st.integers(1, 4))
+def test_plan_properties_heuristic_mode(params, extra, dp):
+    """The same guarantees with the exact-search threshold forced to 0 (sampled-K evolution + anchors)."""
+    from unittest import mock
+
+    import harts.planning.microbatch as mb
+
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    if n < dp:
+        return
+    with mock.patch.object(mb, "N0", 0):
+        try:
+            plan = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+        except PlanningError as e:
+            assert "no DP-compatible plan" in str(e)
+            if n <= 8:
+                assert min_feasible_k(seqs, capacity, dp) is None
+            return
+        assert not plan.candidate.startswith("exact")
+        check_plan(plan, seqs, dp, capacity)
+        again = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+    assert again.to_dict() == plan.to_dict()
+
+
 def set_partitions(items):
     if not items:
         yield []

@@ -41,19 +41,21 @@ def first_feasible_start(index: PrefixIndex, capacity: int) -> np.ndarray:
 def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int]) -> dict[int, np.ndarray]:
     """Minimum-(total, peak) contiguous partition into k microbatches for every k in ``targets``.
 
-    Returns {k: cuts} for the feasible targets (infeasible ones are absent).
+    Returns {k: cuts} for the feasible targets (infeasible ones are absent). The DP runs on a band: row r
+    of the [B, N+1] arrays is the split point s = e - 1 - r, and B = max_e (e - first[e]) is the widest
+    capacity-feasible last interval, so the cost is O(K N B) instead of O(K N^2).
     """
     n = index.n
     if not targets:
         return {}
     k_hi = min(max(targets), n)
-    s = np.arange(n + 1, dtype=np.int64)[:, None]  # rows: s (end of the previous part)
-    e = np.arange(n + 1, dtype=np.int64)[None, :]  # cols: e
-    s_safe = np.minimum(s, n - 1)
-    work = index.prefix[e] - index.prefix[s_safe] + index.lcp[s_safe]  # W([s, e)) for s < e
-    first = first_feasible_start(index, capacity)[None, :]
-    legal = (s < e) & (s >= first)
-    work = np.where(legal, work, 0)
+    e = np.arange(n + 1, dtype=np.int64)[None, :]
+    first = first_feasible_start(index, capacity)
+    band = int(np.max(e[0, 1:] - first[1:])) if n else 1
+    s = e - 1 - np.arange(band, dtype=np.int64)[:, None]  # [B, N+1] split points
+    legal = (s >= first[None, :]) & (s >= 0)
+    s_safe = np.where(legal, s, 0)
+    work = np.where(legal, index.prefix[e] - index.prefix[s_safe] + index.lcp[s_safe], 0)
 
     total = np.full(n + 1, _INF, dtype=np.int64)
     peak = np.full(n + 1, _INF, dtype=np.int64)
@@ -62,16 +64,18 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int]) -> d
     found: dict[int, np.ndarray] = {}
     wanted = set(targets)
     for k in range(1, k_hi + 1):
-        valid = legal & (total[:, None] < _INF)
-        cand_total = np.where(valid, total[:, None] + work, _INF)
-        cand_peak = np.where(valid, np.maximum(peak[:, None], work), _INF)
+        prev_total = total[s_safe]
+        valid = legal & (prev_total < _INF)
+        cand_total = np.where(valid, prev_total + work, _INF)
+        cand_peak = np.where(valid, np.maximum(peak[s_safe], work), _INF)
         best_total = cand_total.min(axis=0)
         tie = valid & (cand_total == best_total[None, :])
         best_peak = np.where(tie, cand_peak, _INF).min(axis=0)
         pick = tie & (cand_peak == best_peak[None, :])
-        arg = np.argmax(pick, axis=0)  # smallest s among the exact ties
+        # Smallest s among exact ties = the largest row index r that is picked.
+        r = band - 1 - np.argmax(pick[::-1], axis=0)
         reach = pick.any(axis=0)
-        back[k] = np.where(reach, arg, -1)
+        back[k] = np.where(reach, e[0] - 1 - r, -1)
         total = np.where(reach, best_total, _INF)
         peak = np.where(reach, best_peak, _INF)
         if k in wanted and reach[n]:
