@@ -120,9 +120,13 @@ class CompactBatch:
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         changes["rounds"] = tuple(
             replace(r, **{f.name: mv(getattr(r, f.name)) for f in fields(r)
-                          if isinstance(getattr(r, f.name), torch.Tensor) and f.name != "cu_seqlens_cpu"})
+                          if isinstance(getattr(r, f.name), torch.Tensor) and f.name not in _HOST_FIELDS})
             for r in self.rounds)
         return replace(self, **changes)
+
+
+# Round fields read on the host by the kernels' argument checks: kept on the CPU to avoid device syncs.
+_HOST_FIELDS = ("cu_seqlens_cpu", "emit_seq", "emit_chunk")
 
 
 def _t(a) -> torch.Tensor:

@@ -72,12 +72,15 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
             zero = q.new_zeros((1, H, Kh, Kh), dtype=state_dtype)
             bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
             init = bank.index_select(0, r.init_source + 1)
+        # Same dtype conventions as the trajectory-wise fast path (harts.ops.kda.fast): gate input and
+        # beta in q's dtype, gate parameters and states in fp32 (fp64 on the float64 reference path).
         o, _, boundary = run_round(
-            qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), fr.unsqueeze(0), br.unsqueeze(0), r.cu_seqlens,
-            initial_state=init, output_final_state=False,
+            qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), fr.unsqueeze(0).to(q.dtype),
+            br.unsqueeze(0).to(q.dtype), r.cu_seqlens, initial_state=init, output_final_state=False,
             state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias,
-            safe_gate=True, lower_bound=cfg.kda_lower_bound, chunk_size=cfg.kda_chunk_size)
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=attn.A_log.to(state_dtype),
+            dt_bias=attn.dt_bias.to(state_dtype), safe_gate=True, lower_bound=cfg.kda_lower_bound,
+            chunk_size=cfg.kda_chunk_size)
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)
