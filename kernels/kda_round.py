@@ -41,9 +41,8 @@ def _configs():
 @triton.heuristics({
     'USE_INITIAL_STATE': lambda a: a['h0'] is not None,
     'STORE_FINAL_STATE': lambda a: a['ht'] is not None,
-    'SAVE_BOUNDARY': lambda a: a['hb'] is not None,
 })
-@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'BK'])
+@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'BK', 'SAVE_BOUNDARY'])
 @triton.jit(do_not_specialize=['T'])
 def kda_round_fwd_kernel_h(
     k, u, w, v_new, gk, h, h0, ht, hb, state_slot, cu_seqlens, chunk_offsets, T,
@@ -76,13 +75,16 @@ def kda_round_fwd_kernel_h(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.).to(tl.float32)
+    s_nx = tl.load(state_slot + bid) if SAVE_BOUNDARY else 0
 
     for i_t in range(0, NT):
         # S_start(i_t): the chunk's h (input dtype) and, if requested, the fp32 boundary state
         tl.store(h + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
         h += HV * K * V  # pointer walk: 64-bit, no cast of the loop variable
         if SAVE_BOUNDARY:
-            s_j = tl.load(state_slot + bid + i_t)
+            # the slot of this chunk was fetched one iteration ahead, off the scan's critical path
+            s_j = s_nx
+            s_nx = tl.load(state_slot + bid + i_t + 1)
             p_hb = hb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
             tl.store(p_hb, b_h, mask=m_kv & (s_j >= 0))
 
@@ -103,7 +105,7 @@ def kda_round_fwd_kernel_h(
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_h, mask=m_kv)
     if SAVE_BOUNDARY:
-        s_j = tl.load(state_slot + bid + NT)
+        s_j = s_nx  # slot of chunk NT (the end state)
         p_hb = hb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
         tl.store(p_hb, b_h, mask=m_kv & (s_j >= 0))
 
@@ -111,9 +113,8 @@ def kda_round_fwd_kernel_h(
 @triton.heuristics({
     'USE_INITIAL_STATE': lambda a: a['dh0'] is not None,
     'USE_FINAL_STATE_GRADIENT': lambda a: a['dht'] is not None,
-    'USE_BOUNDARY_GRADIENT': lambda a: a['dhb'] is not None,
 })
-@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'BK'])
+@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'BK', 'USE_BOUNDARY_GRADIENT'])
 @triton.jit(do_not_specialize=['T'])
 def kda_round_bwd_kernel_dh(
     qg, k, w, gk, dht, dh0, dhb, state_slot, do, dv, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
@@ -153,14 +154,21 @@ def kda_round_bwd_kernel_dh(
         s_j = tl.load(state_slot + bid + NT)
         p_dhb = dhb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
         b_dh += tl.load(p_dhb, mask=m_kv & (s_j >= 0), other=0.)
+        s_nx = tl.load(state_slot + bid + tl.maximum(NT - 1, 0))
+    else:
+        s_nx = 0
 
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
         if USE_BOUNDARY_GRADIENT:
-            if INJECT_AT_TOP:  # deliberately wrong placement, only for the negative-control test
-                s_j = tl.load(state_slot + bid + i_t)
-                p_dhb = dhb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
-                b_dh += tl.load(p_dhb, mask=m_kv & (s_j >= 0), other=0.)
+            # this chunk's request (slot fetched one iteration ahead) and its gradient tile, loaded
+            # at the top so the latency overlaps the chunk's products; added at the bottom
+            s_j = s_nx
+            s_nx = tl.load(state_slot + bid + tl.maximum(i_t - 1, 0))
+            p_dhb = dhb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
+            b_inj = tl.load(p_dhb, mask=m_kv & (s_j >= 0), other=0.)
+            if INJECT_AT_TOP:  # deliberately wrong placement (gradient of S_end), negative-control test only
+                b_dh += b_inj
         tl.store(dh + i_t.to(tl.int64) * HV * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
 
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
@@ -183,9 +191,7 @@ def kda_round_bwd_kernel_dh(
         b_dh += tl.dot(b_qt, b_do.to(b_qt.dtype)) * scale - tl.dot(b_wt, b_dv.to(b_wt.dtype))
         if USE_BOUNDARY_GRADIENT:
             if not INJECT_AT_TOP:  # b_dh is now exactly dL/dS_start(i_t): add the request's gradient
-                s_j = tl.load(state_slot + bid + i_t)
-                p_dhb = dhb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V + o_kv
-                b_dh += tl.load(p_dhb, mask=m_kv & (s_j >= 0), other=0.)
+                b_dh += b_inj
 
     if USE_INITIAL_STATE:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_dh, mask=m_kv)
@@ -211,6 +217,7 @@ def kda_round_fwd_h(kg, w, u, gk, initial_state, output_final_state, cu_seqlens,
     kda_round_fwd_kernel_h[grid](
         k=kg, u=u, w=w, v_new=v_new, gk=gk, h=h, h0=initial_state, ht=ht, hb=hb, state_slot=state_slot,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T, HV=HV, K=K, V=V, BT=chunk_size, BK=_bk(K),
+        SAVE_BOUNDARY=hb is not None,
     )
     return h, v_new, ht, hb
 
@@ -231,6 +238,6 @@ def kda_round_bwd_dh(qg, kg, w, gk, h0, dht, dhb, state_slot, do, dv, scale, cu_
     kda_round_bwd_kernel_dh[grid](
         qg=qg, k=kg, w=w, gk=gk, dht=dht, dh0=dh0, dhb=dhb, state_slot=state_slot, do=do, dv=dv, dh=dh, dv2=dv2,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=chunk_size,
-        BK=_bk(K), INJECT_AT_TOP=inject_at_top,
+        BK=_bk(K), USE_BOUNDARY_GRADIENT=dhb is not None, INJECT_AT_TOP=inject_at_top,
     )
     return dh, dh0, dv2
