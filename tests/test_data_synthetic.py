@@ -45,6 +45,7 @@ def test_swe_step_lands_in_calibration_ranges(seed):
     assert 35e6 <= raw <= 60e6
     assert 20e3 <= raw / paths <= 35e3
     assert 5.5 <= trie.compression <= 7.5
+    assert int(trie.lengths.max()) <= 60000  # every trajectory fits the 65,536-token capacity
     # Trees are mostly comparable to the 65,536-token microbatch capacity.
     assert 0.5 * 65536 <= np.median(np.bincount(trie.tree_of_row)) <= 2 * 65536
 

@@ -57,19 +57,19 @@ class WorkloadSpec:
 PRESETS: dict[str, WorkloadSpec] = {
     # One RL step of SWE-like agentic rollouts, calibrated to the paper's Tables 2 and 4 (docs/workloads.md).
     "swe-step": WorkloadSpec(
-        trees=(56, 96),
-        leaves_median=18.0,
-        leaves_sigma=0.45,
+        trees=(90, 150),
+        leaves_median=12.0,
+        leaves_sigma=0.35,
         leaves_range=(4, 64),
         prompt=(5000.0, 0.45),
         prompt_range=(1500, 16000),
         path_len=(25000.0, 0.30),
-        path_range=(8000, 90000),
+        path_range=(8000, 60000),
         assistant=(220.0, 0.8),
         assistant_range=(8, 3000),
         tool=(900.0, 1.0),
         tool_range=(16, 12000),
-        fork_beta=(8.0, 1.2),
+        fork_beta=(12.3, 1.2),
         fork_inside_turn=0.3,
         child_len_sigma=0.5,
     ),
@@ -199,7 +199,9 @@ def generate_tree(rng: np.random.Generator, spec: WorkloadSpec) -> list[_Path]:
         # The new branch replaces the parent's remaining suffix with one of similar length.
         sigma = spec.child_len_sigma  # mean-one lognormal factor, so lengths do not drift over generations
         suffix = (parent.tokens.shape[0] - fork) * np.exp(sigma * rng.standard_normal() - sigma**2 / 2)
-        paths.append(_grow(rng, spec, parent, fork, fork + max(int(suffix), 1), prompt_len))
+        # Cap at the preset's longest path so no trajectory outgrows the microbatch capacity.
+        target = min(fork + max(int(suffix), 1), max(spec.path_range[1], fork + 1))
+        paths.append(_grow(rng, spec, parent, fork, target, prompt_len))
     return paths
 
 
