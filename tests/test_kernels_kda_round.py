@@ -137,20 +137,20 @@ def test_reference_grads_match_prefix_recompute_with_fla_naive():
         assert rel_rmse(grads[n], grads2[n]) < 1e-5, n
 
 
-def _tree_case(fn, BT, dtype, device="cpu"):
+def _tree_case(fn, BT, dtype, device="cpu", H=1, HV=2, K=16, V=8):
     """Parent P (length 70) and two children forking inside the same chunk of P, vs flat sequences."""
-    Lp, f1, f2, L1, L2 = 70, 37, 40, 23, 9
+    Lp, f1, f2, L1, L2 = 3 * BT + 22, 2 * BT + 5, 2 * BT + 8, 23, 9
     c = f1 // BT
     assert f2 // BT == c
-    ins, _, _ = make_inputs([Lp + L1 + L2], H=1, HV=2, K=16, V=8, dtype=dtype, h0=False, seed=3, device=device)
+    ins, _, _ = make_inputs([Lp + L1 + L2], H=H, HV=HV, K=K, V=V, dtype=dtype, h0=False, seed=3, device=device)
     leaves = {n: x.detach().clone().requires_grad_() for n, x in ins.items()}
     P = {n: x[:, :Lp] for n, x in leaves.items()}
     C1 = {n: x[:, Lp:Lp + L1] for n, x in leaves.items()}
     C2 = {n: x[:, Lp + L1:] for n, x in leaves.items()}
     gen = torch.Generator().manual_seed(7)
-    doP = torch.randn(1, Lp, 2, 8, generator=gen, dtype=torch.float64).to(device, dtype)
-    do1 = torch.randn(1, L1, 2, 8, generator=gen, dtype=torch.float64).to(device, dtype)
-    do2 = torch.randn(1, L2, 2, 8, generator=gen, dtype=torch.float64).to(device, dtype)
+    doP = torch.randn(1, Lp, HV, V, generator=gen, dtype=torch.float64).to(device, dtype)
+    do1 = torch.randn(1, L1, HV, V, generator=gen, dtype=torch.float64).to(device, dtype)
+    do2 = torch.randn(1, L2, HV, V, generator=gen, dtype=torch.float64).to(device, dtype)
 
     def cat(*parts):
         return {n: torch.cat([p[n] for p in parts], 1) for n in leaves}
@@ -285,8 +285,10 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "B": 0.005, "dq": 0.008, "dk": 0.008, "dv": 
            "dh0": 0.008, "dA_log": 0.02, "ddt_bias": 0.02}
 
 
+# GPU cases share shapes where they can: fla 0.6.0 compiles every autotune config per (H, HV, K, dtype),
+# about 1-2 minutes of device time per new shape. GVA is covered by the interpreter cases.
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,H,HV,gate", [(64, 2, 2, False), (128, 2, 4, False), (128, 2, 2, True)])
+@pytest.mark.parametrize("K,H,HV,gate", [(128, 2, 2, False), (128, 2, 2, True), (64, 2, 2, False)])
 def test_gpu_bf16_vs_fp32_reference(K, H, HV, gate):
     lens = [150, 64, 200, 17, 128]
     BT = 64
@@ -310,7 +312,7 @@ def test_gpu_bf16_vs_fp32_reference(K, H, HV, gate):
 @pytest.mark.gpu
 def test_gpu_wrong_placement_fails():
     ins, cu, h0 = make_inputs([150, 64, 200], H=2, HV=2, K=128, V=128, dtype=torch.bfloat16, device="cuda")
-    seq, chunk = [0, 0, 1, 2, 2, 2], [1, 2, 1, 0, 3, 1]
+    seq, chunk = [0, 0, 1, 2, 2, 2], [1, 2, 1, 0, 3, 1]  # the boundaries of fla-kda-internals.md section 3
     out, grads = run_with_grads(_fast(_inject_at_top=True), ins, cu, h0, seq, chunk)
     out_r, grads_r = run_with_grads(_ref(), {n: x.float() for n, x in ins.items()}, cu, h0, seq, chunk)
     errs = {n: rel_rmse(grads[n], grads_r[n]) for n in grads_r}
@@ -319,11 +321,11 @@ def test_gpu_wrong_placement_fails():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_gpu_no_requests_matches_fla(dtype):
     from fla.ops.kda import chunk_kda
 
-    ins, cu, h0 = make_inputs([150, 64, 200, 1000], H=4, HV=4, K=128, V=128, dtype=dtype, device="cuda")
+    ins, cu, h0 = make_inputs([150, 64, 200, 1000], H=2, HV=2, K=128, V=128, dtype=dtype, device="cuda")
     out, grads = run_with_grads(_fast(), ins, cu, h0, None, None)
 
     def fla_fn(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_seq, state_chunk):
@@ -342,6 +344,8 @@ def test_gpu_no_requests_matches_fla(dtype):
 
 @pytest.mark.gpu
 def test_gpu_tree_two_rounds_equal_flat():
-    flat, tree = _tree_case(_fast(chunk_size=32), 32, torch.float32, device="cuda")
-    for a, b in zip(flat, tree):
-        assert rel_rmse(b, a) < 5e-3
+    # bf16 both ways: the only difference is where bf16 rounding of h happens (different chunk grids)
+    flat, tree = _tree_case(_fast(chunk_size=64), 64, torch.bfloat16, device="cuda", H=2, HV=2, K=128, V=128)
+    errs = [rel_rmse(b, a) for a, b in zip(flat, tree)]
+    print("tree vs flat rel-RMSE (oP, o1, o2, dq, dk, dv, dg, dbeta):", [f"{e:.1e}" for e in errs])
+    assert max(errs) < 2e-2, errs
