@@ -13,6 +13,35 @@ _LAZY = {
 }
 
 
+def _register_source_kernels() -> None:
+    """Make ``harts.kernels`` importable from a plain source checkout (PYTHONPATH=repo, no install).
+
+    An install maps the top-level ``kernels/`` folder to ``harts.kernels`` (setup.py); without one,
+    this finder, placed last on sys.meta_path so an installed mapping always wins, does the same.
+    """
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    init = os.path.join(root, "__init__.py")
+    if not os.path.isfile(init):
+        return
+
+    class _SourceKernelsFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != "harts.kernels":
+                return None
+            return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[root])
+
+    if not any(type(f).__name__ == "_SourceKernelsFinder" for f in sys.meta_path):
+        sys.meta_path.append(_SourceKernelsFinder())
+
+
+_register_source_kernels()
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
