@@ -1,0 +1,189 @@
+"""Training-engine fidelity (paper 5.4, Table 5, Figure 4): ``python -m harts.bench.fidelity --out DIR``.
+
+Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-like microbatch. Four runs:
+
+- Baseline A: trajectory-wise, trajectories packed in planned order (the common reference);
+- Baseline B: trajectory-wise rerun with the trajectories packed in reverse order inside each sub-batch
+  (a different but equally valid packing: what rerunning a conventional trainer changes; it measures
+  the numerical noise floor of the baseline itself);
+- HARTS with replay (the planned rounds);
+- HARTS without replay (``pack(..., replay=False)``: branches start at the fork from the parent's exact
+  final state, chunk phase not restored).
+
+For every nonterminal semantic position, against Baseline A: token cosine of full-vocabulary logits
+(Eq. 27; reported with and without activation recomputation), symmetric KL (Eq. 25) and |delta NLL|
+(Eq. 26) binned by state-handoff depth d (how many boundary-state handoffs the HARTS-with-replay plan
+makes on the way to the position's row; 5 means >= 5), plus the scalar loss difference. Writes
+``fidelity.json`` and ``fidelity.png`` (Figure 4 layout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+
+from harts.bench.compact import _subbatches, build_model
+
+
+def handoff_depth_of_rows(batch) -> np.ndarray:
+    """[P] number of boundary-state handoffs on the path to each physical row (replay plan)."""
+    depth_of_state = []
+    row_depth = np.zeros(batch.num_phys, dtype=np.int64)
+    for r in batch.rounds:
+        cu = r.cu_seqlens_cpu.numpy()
+        init = r.init_source.cpu().numpy()
+        seq_depth = np.array([0 if s < 0 else depth_of_state[s] + 1 for s in init], dtype=np.int64)
+        out = r.output_positions.cpu().numpy()
+        seq_of_pos = np.searchsorted(cu, out, side="right") - 1
+        rows = np.arange(r.phys_start, r.phys_start + out.shape[0]) if r.phys_end > r.phys_start else r.gather.cpu().numpy()[out]
+        row_depth[rows] = seq_depth[seq_of_pos]
+        depth_of_state.extend(seq_depth[r.emit_seq.numpy()].tolist())
+    return row_depth
+
+
+def _metrics(zx, za, tgt):
+    lpx, lpa = zx.log_softmax(-1), za.log_softmax(-1)
+    cos = torch.nn.functional.cosine_similarity(zx, za, dim=-1)
+    px, pa = lpx.exp(), lpa.exp()
+    symkl = 0.5 * ((pa * (lpa - lpx)).sum(-1) + (px * (lpx - lpa)).sum(-1))
+    dnll = (lpx.gather(1, tgt[:, None]) - lpa.gather(1, tgt[:, None])).abs().squeeze(1)
+    return cos, symkl, dnll, lpx.gather(1, tgt[:, None]).squeeze(1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harts.bench.fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="ling3-tiny")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint folder (default: seeded init)")
+    ap.add_argument("--workload", default="swe-step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=0.05)
+    ap.add_argument("--capacity", type=int, default=65536)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--block", type=int, default=1024, help="positions per logits block")
+    ap.add_argument("--out", default="out/bench_fidelity")
+    args = ap.parse_args(argv)
+
+    from harts.data.synthetic import generate
+    from harts.planning import plan_microbatches
+    from harts.runtime import hidden_states, pack
+
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    os.makedirs(args.out, exist_ok=True)
+    step = generate(args.workload, seed=args.seed, scale=args.scale, metadata=False)
+    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
+    mb = max(range(len(plan.microbatches)), key=lambda j: plan.work[j])
+    trajs = [step[i] for i in plan.microbatches[mb]]
+    model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
+    if args.checkpoint:
+        from harts.models.ling.checkpoint import load_hf_checkpoint
+
+        load_hf_checkpoint(model, args.checkpoint)
+    B = model.config.kda_chunk_size
+    harts_r = pack(trajs, chunk_size=B).to(dev)
+    harts_n = pack(trajs, chunk_size=B, replay=False).to(dev)
+    groups = _subbatches(trajs, args.capacity)
+    depth_rows = torch.as_tensor(handoff_depth_of_rows(harts_r))
+    W = model.lm_head.weight
+
+    def base_hidden(reverse):
+        """Per-position hidden states of the baseline, in HARTS's log-prob order."""
+        out = []
+        for idx in groups:
+            order = idx[::-1] if reverse else idx
+            b = pack([trajs[i] for i in order], chunk_size=B, prefix_sharing=False).to(dev)
+            h = hidden_states(model, b)[b.logprob_rows]
+            parts = b.split(h)
+            if reverse:
+                parts = parts[::-1]
+            out.extend(parts)
+        return torch.cat(out)
+
+    res = {"args": vars(args), "stats": harts_r.stats, "device": torch.cuda.get_device_name() if dev.type == "cuda"
+           else "cpu", "torch": torch.__version__}
+    D = 6
+    names = ["baseline_B", "harts_replay", "harts_no_replay"]
+    with torch.no_grad():
+        hA = base_hidden(False)
+        hs = {"baseline_B": base_hidden(True),
+              "harts_replay": hidden_states(model, harts_r)[harts_r.logprob_rows],
+              "harts_no_replay": hidden_states(model, harts_n)[harts_n.logprob_rows]}
+        # "With recomputation": the same forward run under activation checkpointing (it must not change
+        # the logits; measured rather than assumed).
+        model.config.recompute = True
+        with torch.enable_grad():
+            hs_rc = hidden_states(model, harts_r)[harts_r.logprob_rows].detach()
+        model.config.recompute = False
+        tgt = harts_r.logprob_targets
+        dep = depth_rows.to(dev)[harts_r.logprob_rows].clamp_max(D - 1)
+        acc = {n: {"cos": 0.0, "symkl": torch.zeros(D, dtype=torch.float64), "dnll": torch.zeros(D, dtype=torch.float64)}
+               for n in names}
+        acc["harts_replay_recompute"] = {"cos": 0.0}
+        count = torch.zeros(D, dtype=torch.float64)
+        loss = {n: 0.0 for n in names + ["baseline_A"]}
+        S = tgt.shape[0]
+        for s in range(0, S, args.block):
+            sl = slice(s, s + args.block)
+            za = (hA[sl] @ W.T).float()
+            d = dep[sl].cpu()
+            count += torch.bincount(d, minlength=D).double()
+            loss["baseline_A"] += za.log_softmax(-1).gather(1, tgt[sl, None]).sum().item()
+            for n in names:
+                cos, symkl, dnll, lp = _metrics((hs[n][sl] @ W.T).float(), za, tgt[sl])
+                acc[n]["cos"] += cos.double().sum().item()
+                acc[n]["symkl"] += torch.zeros(D, dtype=torch.float64).index_add_(0, d, symkl.double().cpu())
+                acc[n]["dnll"] += torch.zeros(D, dtype=torch.float64).index_add_(0, d, dnll.double().cpu())
+                loss[n] += lp.sum().item()
+            zrc = (hs_rc[sl] @ W.T).float()
+            acc["harts_replay_recompute"]["cos"] += torch.nn.functional.cosine_similarity(zrc, za, dim=-1).double().sum().item()
+    res["tokens_by_depth"] = count.tolist()
+    res["mean_token_cosine"] = {n: acc[n]["cos"] / S for n in acc}
+    res["mean_nll"] = {n: -v / S for n, v in loss.items()}
+    res["abs_loss_diff_vs_A"] = {n: abs(loss[n] - loss["baseline_A"]) / S for n in names}
+    res["symkl_by_depth"] = {n: (acc[n]["symkl"] / count.clamp_min(1)).tolist() for n in names}
+    res["abs_dnll_by_depth"] = {n: (acc[n]["dnll"] / count.clamp_min(1)).tolist() for n in names}
+    print(f"positions {S:,}, tokens by handoff depth {[int(c) for c in count.tolist()]}")
+    print(f"{'run':24s} {'mean cosine':>12s} {'|dloss|':>10s}")
+    for n in names + ["harts_replay_recompute"]:
+        print(f"{n:24s} {res['mean_token_cosine'][n]:12.7f} {res['abs_loss_diff_vs_A'].get(n, float('nan')):10.2e}")
+    print(f"{'depth':>5s} " + " ".join(f"{n + ' symKL':>22s} {n + ' |dNLL|':>24s}" for n in names))
+    for k in range(D):
+        print(f"{k:>5d} " + " ".join(f"{res['symkl_by_depth'][n][k]:22.3e} {res['abs_dnll_by_depth'][n][k]:24.3e}"
+                                     for n in names))
+    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    try:
+        _plot(res, os.path.join(args.out, "fidelity.png"))
+    except ImportError as e:  # matplotlib is a bench extra
+        print(f"no PNG: {e}")
+    return 0
+
+
+def _plot(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    d = np.arange(len(res["tokens_by_depth"]))
+    for ax, key, title in ((axes[0], "symkl_by_depth", "SymKL (Eq. 25)"), (axes[1], "abs_dnll_by_depth", "|dNLL| (Eq. 26)")):
+        for n, lab in (("baseline_B", "Baseline B (rerun)"), ("harts_replay", "Replay"), ("harts_no_replay", "No-replay")):
+            ax.plot(d, res[key][n], marker="o", label=lab)
+        ax2 = ax.twinx()
+        b, nr = np.array(res[key]["baseline_B"]), np.array(res[key]["harts_no_replay"])
+        ax2.plot(d, (nr / np.maximum(b, 1e-30) - 1) * 100, "--", color="orange", label="No-replay excess %")
+        ax2.set_ylabel("No-replay over rerun (%)")
+        ax.set_xticks(d, [f"{k}{'+' if k == d[-1] else ''}\n{int(c):,}" for k, c in zip(d, res["tokens_by_depth"])])
+        ax.set_xlabel("state-handoff depth (tokens)")
+        ax.set_title(title)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
