@@ -1,9 +1,30 @@
-"""HARTS trainer entry point: ``torchrun --nproc_per_node N train.py --config configs/X.toml``.
+"""HARTS trainer entry point: ``torchrun --nproc_per_node N train.py --config configs/X.toml [--section.key=value ...]``.
 
-The trainer (issue 8) is not built yet. Until it lands, the main job is the planning demo:
-``python -m harts.demo``.
+Single process: ``python train.py --config configs/X.toml``. See docs/training.md.
 """
+import logging
+import os
 import sys
 
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s rank" + os.environ.get("RANK", "0")
+                        + "] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if os.environ.get("RANK", "0") != "0":
+        logging.getLogger().setLevel(logging.WARNING)
+    from harts.train.config import parse_args
+    from harts.train.trainer import Trainer
+
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    if cfg.job.print_config and os.environ.get("RANK", "0") == "0":
+        print(cfg)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit("train.py: the HARTS trainer is not built yet (see issue 8); run `python -m harts.demo` instead.")
+    sys.exit(main())

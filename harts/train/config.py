@@ -1,0 +1,269 @@
+"""Trainer configuration: torchtitan 0.2.2's ``JobConfig`` extended with HARTS sections.
+
+torchtitan's ``ConfigManager`` gives TOML loading and ``--section.key value`` CLI overrides (tyro) with
+precedence CLI > TOML > defaults. We reuse its sections for what they mean there (``job``, ``training``
+(steps, max_norm, mixed precision), ``optimizer``, ``lr_scheduler``, ``parallelism``, ``checkpoint``,
+``activation_checkpoint``, ``compile``, ``metrics``, ``debug``) and add ours: ``ling`` (the model),
+``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl`` and ``profile``. Fields of torchtitan
+sections that this trainer does not read (tokenizer, HF datasets, float8, fault tolerance, ...) are
+rejected by ``validate`` when changed from their default, so a config never silently does nothing.
+
+Besides tyro's own syntax we accept ``--config X.toml`` (= ``--job.config_file``), ``--a.b=true|false``
+for booleans and ``--a.b=1,2`` for lists.
+"""
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+
+from torchtitan.config import ConfigManager
+from torchtitan.config import job_config as tt
+
+__all__ = ["HartsJobConfig", "parse_args", "load_config"]
+
+
+@dataclass
+class Ling:
+    preset: str = "ling3-tiny-debug"
+    """LingConfig preset: 'ling3-tiny-debug' | 'ling3-tiny'."""
+    num_hidden_layers: int = 0
+    """Override the preset's layer count (0 = keep)."""
+    kda_chunk_size: int = 0
+    """Override the KDA chunk size (0 = keep); it is also the HARTS planner's chunk size."""
+    backend: str = "auto"
+    """Op backends: 'auto' (fast on CUDA, reference on CPU), 'reference' or 'fast'."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | float64 (CPU exactness tests) | bfloat16 (pure bf16, no master copy)."""
+    init_seed: int = 0
+    """Weight init seed. Small models are built on the host and every rank inits the same full tensors
+    (so any parallel layout starts from the same weights as one process); see init_on_meta."""
+    init_on_meta: bool = False
+    """Build on the meta device and initialise each rank's shards in place (for models too large to
+    materialise per rank; shard values then differ from a one-process init)."""
+    load_hf: str = ""
+    """Start from an HF safetensors checkpoint directory (official layout) instead of random init."""
+
+
+@dataclass
+class Harts:
+    enabled: bool = True
+    """True: prefix-shared compact execution; False: the trajectory-wise baseline through the same trainer."""
+    capacity: int = 2048
+    """Microbatch capacity: compact rows (HARTS) or raw tokens (baseline)."""
+    exact_threshold: int = 512
+    """Planner N0: largest trajectory count planned with the exact DP."""
+    check_plan: bool = True
+    """All-reduce a hash of the step's plan and fail if ranks disagree (one tiny collective per step)."""
+
+
+@dataclass
+class Data:
+    source: str = "synthetic"
+    """'synthetic' (a harts.data.synthetic preset, a new seed every step) or 'jsonl'."""
+    preset: str = "tiny"
+    seed: int = 0
+    """Step s uses seed + s (synthetic)."""
+    scale: float = 1.0
+    path: list[str] = field(default_factory=list)
+    """JSONL files, one step each, cycled in order (jsonl source)."""
+    fixed_step: bool = False
+    """Every step reuses the first step's rollouts (offline RL on one batch: the loss then falls as the
+    policy fits it)."""
+    max_length: int = 0
+    """Truncate trajectories to this many tokens (0 = keep); for sizing a workload to the hardware."""
+    reward: str = "data"
+    """'data': rewards from the rollouts; 'learnable': reward = fraction of loss tokens with id < vocab/2
+    (a signal the policy can learn from fixed offline rollouts)."""
+    prefetch: int = 2
+    """Steps prepared ahead by the background worker (0 = prepare in the main thread)."""
+
+
+@dataclass
+class RL:
+    objective: str = "grpo"
+    """'grpo': -A log p (on-policy); 'ppo': PPO-clip against old log-probs."""
+    advantages: str = "grpo"
+    """'grpo': group-relative from reward and group_id; 'data': the rollouts' advantage(s)."""
+    std_normalize: bool = True
+    adv_eps: float = 1e-6
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
+    """Upper clip (0 = clip_eps)."""
+    kl_coef: float = 0.0
+    """k3 KL to the rollouts' ref_logprobs."""
+    old_logprobs: str = "data"
+    """PPO: 'data' (rollouts' old_logprobs) or 'recompute' (a no-grad pass before the update)."""
+    loss_norm: str = "token"
+    """'token' or 'sequence'; both are step-global (see harts.rl.losses)."""
+    z_loss_coef: float = 0.0
+    aux_loss_coef: float = 0.0
+    expert_bias_rate: float = 1e-3
+    """Aux-loss-free balancing step (0 = off); counts are multiplicity-weighted and summed over DP."""
+
+
+@dataclass
+class Profile:
+    enable: bool = False
+    steps: list[int] = field(default_factory=lambda: [3])
+    """Steps (1-based) to trace; each writes a chrome trace per rank."""
+    folder: str = "profile"
+    """Under job.dump_folder."""
+
+
+@dataclass
+class Checkpoint(tt.Checkpoint):
+    export_hf: bool = False
+    """After the last step, write the model in the official HF safetensors layout to <folder>/hf."""
+
+
+@dataclass
+class ActivationCheckpoint(tt.ActivationCheckpoint):
+    mode: str = "none"
+    """'none' or 'full' (recompute each decoder layer in backward; the plan and layout are reused)."""
+
+
+@dataclass
+class Debug(tt.Debug):
+    check_finite: bool = True
+    """After each microbatch's backward, check loss and gradients for NaN/Inf (one host sync each)."""
+    exit_after_step: int = 0
+    """Simulate a kill (tests): exit right after this step's checkpoint, without cleanup (0 = off)."""
+
+
+@dataclass
+class HartsJobConfig(tt.JobConfig):
+    ling: Ling = field(default_factory=Ling)
+    harts: Harts = field(default_factory=Harts)
+    data: Data = field(default_factory=Data)
+    rl: RL = field(default_factory=RL)
+    profile: Profile = field(default_factory=Profile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    debug: Debug = field(default_factory=Debug)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+
+
+# torchtitan sections/fields this trainer reads; anything else must stay at its default.
+_USED = {
+    "job": {"config_file", "dump_folder", "description", "print_config"},
+    "training": {"steps", "max_norm", "mixed_precision_param", "mixed_precision_reduce", "gc_freq"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
+    "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
+                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree"},
+    "checkpoint": {"enable", "folder", "interval", "keep_latest_k", "load_step", "last_save_model_only",
+                   "export_dtype", "initial_load_path", "initial_load_model_only", "async_mode",
+                   "exclude_from_loading", "enable_first_step_checkpoint", "export_hf", "load_only",
+                   "enable_ft_dataloader_checkpoints"},
+    "activation_checkpoint": {"mode"},
+    "compile": {"enable", "components", "backend"},
+    "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
+    "debug": {"seed", "deterministic", "check_finite", "exit_after_step"},
+    "comm": {"init_timeout_seconds", "train_timeout_seconds"},
+}
+_OURS = {"ling", "harts", "data", "rl", "profile"}
+
+
+class _Manager(ConfigManager):
+    def _validate_config(self) -> None:  # torchtitan's checks concern its tokenizer assets
+        pass
+
+
+def _field_types(cls) -> dict[str, dict[str, typing.Any]]:
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name]
+        if dataclasses.is_dataclass(sub):
+            out[f.name] = typing.get_type_hints(sub)
+    return out
+
+
+def _normalize(argv: list[str]) -> list[str]:
+    """``--config F`` -> ``--job.config_file F``; ``--a.b=true`` -> ``--a.b``; ``--a.b=1,2`` -> ``--a.b 1 2``."""
+    types = _field_types(HartsJobConfig)
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" or a.startswith("--config="):
+            if "=" in a:
+                out += ["--job.config_file", a.split("=", 1)[1]]
+            else:
+                if i + 1 >= len(argv):
+                    raise SystemExit("--config needs a TOML file")
+                out += ["--job.config_file", argv[i + 1]]
+                i += 1
+            i += 1
+            continue
+        if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]:
+            key, val = a[2:].split("=", 1)
+            sec, _, name = key.partition(".")
+            t = types.get(sec, {}).get(name.replace("-", "_"))
+            if t is bool:
+                v = val.strip().lower()
+                if v not in ("true", "false", "1", "0", "yes", "no"):
+                    raise SystemExit(f"--{key}: expected true or false, got {val!r}")
+                out.append(f"--{key}" if v in ("true", "1", "yes") else f"--{sec}.no-{name}")
+                i += 1
+                continue
+            if typing.get_origin(t) is list and "," in val:
+                out += [f"--{key}"] + [x for x in val.split(",") if x]
+                i += 1
+                continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def validate(cfg: HartsJobConfig) -> HartsJobConfig:
+    """Reject settings of torchtitan sections this trainer does not implement, and bad values of ours."""
+    default = HartsJobConfig()
+    for f in dataclasses.fields(cfg):
+        if f.name in _OURS:
+            continue
+        used = _USED.get(f.name, set())
+        cur, ref = getattr(cfg, f.name), getattr(default, f.name)
+        for g in dataclasses.fields(cur):
+            if g.name not in used and getattr(cur, g.name) != getattr(ref, g.name):
+                raise ValueError(f"config: {f.name}.{g.name} = {getattr(cur, g.name)!r} is a torchtitan setting "
+                                 "the HARTS trainer does not use; remove it")
+    choices = {
+        ("data", "source"): ("synthetic", "jsonl"), ("data", "reward"): ("data", "learnable"),
+        ("rl", "objective"): ("grpo", "ppo"), ("rl", "advantages"): ("grpo", "data"),
+        ("rl", "old_logprobs"): ("data", "recompute"), ("rl", "loss_norm"): ("token", "sequence"),
+        ("ling", "dtype"): ("float32", "float64", "bfloat16"), ("ling", "backend"): ("auto", "reference", "fast"),
+        ("activation_checkpoint", "mode"): ("none", "full"),
+    }
+    for (sec, name), ok in choices.items():
+        v = getattr(getattr(cfg, sec), name)
+        if v not in ok:
+            raise ValueError(f"config: {sec}.{name} = {v!r}; expected one of {ok}")
+    if cfg.data.source == "jsonl" and not cfg.data.path:
+        raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
+    if cfg.training.steps < 1:
+        raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
+    if cfg.harts.capacity < 1:
+        raise ValueError(f"config: harts.capacity = {cfg.harts.capacity} must be >= 1")
+    if cfg.parallelism.context_parallel_degree != 1:
+        raise ValueError("config: context parallelism is not supported by the HARTS trainer")
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> HartsJobConfig:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = _Manager(HartsJobConfig).parse_args(_normalize(argv))
+    return validate(cfg)
+
+
+def load_config(path: str | None = None, **overrides) -> HartsJobConfig:
+    """Programmatic access (tests): a TOML file plus ``{"section.key": value}`` overrides."""
+    argv = ["--config", path] if path else []
+    for k, v in overrides.items():
+        if isinstance(v, bool):
+            argv.append(f"--{k}={'true' if v else 'false'}")
+        elif isinstance(v, (list, tuple)):
+            argv += [f"--{k}"] + [str(x) for x in v]
+        else:
+            argv.append(f"--{k}={v}")
+    return parse_args(argv)

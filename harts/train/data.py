@@ -1,0 +1,257 @@
+"""Rollout steps -> this rank's packed microbatches, prepared by a background worker.
+
+For step s every rank loads the *whole* step (synthetic seed + s, or the s-th JSONL file), computes
+GRPO advantages and the loss normalisers over it, and runs the deterministic microbatch planner
+(numpy, no randomness, no dependence on rank): every rank gets the same plan without communication,
+then packs (call planner + layout, ``harts.pack``) only its DP replica's microbatches. Planning on every
+rank instead of planning on rank 0 and broadcasting keeps a collective and a serialisation off the
+step's critical path and lets each rank's worker run ahead independently; the cost is planning D times
+(milliseconds at our sizes, and in a background thread). The trainer verifies agreement with one
+all-reduce of a plan hash per step.
+
+With ``harts.enabled = false`` the same trajectories are grouped trajectory-wise (LPT on raw lengths,
+capacity in raw tokens) and packed without prefix sharing: the baseline through the same trainer.
+
+Legend: N trajectories of the step, K microbatches, D DP replicas, S predicted positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts.data.trajectory import Trajectory
+from harts.planning.microbatch import MicrobatchPlan, PlanningError
+from harts.rl.advantages import with_grpo_advantages
+from harts.rl.losses import StepNormalizer, microbatch_coefficients, step_normalizer
+from harts.runtime.batch import CompactBatch, pack
+
+__all__ = ["Microbatch", "StepData", "StepBuilder", "Prefetcher", "plan_trajectory_wise", "truncate"]
+
+
+@dataclass
+class Microbatch:
+    index: int  # microbatch id in the plan
+    slot: int
+    batch: CompactBatch
+    coeff: torch.Tensor  # [S] float64, c_s (harts.rl.losses)
+    adv: torch.Tensor  # [S] float64
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    def to(self, device, dtype) -> "Microbatch":
+        mv = lambda t: None if t is None else t.to(device=device, dtype=dtype, non_blocking=True)
+        return dataclasses.replace(self, batch=self.batch.to(device, non_blocking=True), coeff=mv(self.coeff),
+                                   adv=mv(self.adv), old_logp=mv(self.old_logp), ref_logp=mv(self.ref_logp))
+
+
+@dataclass
+class StepData:
+    step: int  # 1-based training step
+    microbatches: list[Microbatch]  # this replica's, in slot order
+    plan: MicrobatchPlan
+    normalizer: StepNormalizer
+    stats: dict = field(default_factory=dict)
+    plan_hash: int = 0
+
+
+def truncate(t: Trajectory, n: int) -> Trajectory:
+    if len(t) <= n:
+        return t
+    ch = {f.name: getattr(t, f.name)[:n] for f in dataclasses.fields(t)
+          if isinstance(getattr(t, f.name), np.ndarray)}
+    return dataclasses.replace(t, **ch)
+
+
+def learnable_reward(t: Trajectory, vocab_size: int) -> float:
+    """Fraction of the trajectory's loss tokens whose id is below vocab/2 (0.5 if it has none)."""
+    m = np.ones(len(t), dtype=bool) if t.loss_mask is None else t.loss_mask > 0
+    m[0] = False
+    return float((t.tokens[m] < vocab_size // 2).mean()) if m.any() else 0.5
+
+
+def plan_trajectory_wise(lengths, *, dp_degree: int, capacity: int) -> MicrobatchPlan:
+    """Baseline grouping: the fewest K (a multiple of D) for which longest-first assignment to the
+    least-loaded microbatch fits ``capacity`` raw tokens; slots pair microbatches of similar size."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = lengths.shape[0]
+    if n < dp_degree:
+        raise PlanningError(f"{n} trajectories cannot fill {dp_degree} DP replicas")
+    if lengths.max() > capacity:
+        i = int(np.argmax(lengths > capacity))
+        raise PlanningError(f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity {capacity}")
+    order = np.argsort(-lengths, kind="stable")
+    k = max(dp_degree, -(-int(np.ceil(lengths.sum() / capacity)) // dp_degree) * dp_degree)
+    while True:
+        load = np.zeros(k, dtype=np.int64)
+        owner = np.empty(n, dtype=np.int64)
+        for i in order:
+            b = int(np.argmin(load))
+            owner[i], load[b] = b, load[b] + lengths[i]
+        if load.max() <= capacity and (load > 0).all():
+            break
+        k += dp_degree
+        if k > n:
+            raise PlanningError(f"no trajectory-wise plan fits capacity {capacity} with D = {dp_degree}")
+    by_size = np.argsort(-load, kind="stable")  # slot s holds the s-th group of D largest
+    new_id = np.empty(k, dtype=np.int64)
+    new_id[by_size] = np.arange(k)
+    owner = new_id[owner]
+    work = np.bincount(owner, weights=lengths, minlength=k).astype(np.int64)
+    mbs = [np.flatnonzero(owner == i).tolist() for i in range(k)]
+    replicas = [list(range(d, k, dp_degree)) for d in range(dp_degree)]
+    w = work[np.asarray(replicas)]
+    j = (int(work.sum()), int(w.max(axis=0).sum()), int(w.sum(axis=1).max()))
+    return MicrobatchPlan(microbatches=mbs, replicas=replicas, work=work.tolist(), objective=j,
+                          capacity=int(capacity), dp_degree=int(dp_degree), candidate="trajectory-wise LPT")
+
+
+class StepBuilder:
+    """Everything for step s on one DP replica; pure function of (config, s), identical on every rank."""
+
+    def __init__(self, cfg, *, dp_degree: int, dp_rank: int, vocab_size: int, chunk_size: int, conv_width: int):
+        self.cfg, self.D, self.d = cfg, dp_degree, dp_rank
+        self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
+        self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
+        if cfg.data.source == "synthetic":
+            from harts.data.synthetic import PRESETS
+
+            self.reward_vocab = PRESETS[cfg.data.preset].vocab_size  # the ids the generator draws from
+
+    def load(self, step: int) -> tuple[Trajectory, ...]:
+        dc = self.cfg.data
+        if dc.source == "synthetic":
+            from harts.data.synthetic import PRESETS, generate
+
+            if PRESETS[dc.preset].vocab_size > self.vocab_size:
+                raise ValueError(f"data.preset {dc.preset!r} has vocab {PRESETS[dc.preset].vocab_size} > the model's "
+                                 f"{self.vocab_size}")
+            seed = dc.seed + (1 if dc.fixed_step else step)
+            trajs = generate(dc.preset, seed=seed, scale=dc.scale).trajectories
+        else:
+            from harts.data.jsonl import read_jsonl
+
+            path = dc.path[0 if dc.fixed_step else (step - 1) % len(dc.path)]
+            trajs = read_jsonl(path, vocab_size=self.vocab_size).trajectories
+        if dc.max_length > 0:
+            trajs = tuple(truncate(t, dc.max_length) for t in trajs)
+        if dc.reward == "learnable":
+            trajs = tuple(dataclasses.replace(t, reward=learnable_reward(t, self.reward_vocab)) for t in trajs)
+        rl = self.cfg.rl
+        if rl.advantages == "grpo":
+            trajs = with_grpo_advantages(trajs, std_normalize=rl.std_normalize, eps=rl.adv_eps)
+        else:
+            for i, t in enumerate(trajs):
+                if t.token_advantages() is None:
+                    raise ValueError(f"step {step}: trajectory {i} has no 'advantage(s)' and rl.advantages = 'data'")
+        return trajs
+
+    def plan(self, trajs) -> MicrobatchPlan:
+        h = self.cfg.harts
+        if h.enabled:
+            from harts.planning.microbatch import plan_microbatches
+
+            return plan_microbatches(trajs, dp_degree=self.D, capacity=h.capacity, exact_threshold=h.exact_threshold)
+        return plan_trajectory_wise([len(t) for t in trajs], dp_degree=self.D, capacity=h.capacity)
+
+    def build(self, step: int) -> StepData:
+        t0 = time.perf_counter()
+        trajs = self.load(step)
+        t1 = time.perf_counter()
+        norm = step_normalizer(trajs)
+        plan = self.plan(trajs)
+        t2 = time.perf_counter()
+        rl, mbs = self.cfg.rl, []
+        need_old = rl.objective == "ppo" and rl.old_logprobs == "data"
+        for slot, mb_id in enumerate(plan.replicas[self.d]):
+            sub = [trajs[i] for i in plan.microbatches[mb_id]]
+            batch = pack(sub, chunk_size=self.chunk_size, prefix_sharing=self.cfg.harts.enabled,
+                         conv_width=self.conv_width)
+            coeff = torch.from_numpy(microbatch_coefficients(sub, norm, rl.loss_norm))
+            mbs.append(Microbatch(
+                index=mb_id, slot=slot, batch=batch, coeff=coeff, adv=batch.semantic("advantages"),
+                old_logp=self._field(batch, "old_logprobs", step, mb_id) if need_old else None,
+                ref_logp=self._field(batch, "ref_logprobs", step, mb_id) if rl.kl_coef > 0 else None))
+        t3 = time.perf_counter()
+        rewards = [t.reward for t in trajs if t.reward is not None]
+        stats = {"raw_tokens": int(sum(len(t) for t in trajs)), "compact_rows": int(sum(plan.work)),
+                 "trajectories": len(trajs), "microbatches": plan.num_microbatches,
+                 "reward": float(np.mean(rewards)) if rewards else float("nan"),
+                 "load_s": t1 - t0, "plan_s": t2 - t1, "pack_s": t3 - t2,
+                 "local_rows": int(sum(m.batch.num_rows for m in mbs))}
+        digest = hashlib.blake2b(json.dumps(plan.to_dict()).encode(), digest_size=7).digest()
+        return StepData(step=step, microbatches=mbs, plan=plan, normalizer=norm, stats=stats,
+                        plan_hash=int.from_bytes(digest, "little"))
+
+    @staticmethod
+    def _field(batch: CompactBatch, name: str, step: int, mb_id: int) -> torch.Tensor:
+        try:
+            return batch.semantic(name)
+        except KeyError as e:
+            raise ValueError(f"step {step}, microbatch {mb_id}: {e.args[0]} (needed by the objective)") from None
+
+
+class Prefetcher:
+    """Builds steps [start, end] in a background thread, ``depth`` ahead of the training loop.
+
+    Stateful for the checkpoint manager: its state is the next step to build, so a resumed run
+    continues with exactly the step data it would have seen."""
+
+    def __init__(self, builder: StepBuilder, *, start: int, end: int, depth: int):
+        self.builder, self.next_step, self.end, self.depth = builder, start, end, depth
+        self._q: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # Stateful
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load the data state before the first step")
+        self.next_step = int(sd["next_step"])
+
+    def _run(self, start: int):
+        try:
+            for s in range(start, self.end + 1):
+                item = self.builder.build(s)
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # surfaced in the training loop with the step it belongs to
+            self._q.put(e)
+
+    def get(self) -> tuple[StepData, float]:
+        """The next step's data and the seconds the loop waited for it."""
+        t0 = time.perf_counter()
+        if self.depth <= 0:
+            item = self.builder.build(self.next_step)
+        else:
+            if self._thread is None:
+                self._q = queue.Queue(maxsize=self.depth)
+                self._thread = threading.Thread(target=self._run, args=(self.next_step,), daemon=True,
+                                                name="harts-prefetch")
+                self._thread.start()
+            item = self._q.get()
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"data worker failed preparing step {self.next_step}: {item}") from item
+        self.next_step = item.step + 1
+        return item, time.perf_counter() - t0
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

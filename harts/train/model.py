@@ -1,0 +1,151 @@
+"""The policy module the trainer parallelises: Ling-3.0 driven layer by layer as modules.
+
+``harts.runtime.compact_hidden`` calls each decoder layer's pieces as functions. Parallel wrappers
+(FSDP2 unshard/reshard hooks, activation checkpointing, torch.compile, pipeline stages) attach to a
+module's ``__call__``, so the trainer runs the same computation through module calls instead:
+``HartsPolicy.forward(batch)`` embeds, calls every ``TrainDecoderLayer(h, batch, weight, router_coef)``
+(prefix-shared compact path or trajectory-wise packed path, chosen by the batch) and returns
+``logprobs`` for every predicted position in original order. Parameter names are LingForCausalLM's, so
+state dicts and the HF export are unchanged.
+
+Router losses are attached to each layer's output with ``AddRouterLoss`` (an identity whose backward
+also seeds d(loss)/d(router term) = 1): their gradient then flows inside the layer's own backward, which
+FSDP2's per-layer reduce-scatter, activation checkpointing and pipeline stages all require.
+
+Legend: P rows of the batch (physical compact rows, or packed tokens for the baseline), D hidden,
+S predicted positions.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from harts.models.ling import LingConfig, LingForCausalLM
+from harts.models.ling.blocks import DecoderLayer, MoE
+from harts.runtime.batch import CompactBatch
+from harts.runtime.compact import kda_mix, logprobs as compact_logprobs, mla_mix
+
+__all__ = ["AddRouterLoss", "TrainDecoderLayer", "HartsPolicy", "build_policy", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+class AddRouterLoss(torch.autograd.Function):
+    """y -> y in forward; backward also returns 1 for the scalar router term (so it joins the loss)."""
+
+    @staticmethod
+    def forward(ctx, y, term):
+        ctx.term_meta = (term.shape, term.dtype, term.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shape, dtype, device = ctx.term_meta
+        return grad_y, torch.ones(shape, dtype=dtype, device=device)
+
+
+class TrainDecoderLayer(DecoderLayer):
+    """A DecoderLayer whose forward takes the batch: same parameters, same math as the runtime."""
+
+    def forward(self, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor | None,
+                router_coef: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.input_layernorm(h_PD)
+        if batch.prefix_sharing:
+            a = (mla_mix if self.kind == "mla" else kda_mix)(self.attention, x, batch)
+        else:
+            a = self.attention(x, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        h_PD = h_PD + a
+        x = self.post_attention_layernorm(h_PD)
+        if not isinstance(self.mlp, MoE):
+            return h_PD + self.mlp(x)
+        y = self.mlp(x, weight_P)
+        if router_coef is not None:
+            # router_coef = (c_z, c_aux) / (W * MoE layers): weight_sum * mean = this microbatch's share
+            st = self.mlp.last_stats
+            c = router_coef.to(st.z_loss.dtype)
+            term = st.weight_sum * (c[0] * st.z_loss + c[1] * st.aux_loss)
+            y = AddRouterLoss.apply(y, term)
+        return h_PD + y
+
+
+class HartsPolicy(LingForCausalLM):
+    """LingForCausalLM whose ``forward(batch)`` returns log-probs of every predicted position."""
+
+    activation_checkpoint: bool = False
+
+    def adopt_layers(self) -> "HartsPolicy":
+        for layer in self.model.layers:
+            if type(layer) is DecoderLayer:
+                layer.__class__ = TrainDecoderLayer
+        return self
+
+    def forward(self, batch: CompactBatch, router_coef: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(batch)
+        weight = self.row_weight(batch, h.dtype)
+        for layer in self.model.layers:
+            if self.activation_checkpoint and torch.is_grad_enabled():
+                # the plan is fixed: recomputation reruns the same views, nothing is replanned
+                h = checkpoint(layer, h, batch, weight, router_coef, use_reentrant=False)
+            else:
+                h = layer(h, batch, weight, router_coef)
+        return self.head(h, batch)
+
+    # pieces (pipeline stages call these on their own modules)
+    def embed(self, batch: CompactBatch) -> torch.Tensor:
+        return self.model.word_embeddings(batch.input_ids)
+
+    @staticmethod
+    def row_weight(batch: CompactBatch, dtype: torch.dtype) -> torch.Tensor | None:
+        """Multiplicities weight the router statistics on the compact path; the baseline's are all 1."""
+        if not batch.prefix_sharing:
+            return None
+        return batch.multiplicity.to(torch.promote_types(dtype, torch.float32))
+
+    def head(self, h_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+        return compact_logprobs(self, batch, hidden_PD=self.model.norm(h_PD))
+
+
+def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, seed: int,
+                 on_meta: bool = False) -> HartsPolicy:
+    """Build with deterministic weights: on the host (identical full tensors on every rank), or on the
+    meta device (the caller shards, then ``init_sharded``)."""
+    with torch.device("meta"):
+        model = HartsPolicy(cfg)
+    model.adopt_layers()
+    if on_meta:
+        return model.cast_(dtype)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    model.cast_(dtype)
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def _local_params(model: torch.nn.Module):
+    """Temporarily expose each DTensor parameter as a plain Parameter over its local shard (same
+    storage), so the model's in-place init functions write the shards."""
+    from torch.distributed.tensor import DTensor
+
+    saved = []
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor):
+                saved.append((mod, name, p))
+                mod._parameters[name] = torch.nn.Parameter(p._local_tensor, requires_grad=False)
+    try:
+        yield
+    finally:
+        for mod, name, p in saved:
+            mod._parameters[name] = p
+
+
+@torch.no_grad()
+def init_sharded(model: HartsPolicy, device: torch.device, seed: int, rank: int) -> None:
+    """Materialise a meta-built, already sharded model and initialise each rank's shards (seed + rank)."""
+    model.to_empty(device=device)
+    with _local_params(model):
+        model.init_weights(seed + rank)
+    for m in model.moe_layers():
+        m.gate.expert_bias.zero_()

@@ -1,0 +1,196 @@
+"""Device mesh and parallelisms, applied from the outside in torchtitan's order: EP, TP, activation
+checkpointing, compile, FSDP2.
+
+The mesh is torchtitan 0.2.2's ``ParallelDims`` (dims pp / batch / fsdp / tp / ep / efsdp, with the
+``fake`` backend for size-1 dims). On a CPU host we point its device type at "cpu" and register the
+``fake`` backend (torch's testing fake process group), which torchtitan expects to exist.
+
+Expert parallelism follows the pattern of torchtitan's ``ExpertParallel`` style (counts all-to-all,
+token all-to-all with autograd, rank-major -> expert-major permutation, reverse on combine) but is our
+code: torchtitan's style wraps a GroupedExperts module with a (tokens, counts) forward and pads every
+expert group through a Triton index kernel, while our experts are the model's stacked weights used by
+the router's fixed (token, k) combine order. EP borrows ranks from dp_shard x tp (torchtitan's rule); we
+require efsdp = 1 (ep = dp_shard x tp), so expert gradients are complete after the backward all-to-all
+and experts are left out of FSDP (``ignored_params``).
+
+Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.ling.blocks import MoE
+from harts.ops.backend import resolve
+from harts.ops.moe import route, router_stats
+from harts.ops.moe.experts import _combine
+
+log = logging.getLogger("harts.train")
+
+__all__ = ["build_parallel_dims", "apply_ep", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallelMoE"]
+
+
+def build_parallel_dims(pcfg, world_size: int, device_type: str):
+    """torchtitan ParallelDims from the [parallelism] section, usable on a CPU (gloo) host."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    import torchtitan.distributed.parallel_dims as pdm
+    from torchtitan.distributed import ParallelDims
+
+    pdm.device_type = device_type
+    if pcfg.context_parallel_degree != 1:
+        raise ValueError("context parallelism is not supported")
+    dims = ParallelDims(
+        dp_replicate=pcfg.data_parallel_replicate_degree, dp_shard=pcfg.data_parallel_shard_degree, cp=1,
+        tp=pcfg.tensor_parallel_degree, pp=pcfg.pipeline_parallel_degree, ep=pcfg.expert_parallel_degree,
+        etp=pcfg.expert_tensor_parallel_degree, world_size=world_size)
+    if dims.ep > 1:
+        if dims.ep != dims.dp_shard * dims.tp or dims.dp_replicate != 1:
+            raise ValueError(f"expert_parallel_degree={dims.ep}: the HARTS trainer needs ep = dp_shard x tp "
+                             f"(= {dims.dp_shard * dims.tp}) and dp_replicate = 1 (no extra expert FSDP)")
+        if dims.etp != 1:
+            raise ValueError("expert_tensor_parallel_degree must be 1")
+    if world_size > 1 or dims.pp > 1:
+        dims.build_mesh()
+    return dims
+
+
+# ------------------------------------------------------------------------------------------ EP
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
+
+
+def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd) -> torch.Tensor:
+    """SwiGLU of expert-major rows with the local experts (a per-expert loop, exact like the reference;
+    torch._grouped_mm on the fast path)."""
+    if x_MD.shape[0] == 0:
+        return x_MD.new_zeros(0, wd.shape[1]) + 0 * (wg.sum() + wu.sum() + wd.sum())
+    if resolve("moe_experts", "auto", x_MD.device, x_MD.dtype) == "fast":
+        offs = torch.tensor(counts_El, device=x_MD.device).cumsum(0).to(torch.int32)
+        g = torch._grouped_mm(x_MD, wg.transpose(-2, -1), offs=offs)
+        u = torch._grouped_mm(x_MD, wu.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=offs)
+    outs, start = [], 0
+    for e, n in enumerate(counts_El):
+        h = x_MD[start:start + n]
+        outs.append((F.silu(h @ wg[e].T) * (h @ wu[e].T)) @ wd[e].T)
+        start += n
+    # zero-row experts still join the graph so every local weight gets a (zero) gradient
+    return torch.cat(outs, 0) + 0 * (wg.sum() + wu.sum() + wd.sum())
+
+
+class ExpertParallelMoE(MoE):
+    """MoE whose routed experts are sharded over the ``ep`` mesh dim (Shard(0) on the expert dim)."""
+
+    ep_group = None
+    ep_size = 1
+
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.cfg
+        logits, scores, idx_TK, w_TK = route(
+            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+            top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
+            norm_topk_prob=c.norm_topk_prob)
+        self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
+        return self._routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD)
+
+    def _routed(self, x_TD, idx_TK, w_TK):
+        ex, ep, group = self.experts, self.ep_size, self.ep_group
+        wg, wu, wd = (p.to_local() if hasattr(p, "to_local") else p for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+        wg, wu, wd = (w.to(x_TD.dtype) for w in (wg, wu, wd))
+        E, El = self.cfg.num_experts, wg.shape[0]
+        T, K = idx_TK.shape
+        flat_M = idx_TK.reshape(-1)
+        order_M = torch.sort(flat_M, stable=True).indices  # expert-major == destination-rank-major
+        counts_E = torch.bincount(flat_M, minlength=E)
+        x_MD = x_TD.unsqueeze(1).expand(T, K, x_TD.shape[1]).reshape(T * K, -1)[order_M]
+        with torch.no_grad():  # counts: [rank r][local expert j] rows this rank receives
+            recv = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv, counts_E, group=group)
+            send_RE, recv_RE = counts_E.view(ep, El).cpu(), recv.view(ep, El).cpu()  # host sync (split sizes)
+        in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
+        x_recv = _a2a(x_MD, out_splits, in_splits, group)
+        # rank-major -> expert-major: rows of local expert j from every source rank, rank order kept
+        seg_start = torch.cat([torch.zeros(1, dtype=torch.long), recv_RE.reshape(-1).cumsum(0)[:-1]]).view(ep, El)
+        perm = torch.cat([torch.arange(int(seg_start[r, j]), int(seg_start[r, j] + recv_RE[r, j]))
+                          for j in range(El) for r in range(ep)] or [torch.zeros(0, dtype=torch.long)])
+        perm = perm.to(x_TD.device)
+        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd)
+        y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
+        y_back = _a2a(y_recv, in_splits, out_splits, group)
+        y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
+        return _combine(y_MD, w_TK, T, K)
+
+
+def apply_ep(model, ep_mesh) -> None:
+    """Shard every MoE layer's routed experts over ``ep_mesh`` and swap in the all-to-all forward."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = ep_mesh.size()
+    for moe in model.moe_layers():
+        if moe.cfg.num_experts % ep:
+            raise ValueError(f"num_experts={moe.cfg.num_experts} is not divisible by expert_parallel_degree={ep}")
+        ex = moe.experts
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            p = getattr(ex, name)
+            ex.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+        moe.__class__ = ExpertParallelMoE
+        moe.ep_group, moe.ep_size = ep_mesh.get_group(), ep
+
+
+def expert_params(model) -> set:
+    return {p for m in model.moe_layers() if isinstance(m, ExpertParallelMoE)
+            for p in (m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj)}
+
+
+# ------------------------------------------------------------------------------------------ AC / compile
+def apply_ac(model, mode: str) -> None:
+    """Full activation checkpointing of every decoder layer (torchtitan's 'full' mode)."""
+    model.activation_checkpoint = mode == "full"
+
+
+def apply_compile(model, backend: str = "inductor") -> list[str]:
+    """Compile the layout-free parts of each block (norms, dense MLPs, shared experts) with fullgraph=True.
+
+    The sequence mixers read the HARTS layout (host-side cu_seqlens lists, data-dependent gathers) and the
+    reference MoE loops over experts present in the batch; compiling those would graph-break on every
+    microbatch, so they stay eager."""
+    compiled = []
+    for i, layer in enumerate(model.model.layers):
+        targets = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm", layer.post_attention_layernorm)]
+        if isinstance(layer.mlp, MoE):
+            targets.append(("mlp.shared_experts", layer.mlp.shared_experts))
+        else:
+            targets.append(("mlp", layer.mlp))
+        for name, mod in targets:
+            mod.compile(backend=backend, fullgraph=True)
+            compiled.append(f"model.layers.{i}.{name}")
+    return compiled
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def apply_fsdp(model, dp_mesh, *, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool = True,
+               ignored: set | None = None) -> None:
+    """fully_shard per decoder layer, the embeddings on their own, the root (norm + lm_head) last.
+
+    Gradients are summed over DP (divide factor 1): the loss is already normalised by the step's global
+    token count (harts.rl.losses), so averaging would divide by DP twice."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=dp_mesh, mp_policy=mp)
+    ign = ignored or set()
+    fully_shard(model.model.word_embeddings, reshard_after_forward=reshard_after_forward, **kw)
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in layer.parameters() if p in ign} or None, **kw)
+    fully_shard(model, reshard_after_forward=False, ignored_params=ign or None, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)

@@ -1,0 +1,396 @@
+"""The HARTS RL trainer: setup (mesh, model, parallelisms, optimizer, checkpoint) and the step loop.
+
+One step = the planner's microbatches of this DP replica, in slot order: forward (log-probs of every
+predicted position), per-token objective, backward, with gradients accumulating across microbatches;
+then DP reductions of metrics and MoE counts, gradient clipping, optimizer and LR steps, and the
+expert-bias update. Every rank runs the same number of slots (the plan gives K/D per replica), which
+FSDP2 and expert parallelism need because their collectives pair up across ranks.
+
+From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (OptimizersContainer),
+build_lr_schedulers, clip_grad_norm_ (PP/EP aware), CheckpointManager (DCP), get_peak_flops, and
+maybe_enable_amp. Ours: the policy module, EP dispatch, the data worker and planner integration, the
+objectives and their normalisation, metrics, the NaN/Inf check, the profiler hook and the HF export.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from harts.models.ling import LingConfig
+from harts.rl.losses import LossConfig, token_losses
+from harts.train import parallelize as par
+from harts.train.data import Prefetcher, StepBuilder, StepData
+from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
+from harts.train.model import DTYPES, build_policy, init_sharded
+
+log = logging.getLogger("harts.train")
+
+__all__ = ["Trainer", "TrainState", "NonFiniteError"]
+
+
+class NonFiniteError(FloatingPointError):
+    pass
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step, dtype=torch.int64)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._init_distributed()
+        dc, lc, pc = cfg.debug, cfg.ling, cfg.parallelism
+        seed = dc.seed if dc.seed is not None else 0
+        torch.manual_seed(seed)
+        if dc.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.dims = par.build_parallel_dims(pc, self.world_size, self.device.type)
+        d = self.dims
+        if d.tp > 1 or d.pp > 1:
+            raise NotImplementedError(
+                f"tensor_parallel_degree={d.tp}, pipeline_parallel_degree={d.pp}: TP and PP are not implemented "
+                "in the HARTS trainer yet (FSDP2 and EP are); see docs/training.md")
+        batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
+        self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
+        self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
+        self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+
+        overrides = {"backend": lc.backend, "recompute": False}
+        if lc.num_hidden_layers:
+            overrides["num_hidden_layers"] = lc.num_hidden_layers
+        if lc.kda_chunk_size:
+            overrides["kda_chunk_size"] = lc.kda_chunk_size
+        self.model_cfg = LingConfig.preset(lc.preset, **overrides)
+        self.dtype = DTYPES[lc.dtype]
+        self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
+                                  on_meta=lc.init_on_meta)
+        if lc.load_hf:
+            if lc.init_on_meta:
+                raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before sharding)")
+            from harts.models.ling.checkpoint import load_hf_state_dict, read_hf_tensors
+
+            load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
+        self._parallelize()
+        if lc.init_on_meta:
+            init_sharded(self.model, self.device, lc.init_seed, self.rank)
+
+        from torchtitan.components.lr_scheduler import build_lr_schedulers
+        from torchtitan.components.optimizer import build_optimizers
+
+        ocfg = cfg.optimizer
+        if self.device.type != "cuda" and ocfg.implementation == "fused" and self.dtype == torch.float64:
+            ocfg = dataclasses.replace(ocfg, implementation="foreach")
+        # the expert bias is a buffer: no optimizer ever sees it
+        self.optimizers = build_optimizers([self.model], ocfg, self.dims)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+
+        rl = cfg.rl
+        self.loss_cfg = LossConfig(objective=rl.objective, clip_eps=rl.clip_eps,
+                                   clip_eps_high=rl.clip_eps_high or None, kl_coef=rl.kl_coef,
+                                   normalization=rl.loss_norm)
+        self.n_moe = len(self.model.moe_layers())
+        self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
+                                   vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
+                                   conv_width=self.model_cfg.short_conv_kernel_size)
+        self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
+        self.state = TrainState()
+        self.dump = cfg.job.dump_folder
+        from torchtitan.components.checkpoint import CheckpointManager
+
+        self.checkpointer = CheckpointManager(
+            dataloader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers, states={"train_state": self.state},
+            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=self.dump)
+        self.metrics = MetricsLogger(self.dump, rank=self.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
+                                     tb_folder=cfg.metrics.save_tb_folder,
+                                     color=not cfg.metrics.disable_color_printing)
+        self.flops_per_row = 6 * (self._active_nonembed_params() + self.model_cfg.hidden_size * self.model_cfg.vocab_size)
+        self.peak_flops = None
+        if self.device.type == "cuda":
+            from torchtitan.tools.utils import get_peak_flops
+
+            self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device))
+        self.history: list[dict] = []
+        if self.rank == 0:
+            log.info("HARTS trainer: world %d (dp %d, ep %d), device %s, dtype %s, harts.enabled=%s, model %s "
+                     "(%d layers, %.2fM params)", self.world_size, self.dp_degree, d.ep, self.device, lc.dtype,
+                     cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers, self._num_params() / 1e6)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _init_distributed(self):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if "RANK" in os.environ and not dist.is_initialized():
+            from datetime import timedelta
+
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=self.cfg.comm.init_timeout_seconds))
+        self.distributed = dist.is_initialized() and self.world_size > 1
+
+    def _parallelize(self):
+        d, cfg = self.dims, self.cfg
+        ignored = set()
+        if d.ep > 1:
+            par.apply_ep(self.model, d.get_mesh("ep"))
+            ignored = par.expert_params(self.model)
+        par.apply_ac(self.model, cfg.activation_checkpoint.mode)
+        if cfg.compile.enable:
+            names = par.apply_compile(self.model, cfg.compile.backend)
+            log.info("compiled %d modules per-block (fullgraph): norms, dense MLPs, shared experts", len(names))
+        self.amp = contextlib.nullcontext()
+        if d.fsdp_enabled or d.dp_replicate > 1:
+            mesh = d.get_mesh(["dp_replicate", "fsdp"]) if d.dp_replicate > 1 else d.get_mesh("fsdp")
+            mp = {}
+            if self.device.type == "cuda" and self.dtype == torch.float32:
+                mp = dict(param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                          reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+            rf = cfg.parallelism.fsdp_reshard_after_forward != "never"
+            par.apply_fsdp(self.model, mesh, reshard_after_forward=rf, ignored=ignored, **mp)
+        elif self.device.type == "cuda" and self.dtype == torch.float32:
+            from torchtitan.distributed.utils import maybe_enable_amp
+
+            self.amp = maybe_enable_amp(d, cfg.training.mixed_precision_param, "cuda")
+
+    def _num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())  # local shards under FSDP; for logging
+
+    def _active_nonembed_params(self) -> int:
+        c = self.model_cfg
+        probe = LingConfig.preset(self.cfg.ling.preset, num_hidden_layers=c.num_hidden_layers)
+        with torch.device("meta"):
+            from harts.models.ling import LingForCausalLM
+
+            m = LingForCausalLM(probe)
+        return m.num_params(active=True, embeddings=False)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        self.loader.next_step = self.state.step + 1
+        if self.state.step and self.rank == 0:
+            log.info("resumed from step %d", self.state.step)
+        try:
+            for step in range(self.state.step + 1, cfg.training.steps + 1):
+                data, wait = self.loader.get()
+                assert data.step == step, (data.step, step)
+                with self._profile(step):
+                    t0 = time.perf_counter()
+                    out = self.train_step(data)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    step_s = time.perf_counter() - t0
+                self.state.step = step
+                rec = self._record(data, out, step_s, wait)
+                self.history.append(rec)
+                if step % max(cfg.metrics.log_freq, 1) == 0 or step == 1 or step == cfg.training.steps:
+                    self.metrics.log(rec)
+                self.checkpointer.save(step, last_step=(step == cfg.training.steps))
+                if cfg.debug.exit_after_step and step == cfg.debug.exit_after_step:
+                    self._crash_exit()
+            if cfg.checkpoint.export_hf:
+                self.export_hf(os.path.join(self.dump, cfg.checkpoint.folder, "hf"))
+        finally:
+            self.loader.close()
+            self.metrics.close()
+        return self.history
+
+    def _crash_exit(self):
+        """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
+        self.checkpointer.maybe_wait_for_staging()
+        if self.distributed:
+            dist.barrier()
+        os._exit(0)
+
+    @contextlib.contextmanager
+    def _profile(self, step: int):
+        pc = self.cfg.profile
+        if not (pc.enable and step in pc.steps):
+            yield
+            return
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        folder = os.path.join(self.dump, pc.folder, f"step{step}")
+        os.makedirs(folder, exist_ok=True)
+        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+            yield
+        path = os.path.join(folder, f"rank{self.rank}_trace.json")
+        prof.export_chrome_trace(path)
+        if self.rank == 0:
+            log.info("profiler: chrome trace for step %d written to %s", step, path)
+
+    # ------------------------------------------------------------------ one step
+    def _router_coef(self, data: StepData) -> torch.Tensor | None:
+        rl = self.cfg.rl
+        if self.n_moe == 0 or (rl.z_loss_coef == 0 and rl.aux_loss_coef == 0):
+            return None
+        scale = 1.0 / (data.normalizer.raw_tokens * self.n_moe)
+        return torch.tensor([rl.z_loss_coef * scale, rl.aux_loss_coef * scale], dtype=torch.float64,
+                            device=self.device)
+
+    def train_step(self, data: StepData) -> dict:
+        cfg, model, step = self.cfg, self.model, data.step
+        if cfg.harts.check_plan and self.distributed:
+            self._check_plan(data)
+        model.train()
+        meta_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        mbs = [mb.to(self.device, meta_dtype) for mb in data.microbatches]
+        rcoef = self._router_coef(data)
+        old = [None] * len(mbs)
+        if self.loss_cfg.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
+            with torch.no_grad(), self.amp:
+                old = [model(mb.batch).detach() for mb in mbs]
+        # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
+        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
+        counts = None
+        for j, mb in enumerate(mbs):
+            with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
+                logp = model(mb.batch, rcoef)
+                loss_S, pg_S, kl_S, clip_S = token_losses(
+                    logp, mb.adv, self.loss_cfg, old_logp_S=old[j] if old[j] is not None else mb.old_logp,
+                    ref_logp_S=mb.ref_logp)
+                c = mb.coeff.to(loss_S.dtype)
+                loss = (c * loss_S).sum()
+            stats = model.router_stats()
+            if stats:
+                cnt = torch.stack([s.counts_E for s in stats]).double()
+                counts = cnt if counts is None else counts + cnt
+                router = sum(float(s.weight_sum) * (float(rcoef[0]) * s.z_loss.item() + float(rcoef[1]) * s.aux_loss.item())
+                             for s in stats) if rcoef is not None else 0.0
+            else:
+                router = 0.0
+            with torch.profiler.record_function(f"harts.backward.{mb.index}"):
+                loss.backward()
+            if cfg.debug.check_finite:
+                self._check_finite(step, j, mb.index, loss)
+            with torch.no_grad():
+                sums += torch.stack([loss.detach().double(), (c * pg_S).sum().detach().double(),
+                                     (c * kl_S).sum().detach().double(), (c * clip_S).sum().detach().double(),
+                                     torch.tensor(router, dtype=torch.float64, device=self.device),
+                                     torch.tensor(float(c.numel()), dtype=torch.float64, device=self.device),
+                                     *self._reward_probe(logp.detach(), mb)])
+        if self.dp_group is not None:
+            dist.all_reduce(sums, group=self.dp_group)
+            if counts is not None:
+                dist.all_reduce(counts, group=self.dp_group)
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        grad_norm = clip_grad_norm_([p for p in model.parameters()], cfg.training.max_norm,
+                                    foreach=True, ep_enabled=self.dims.ep > 1)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        if counts is not None and cfg.rl.expert_bias_rate > 0:
+            model.update_expert_bias(cfg.rl.expert_bias_rate, counts.to(torch.float32))
+        s = sums.tolist()
+        out = {"loss": s[0] + s[4], "policy_loss": s[1], "kl": s[2], "clip_frac": s[3], "router_loss": s[4],
+               "grad_norm": float(grad_norm), "counts": counts}
+        if cfg.data.reward == "learnable" and s[7] > 0 and s[9] > 0:
+            out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
+        return out
+
+    def _reward_probe(self, logp: torch.Tensor, mb) -> list[torch.Tensor]:
+        """Learnable reward: mean log-prob of rewarded (id < V/2) minus unrewarded loss-token targets; it
+        rises as the policy learns the reward (the loss itself is noisy when every step has new rollouts)."""
+        z = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if self.cfg.data.reward != "learnable":
+            return list(z)
+        on = mb.coeff > 0
+        good = (mb.batch.logprob_targets < self.builder.reward_vocab // 2) & on
+        bad = ~good & on
+        lp = logp.double()
+        return [lp[good].sum(), good.sum().double(), lp[bad].sum(), bad.sum().double()]
+
+    def _check_plan(self, data: StepData):
+        h = torch.tensor([data.plan_hash, -data.plan_hash], dtype=torch.int64, device=self.device)
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        if int(h[0]) != data.plan_hash or -int(h[1]) != data.plan_hash:
+            raise RuntimeError(f"step {data.step}: ranks computed different microbatch plans (hash {data.plan_hash:#x} "
+                               f"on rank {self.rank}); the planner input or code differs between ranks")
+
+    def _check_finite(self, step: int, slot: int, mb_id: int, loss: torch.Tensor):
+        """Stop on NaN/Inf in the loss or the accumulated gradients after microbatch ``mb_id``, naming it.
+        Every rank learns about every bad rank (one small all-reduce), so all of them stop together."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        gsq = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+        bad_loss, bad_grad = (not torch.isfinite(loss.detach()).item()), (not torch.isfinite(gsq).item())
+        flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
+        flags[0, self.rank] = (mb_id + 1) if bad_loss else 0
+        flags[1, self.rank] = (mb_id + 1) if bad_grad else 0
+        if self.distributed:
+            dist.all_reduce(flags)
+        if flags.any():
+            where = []
+            for kind, row in (("loss", flags[0]), ("gradients", flags[1])):
+                for r in torch.nonzero(row).flatten().tolist():
+                    where.append(f"non-finite {kind} in microbatch {int(row[r]) - 1} on rank {r}")
+            raise NonFiniteError(f"step {step}, slot {slot}: " + "; ".join(where) + " (step not applied)")
+
+    def _record(self, data: StepData, out: dict, step_s: float, wait_s: float) -> dict:
+        st = data.stats
+        rec = {"step": data.step, "loss": out["loss"], "policy_loss": out["policy_loss"], "kl": out["kl"],
+               "clip_frac": out["clip_frac"], "router_loss": out["router_loss"], "reward": st["reward"],
+               "grad_norm": out["grad_norm"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+               "raw_tokens": st["raw_tokens"], "compact_rows": st["compact_rows"],
+               "compression": st["raw_tokens"] / max(st["compact_rows"], 1), "microbatches": st["microbatches"],
+               "trajectories": st["trajectories"], "step_s": step_s, "data_wait_s": wait_s,
+               "raw_tok_s": st["raw_tokens"] / step_s, "compact_tok_s": st["compact_rows"] / step_s,
+               "plan_s": st["plan_s"], "pack_s": st["pack_s"], "load_s": st["load_s"],
+               "peak_mem_gib": peak_memory_gib(self.device), "harts": self.cfg.harts.enabled}
+        if "logp_gap" in out:
+            rec["logp_gap"] = out["logp_gap"]
+        flops = self.flops_per_row * st["compact_rows"]
+        rec["tflops"] = flops / step_s / 1e12
+        rec["mfu"] = flops / (step_s * self.world_size * self.peak_flops) if self.peak_flops else None
+        if out["counts"] is not None:
+            rec.update(expert_balance(out["counts"]))
+        return rec
+
+    # ------------------------------------------------------------------ export
+    def export_hf(self, path: str) -> None:
+        """Full (unsharded) weights in the official HF safetensors layout, written by rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from harts.models.ling import LingForCausalLM
+        from harts.models.ling.checkpoint import save_pretrained
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            with torch.device("meta"):
+                plain = LingForCausalLM(self.model_cfg)
+            plain.to_empty(device="cpu")
+            plain.load_state_dict(sd)
+            save_pretrained(plain, path)
+            log.info("exported HF safetensors to %s", path)
+        if self.distributed:
+            dist.barrier()
+
+    def close(self):
+        self.checkpointer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
