@@ -76,6 +76,7 @@ class CompactBatch:
     max_seqlen_k: int = 0
     kda_output_perm: torch.Tensor | None = None  # rounds' concatenated outputs -> physical order (no-replay)
     replay: bool = True  # False only for the fidelity ablation (see pack)
+    cp: object | None = None  # harts.runtime.cp.ContextParallel when sharded over a CP group
     stats: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ sizes and helpers
@@ -110,6 +111,15 @@ class CompactBatch:
             parts.append(np.asarray(arr)[1:])
         flat = np.concatenate(parts) if parts else np.zeros(0)
         return torch.as_tensor(flat, dtype=dtype, device=self.device)
+
+    def context_parallel(self, group) -> "CompactBatch":
+        """This batch sharded over a context-parallel group (Ulysses style, see harts.runtime.cp):
+        each rank keeps its share of the physical rows; the views stay whole."""
+        if not self.prefix_sharing:
+            raise ValueError("context parallelism is implemented for HARTS batches (prefix_sharing=True)")
+        from harts.runtime.cp import ContextParallel
+
+        return replace(self, cp=ContextParallel.create(group, self.num_phys))
 
     def to(self, device, non_blocking: bool = False) -> "CompactBatch":
         """Move every index tensor to ``device`` (the host copies of cu_seqlens stay on the CPU)."""

@@ -26,21 +26,10 @@ from harts.ops.backend import resolve
 from harts.ops.tree_conv import tree_short_conv
 from harts.runtime.batch import CompactBatch
 
-__all__ = ["compact_hidden", "hidden_states", "logprobs", "kda_mix", "mla_mix"]
+__all__ = ["compact_hidden", "hidden_states", "logprobs", "kda_mix", "kda_rounds", "mla_mix"]
 
 
 # ------------------------------------------------------------------------------------------ KDA
-def _kda_project(attn, x_PD: torch.Tensor, batch: CompactBatch):
-    P = x_PD.shape[0]
-    conv = lambda proj, c: tree_short_conv(proj(x_PD), c.weight.squeeze(1), batch.conv_pred, "silu")
-    q = conv(attn.q_proj, attn.q_conv1d).view(P, attn.H, attn.Kh)
-    k = conv(attn.k_proj, attn.k_conv1d).view(P, attn.H, attn.Kh)
-    v = conv(attn.v_proj, attn.v_conv1d).view(P, attn.H, attn.Kh)
-    f = attn.f_proj(x_PD).view(P, attn.H, attn.Kh)
-    beta = torch.sigmoid(attn.b_proj(x_PD).to(torch.promote_types(x_PD.dtype, torch.float32)))
-    return q, k, v, f, beta
-
-
 def _round_fn(cfg, device, dtype):
     which = resolve("kda", cfg.op_backend("kda"), device, dtype)
     if which == "fast":
@@ -52,11 +41,9 @@ def _round_fn(cfg, device, dtype):
     return chunk_kda_round_reference
 
 
-def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
-    """KDA over the planned rounds; returns the layer output [P, D] (before the residual)."""
-    cfg = attn.cfg
-    q, k, v, f, beta = _kda_project(attn, x_PD, batch)
-    run_round = _round_fn(cfg, x_PD.device, q.dtype)
+def kda_rounds(q, k, v, f, beta, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:
+    """The KDA core over the planned rounds: q, k, v, f [P, H, K], beta [P, H] -> o [P, H, V]."""
+    run_round = _round_fn(cfg, q.device, q.dtype)
     P, H, Kh = q.shape
     states = []  # emitted boundary states, round by round, each [E_r, H, K, V] fp32+
     outs = []
@@ -69,7 +56,7 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
             qr, kr, vr, fr, br = (t.index_select(0, r.gather) for t in (q, k, v, f, beta))
         init = None
         if r.has_init:
-            zero = q.new_zeros((1, H, Kh, Kh), dtype=state_dtype)
+            zero = q.new_zeros((1, H, Kh, v.shape[-1]), dtype=state_dtype)
             bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
             init = bank.index_select(0, r.init_source + 1)
         # Same dtype conventions as the trajectory-wise fast path (harts.ops.kda.fast): gate input and
@@ -78,32 +65,63 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
             qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), fr.unsqueeze(0).to(q.dtype),
             br.unsqueeze(0).to(q.dtype), r.cu_seqlens, initial_state=init, output_final_state=False,
             state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=attn.A_log.to(state_dtype),
-            dt_bias=attn.dt_bias.to(state_dtype), safe_gate=True, lower_bound=cfg.kda_lower_bound,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.to(state_dtype),
+            dt_bias=dt_bias.to(state_dtype), safe_gate=True, lower_bound=cfg.kda_lower_bound,
             chunk_size=cfg.kda_chunk_size)
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)
         outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
-        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, H, Kh)))
+        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, H, v.shape[-1])))
     o_PHV = torch.cat(outs, dim=0)
     if batch.kda_output_perm is not None:  # no-replay ablation: segments ran in their own order
         o_PHV = o_PHV.index_select(0, batch.kda_output_perm)
-    return attn.output(o_PHV, x_PD)
+    return o_PHV
+
+
+def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+    """KDA layer on the compact layout; returns the layer output (before the residual).
+
+    Projections run per row (per own row under context parallelism); the short convolution runs on
+    the rows' true ancestors and, like the core, needs whole paths, so under CP it runs after the
+    rows-to-heads exchange on the rank's own channels (the convolution is depthwise per channel).
+    """
+    cfg, cp = attn.cfg, batch.cp
+    H, Kh = attn.H, attn.Kh
+    q, k, v, f = (p(x_PD).view(-1, H, Kh) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj))
+    beta = torch.sigmoid(attn.b_proj(x_PD).to(torch.promote_types(x_PD.dtype, torch.float32)))
+    heads = slice(0, H)
+    if cp is not None:
+        q, k, v, f, beta = (cp.rows_to_heads(t) for t in (q, k, v, f, beta[..., None]))
+        beta = beta.squeeze(-1)
+        heads = cp.head_slice(H)
+    h = heads.stop - heads.start
+    chans = slice(heads.start * Kh, heads.stop * Kh)
+    q, k, v = (tree_short_conv(t.flatten(1), c.weight.squeeze(1)[chans], batch.conv_pred, "silu").view(-1, h, Kh)
+               for t, c in ((q, attn.q_conv1d), (k, attn.k_conv1d), (v, attn.v_conv1d)))
+    o = kda_rounds(q, k, v, f, beta, attn.A_log[heads], attn.dt_bias.view(H, Kh)[heads].flatten(), batch, cfg)
+    if cp is not None:
+        o = cp.heads_to_rows(o)
+    return attn.output(o, x_PD)
 
 
 # ------------------------------------------------------------------------------------------ MLA
 def mla_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
-    q, k, v = attn.project(x_PD, batch.position_ids)
+    cp = batch.cp
+    q, k, v = attn.project(x_PD, batch.position_ids if cp is None else cp.local(batch.position_ids))
+    if cp is not None:
+        q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
+    P = q.shape[0]
     if not batch.mla_q_is_identity:
         q = q.index_select(0, batch.mla_q_rows)
     o = varlen_attention(q, k.index_select(0, batch.mla_kv_rows), v.index_select(0, batch.mla_kv_rows),
                          batch.cu_seqlens_q, batch.cu_seqlens_k, attn.scale, backend=attn.cfg.op_backend("attention"),
                          max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
     if not batch.mla_q_is_identity:
-        o = torch.zeros((x_PD.shape[0],) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(
-            0, batch.mla_q_rows, o)
+        o = torch.zeros((P,) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, batch.mla_q_rows, o)
+    if cp is not None:
+        o = cp.heads_to_rows(o)
     return attn.output(o, x_PD)
 
 
@@ -121,8 +139,9 @@ def _compact_layer(layer, h_PD: torch.Tensor, batch: CompactBatch, weight_P: tor
 def compact_hidden(model, batch: CompactBatch) -> torch.Tensor:
     """Final-normed hidden states of the physical rows [P, D] on the compact path."""
     m = model.model
-    weight_P = batch.multiplicity
-    h = m.word_embeddings(batch.input_ids)
+    cp = batch.cp
+    weight_P = batch.multiplicity if cp is None else cp.local(batch.multiplicity)
+    h = m.word_embeddings(batch.input_ids if cp is None else cp.local(batch.input_ids))
     weight_P = weight_P.to(torch.promote_types(h.dtype, torch.float32))
     for layer in m.layers:
         if model.config.recompute and torch.is_grad_enabled():
@@ -147,9 +166,21 @@ def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None) 
     accumulates each row's gradient from all its semantic positions).
     """
     h = hidden_states(model, batch) if hidden_PD is None else hidden_PD
+    rows, targets = batch.logprob_rows, batch.logprob_targets
+    cp = batch.cp
+    if cp is not None:  # own rows only; other ranks' positions are zero (sum over the CP group)
+        lo, hi = cp.row_range
+        own = (rows >= lo) & (rows < hi)
+        idx = own.nonzero().squeeze(1)
+        lp_own = _logprobs(model, h, rows[idx] - lo, targets[idx])
+        return torch.zeros(rows.shape[0], dtype=lp_own.dtype, device=lp_own.device).index_copy(0, idx, lp_own)
+    return _logprobs(model, h, rows, targets)
+
+
+def _logprobs(model, h, rows, targets):
     w = model.lm_head.weight
     if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32):
         from harts.ops.logprobs import compact_logprobs
 
-        return compact_logprobs(h, w, batch.logprob_rows, batch.logprob_targets)
-    return model.token_logprobs(h, batch.logprob_targets, batch.logprob_rows)
+        return compact_logprobs(h, w, rows, targets)
+    return model.token_logprobs(h, targets, rows)
