@@ -88,6 +88,17 @@ def test_float64_backward_and_recompute_match(model64):
     assert a["model.layers.1.mlp.gate.weight"].abs().sum() > 0  # router learns through weights and z-loss
 
 
+def test_recompute_keeps_forward_stats():
+    """The recomputation inside backward must not replace the forward's router stats: holding the
+    recomputed graph would pin every MoE layer's recomputed activations (an OOM at 64K tokens)."""
+    m = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", recompute=True))
+    ids, pos, cu = _batch(m.config, [40])
+    h = m(ids, pos, cu)
+    z = [s.z_loss for s in m.router_stats()]
+    (m.token_logprobs(h, ids).sum() + sum(z)).backward()
+    assert all(a is s.z_loss for a, s in zip(z, m.router_stats()))
+
+
 def test_token_logprobs_chunked_equals_log_softmax(model64):
     cfg = model64.config
     ids, pos, cu = _batch(cfg, [70], seed=2)

@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA alloc
     if not torch.cuda.is_available():
         print("harts.bench.model needs a CUDA GPU")
         return 2
@@ -230,10 +231,12 @@ def main(argv=None) -> int:
         try:
             results = run(args, ov)
             break
-        except Exception:
+        except Exception as e:
             errors.append({"overrides": ov, "traceback": traceback.format_exc()[-3000:]})
             print(f"[bench] attempt with overrides {ov} failed:\n{errors[-1]['traceback']}", flush=True)
             torch.cuda.empty_cache()
+            if isinstance(e, torch.OutOfMemoryError):
+                break  # a reference path would need more memory, not less
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"result": results, "failed_attempts": errors}

@@ -27,6 +27,11 @@ from harts.ops.kda import kda
 from harts.ops.moe import RouterStats, moe_experts, route, router_stats
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. a checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -234,7 +239,12 @@ class MoE(nn.Module):
             x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
             top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
             norm_topk_prob=c.norm_topk_prob)
-        self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
+        stats = router_stats(logits, scores, idx_TK, token_weight_T)
+        if not _in_backward():
+            # A recomputation (activation checkpointing) runs inside backward: keeping its graph-connected
+            # stats would pin that layer's recomputed activations until the next forward (one layer's
+            # worth per MoE layer, ~100 GB at 64K tokens). The forward's stats have the same values.
+            self.last_stats = stats
         ex = self.experts
         y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
         return y + self.shared_experts(x_TD)
