@@ -14,9 +14,11 @@ would weight small microbatches more and depend on the planner: that is what thi
 
 The MoE router terms are treated the same way: a layer's z-loss of microbatch b is a weighted mean over
 its rows with multiplicities q (``RouterStats``); multiplied by W_b / W (W_b = sum of q in b = its raw
-tokens, W = the step's raw tokens) it becomes a step-level token mean. The batch-wise balance loss
-f.P is not linear in tokens; we apply it per microbatch, weighted by W_b / W (a microbatch-wise balance
-loss, which does depend on the split; the default coefficient is 0 and Ling relies on the bias update).
+tokens, W = the step's raw tokens) it becomes a step-level token mean. The balance loss sum_E f_E P_E
+(DeepSeek-V3's f and P) has a detached factor f computed from expert counts; with f from the current
+microbatch it would change with the split, so the trainer uses f from the *previous step's* global,
+multiplicity-weighted counts (uniform before the first step) and P_b weighted by W_b / W, which makes
+the whole term linear in the microbatches (``harts.train.model.router_term``).
 
 Legend: S predicted (nonterminal) positions of a microbatch, N trajectories.
 """

@@ -3,7 +3,7 @@
 ``harts.runtime.compact_hidden`` calls each decoder layer's pieces as functions. Parallel wrappers
 (FSDP2 unshard/reshard hooks, activation checkpointing, torch.compile, pipeline stages) attach to a
 module's ``__call__``, so the trainer runs the same computation through module calls instead:
-``HartsPolicy.forward(batch)`` embeds, calls every ``TrainDecoderLayer(h, batch, weight, router_coef)``
+``HartsPolicy.forward(batch)`` embeds, calls every ``TrainDecoderLayer(h, batch, weight, router)``
 (prefix-shared compact path or trajectory-wise packed path, chosen by the batch) and returns
 ``logprobs`` for every predicted position in original order. Parameter names are LingForCausalLM's, so
 state dicts and the HF export are unchanged.
@@ -49,8 +49,10 @@ class AddRouterLoss(torch.autograd.Function):
 class TrainDecoderLayer(DecoderLayer):
     """A DecoderLayer whose forward takes the batch: same parameters, same math as the runtime."""
 
+    moe_index: int = -1  # position among the MoE layers (set by HartsPolicy.adopt_layers)
+
     def forward(self, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor | None,
-                router_coef: torch.Tensor | None = None) -> torch.Tensor:
+                router: tuple | None = None) -> torch.Tensor:
         x = self.input_layernorm(h_PD)
         if batch.prefix_sharing:
             a = (mla_mix if self.kind == "mla" else kda_mix)(self.attention, x, batch)
@@ -61,13 +63,24 @@ class TrainDecoderLayer(DecoderLayer):
         if not isinstance(self.mlp, MoE):
             return h_PD + self.mlp(x)
         y = self.mlp(x, weight_P)
-        if router_coef is not None:
-            # router_coef = (c_z, c_aux) / (W * MoE layers): weight_sum * mean = this microbatch's share
-            st = self.mlp.last_stats
-            c = router_coef.to(st.z_loss.dtype)
-            term = st.weight_sum * (c[0] * st.z_loss + c[1] * st.aux_loss)
-            y = AddRouterLoss.apply(y, term)
+        if router is not None:
+            y = AddRouterLoss.apply(y, router_term(self.mlp.last_stats, router, self.moe_index))
         return h_PD + y
+
+
+def router_term(st, router: tuple, moe_index: int) -> torch.Tensor:
+    """This microbatch's share of the step's router loss for one layer (see harts.rl.losses).
+
+    router = (coef_2, f_LE): coef = (c_z, c_aux) / (W * MoE layers); f_LE the detached load fractions of
+    the previous step's global counts. z: W_b * z_b. Balance: W_b * (f_prev . P_b), linear in the
+    microbatch (P_b is a weighted mean over its rows), so the step's sum does not depend on the split.
+    """
+    coef, f_LE = router
+    c = coef.to(st.z_loss.dtype)
+    term = st.weight_sum * c[0] * st.z_loss
+    if f_LE is not None:
+        term = term + st.weight_sum * c[1] * (f_LE[moe_index].to(st.P_E.dtype) * st.P_E).sum()
+    return term
 
 
 class HartsPolicy(LingForCausalLM):
@@ -76,20 +89,24 @@ class HartsPolicy(LingForCausalLM):
     activation_checkpoint: bool = False
 
     def adopt_layers(self) -> "HartsPolicy":
+        i = 0
         for layer in self.model.layers:
             if type(layer) is DecoderLayer:
                 layer.__class__ = TrainDecoderLayer
+            if isinstance(layer.mlp, MoE):
+                layer.moe_index, i = i, i + 1
         return self
 
-    def forward(self, batch: CompactBatch, router_coef: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: CompactBatch, router: tuple | None = None) -> torch.Tensor:
+        """Log-probs [S]; ``router`` = (coef_2, f_LE or None) adds the router losses (see router_term)."""
         h = self.embed(batch)
         weight = self.row_weight(batch, h.dtype)
         for layer in self.model.layers:
             if self.activation_checkpoint and torch.is_grad_enabled():
                 # the plan is fixed: recomputation reruns the same views, nothing is replanned
-                h = checkpoint(layer, h, batch, weight, router_coef, use_reentrant=False)
+                h = checkpoint(layer, h, batch, weight, router, use_reentrant=False)
             else:
-                h = layer(h, batch, weight, router_coef)
+                h = layer(h, batch, weight, router)
         return self.head(h, batch)
 
     # pieces (pipeline stages call these on their own modules)

@@ -28,7 +28,7 @@ from harts.rl.losses import LossConfig, token_losses
 from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
 from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
-from harts.train.model import DTYPES, build_policy, init_sharded
+from harts.train.model import DTYPES, build_policy, init_sharded, router_term
 
 log = logging.getLogger("harts.train")
 
@@ -42,12 +42,20 @@ class NonFiniteError(FloatingPointError):
 @dataclasses.dataclass
 class TrainState:
     step: int = 0
+    # load fractions f_LE of the last step's global MoE counts (the balance loss's detached factor);
+    # all ones before the first step (then sum_E f_E P_E = 1 for every token: no gradient)
+    moe_f: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step, dtype=torch.int64)}
+        sd = {"step": torch.tensor(self.step, dtype=torch.int64)}
+        if self.moe_f is not None:
+            sd["moe_f"] = self.moe_f
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
+        if "moe_f" in sd and self.moe_f is not None:
+            self.moe_f.copy_(sd["moe_f"])
 
 
 class Trainer:
@@ -109,6 +117,9 @@ class Trainer:
                                    conv_width=self.model_cfg.short_conv_kernel_size)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
         self.state = TrainState()
+        if self.n_moe:
+            self.state.moe_f = torch.ones(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64,
+                                          device=self.device)
         self.dump = cfg.job.dump_folder
         from torchtitan.components.checkpoint import CheckpointManager
 
@@ -242,13 +253,14 @@ class Trainer:
             log.info("profiler: chrome trace for step %d written to %s", step, path)
 
     # ------------------------------------------------------------------ one step
-    def _router_coef(self, data: StepData) -> torch.Tensor | None:
+    def _router_inputs(self, data: StepData) -> tuple | None:
         rl = self.cfg.rl
         if self.n_moe == 0 or (rl.z_loss_coef == 0 and rl.aux_loss_coef == 0):
             return None
         scale = 1.0 / (data.normalizer.raw_tokens * self.n_moe)
-        return torch.tensor([rl.z_loss_coef * scale, rl.aux_loss_coef * scale], dtype=torch.float64,
+        coef = torch.tensor([rl.z_loss_coef * scale, rl.aux_loss_coef * scale], dtype=torch.float64,
                             device=self.device)
+        return coef, (self.state.moe_f if rl.aux_loss_coef else None)
 
     def train_step(self, data: StepData) -> dict:
         cfg, model, step = self.cfg, self.model, data.step
@@ -257,7 +269,7 @@ class Trainer:
         model.train()
         meta_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         mbs = [mb.to(self.device, meta_dtype) for mb in data.microbatches]
-        rcoef = self._router_coef(data)
+        router = self._router_inputs(data)
         old = [None] * len(mbs)
         if self.loss_cfg.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             with torch.no_grad(), self.amp:
@@ -267,7 +279,7 @@ class Trainer:
         counts = None
         for j, mb in enumerate(mbs):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
-                logp = model(mb.batch, rcoef)
+                logp = model(mb.batch, router)
                 loss_S, pg_S, kl_S, clip_S = token_losses(
                     logp, mb.adv, self.loss_cfg, old_logp_S=old[j] if old[j] is not None else mb.old_logp,
                     ref_logp_S=mb.ref_logp)
@@ -277,10 +289,11 @@ class Trainer:
             if stats:
                 cnt = torch.stack([s.counts_E for s in stats]).double()
                 counts = cnt if counts is None else counts + cnt
-                router = sum(float(s.weight_sum) * (float(rcoef[0]) * s.z_loss.item() + float(rcoef[1]) * s.aux_loss.item())
-                             for s in stats) if rcoef is not None else 0.0
+                with torch.no_grad():
+                    rterm = (sum(router_term(s, router, i).item() for i, s in enumerate(stats))
+                             if router is not None else 0.0)
             else:
-                router = 0.0
+                rterm = 0.0
             with torch.profiler.record_function(f"harts.backward.{mb.index}"):
                 loss.backward()
             if cfg.debug.check_finite:
@@ -288,7 +301,7 @@ class Trainer:
             with torch.no_grad():
                 sums += torch.stack([loss.detach().double(), (c * pg_S).sum().detach().double(),
                                      (c * kl_S).sum().detach().double(), (c * clip_S).sum().detach().double(),
-                                     torch.tensor(router, dtype=torch.float64, device=self.device),
+                                     torch.tensor(rterm, dtype=torch.float64, device=self.device),
                                      torch.tensor(float(c.numel()), dtype=torch.float64, device=self.device),
                                      *self._reward_probe(logp.detach(), mb)])
         if self.dp_group is not None:
@@ -302,8 +315,11 @@ class Trainer:
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
-        if counts is not None and cfg.rl.expert_bias_rate > 0:
-            model.update_expert_bias(cfg.rl.expert_bias_rate, counts.to(torch.float32))
+        if counts is not None:
+            if cfg.rl.expert_bias_rate > 0:
+                model.update_expert_bias(cfg.rl.expert_bias_rate, counts.to(torch.float32))
+            c = self.model_cfg
+            self.state.moe_f = counts * (c.num_experts / (c.num_experts_per_tok * data.normalizer.raw_tokens))
         s = sums.tolist()
         out = {"loss": s[0] + s[4], "policy_loss": s[1], "kl": s[2], "clip_frac": s[3], "router_loss": s[4],
                "grad_norm": float(grad_norm), "counts": counts}
