@@ -1,0 +1,51 @@
+"""Trainer configuration (torchtitan 0.2.2 ConfigManager + our sections) and the baseline planner."""
+import numpy as np
+import pytest
+
+from harts.planning.microbatch import PlanningError
+from harts.train.data import plan_trajectory_wise
+
+from harts.train import config
+
+
+def test_toml_and_cli_precedence(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[training]\nsteps = 7\n[harts]\ncapacity = 300\nenabled = true\n[profile]\nsteps = [2]\n'
+                 '[ling]\ndtype = "float64"\n')
+    c = config.parse_args(["--config", str(p), "--training.steps=9", "--harts.enabled=false",
+                           "--profile.steps=1,4", "--profile.enable"])
+    assert (c.training.steps, c.harts.capacity, c.harts.enabled, c.ling.dtype) == (9, 300, False, "float64")
+    assert c.profile.steps == [1, 4] and c.profile.enable
+    c = config.parse_args([f"--config={p}"])
+    assert (c.training.steps, c.harts.enabled, c.profile.steps, c.profile.enable) == (7, True, [2], False)
+    d = config.parse_args([])  # defaults
+    assert d.harts.enabled and d.activation_checkpoint.mode == "none" and d.rl.objective == "grpo"
+
+
+def test_config_errors_name_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"training.seq_len = 128 is a torchtitan setting"):
+        config.parse_args(["--training.seq_len=128"])
+    with pytest.raises(ValueError, match=r"rl.objective = 'dpo'"):
+        config.parse_args(["--rl.objective=dpo"])
+    with pytest.raises(ValueError, match=r"data.source = 'jsonl' needs data.path"):
+        config.parse_args(["--data.source=jsonl"])
+    with pytest.raises(SystemExit, match="expected true or false"):
+        config.parse_args(["--harts.enabled=maybe"])
+    p = tmp_path / "bad.toml"
+    p.write_text("[harts]\ncapcity = 3\n")
+    with pytest.raises(ValueError, match="capcity"):
+        config.parse_args(["--config", str(p)])
+
+
+def test_trajectory_wise_plan():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 60, 37)
+    plan = plan_trajectory_wise(lengths, dp_degree=2, capacity=150)
+    plan.validate()  # coverage, K multiple of D, capacity, slots, objective (work = raw tokens here)
+    for mb, w in zip(plan.microbatches, plan.work):
+        assert w == lengths[mb].sum()
+    assert plan.num_microbatches >= np.ceil(lengths.sum() / 150) and plan.num_microbatches % 2 == 0
+    with pytest.raises(PlanningError, match="trajectory 3 has 200 tokens"):
+        plan_trajectory_wise([5, 5, 5, 200], dp_degree=1, capacity=100)
+    with pytest.raises(PlanningError, match="cannot fill 4 DP replicas"):
+        plan_trajectory_wise([5, 5, 5], dp_degree=4, capacity=100)
