@@ -377,7 +377,9 @@ class Trainer:
                "trajectories": st["trajectories"], "step_s": step_s, "data_wait_s": wait_s,
                "raw_tok_s": st["raw_tokens"] / step_s, "compact_tok_s": st["compact_rows"] / step_s,
                "plan_s": st["plan_s"], "pack_s": st["pack_s"], "load_s": st["load_s"],
-               "peak_mem_gib": peak_memory_gib(self.device), "harts": self.cfg.harts.enabled}
+               "peak_mem_gib": peak_memory_gib(self.device), "harts": self.cfg.harts.enabled,
+               "world": self.world_size, "dp": self.dp_degree, "ep": self.dims.ep, "tp": self.dims.tp,
+               "pp": self.dims.pp}
         if "logp_gap" in out:
             rec["logp_gap"] = out["logp_gap"]
         flops = self.flops_per_row * st["compact_rows"]
