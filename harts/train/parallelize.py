@@ -65,12 +65,12 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
-def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd) -> torch.Tensor:
+def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend: str = "auto") -> torch.Tensor:
     """SwiGLU of expert-major rows with the local experts (a per-expert loop, exact like the reference;
     torch._grouped_mm on the fast path)."""
     if x_MD.shape[0] == 0:
         return x_MD.new_zeros(0, wd.shape[1]) + 0 * (wg.sum() + wu.sum() + wd.sum())
-    if resolve("moe_experts", "auto", x_MD.device, x_MD.dtype) == "fast":
+    if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
         offs = torch.tensor(counts_El, device=x_MD.device).cumsum(0).to(torch.int32)
         g = torch._grouped_mm(x_MD, wg.transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x_MD, wu.transpose(-2, -1), offs=offs)
@@ -120,7 +120,8 @@ class ExpertParallelMoE(MoE):
         perm = torch.cat([torch.arange(int(seg_start[r, j]), int(seg_start[r, j] + recv_RE[r, j]))
                           for j in range(El) for r in range(ep)] or [torch.zeros(0, dtype=torch.long)])
         perm = perm.to(x_TD.device)
-        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd)
+        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd,
+                                  self.cfg.op_backend("moe"))
         y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
         y_back = _a2a(y_recv, in_splits, out_splits, group)
         y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
