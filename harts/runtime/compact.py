@@ -19,7 +19,6 @@ states, S' nonterminal semantic positions.
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from harts.ops.attention import varlen_attention
 from harts.ops.backend import resolve
@@ -126,36 +125,15 @@ def mla_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ model
-def _compact_layer(layer, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor) -> torch.Tensor:
-    mix = mla_mix if layer.kind == "mla" else kda_mix
-    h_PD = h_PD + mix(layer.attention, layer.input_layernorm(h_PD), batch)
-    x = layer.post_attention_layernorm(h_PD)
-    from harts.models.ling.blocks import MoE
-
-    y = layer.mlp(x, weight_P) if isinstance(layer.mlp, MoE) else layer.mlp(x)
-    return h_PD + y
-
-
 def compact_hidden(model, batch: CompactBatch) -> torch.Tensor:
-    """Final-normed hidden states of the physical rows [P, D] on the compact path."""
-    m = model.model
-    cp = batch.cp
-    weight_P = batch.multiplicity if cp is None else cp.local(batch.multiplicity)
-    h = m.word_embeddings(batch.input_ids if cp is None else cp.local(batch.input_ids))
-    weight_P = weight_P.to(torch.promote_types(h.dtype, torch.float32))
-    for layer in m.layers:
-        if model.config.recompute and torch.is_grad_enabled():
-            # The plan is fixed: recomputation re-runs the same views, no replanning, nothing kept.
-            h = checkpoint(_compact_layer, layer, h, batch, weight_P, use_reentrant=False)
-        else:
-            h = _compact_layer(layer, h, batch, weight_P)
-    return m.norm(h)
+    """Final-normed hidden states of the physical rows [P, D] (own rows under CP) on the compact path."""
+    return model(layout=batch)
 
 
 def hidden_states(model, batch: CompactBatch) -> torch.Tensor:
     """Hidden states of the batch's rows: compact path, or the ordinary packed path for the baseline."""
     if batch.prefix_sharing:
-        return compact_hidden(model, batch)
+        return model(layout=batch)
     return model(batch.input_ids, batch.position_ids, batch.cu_seqlens, None, batch.max_seqlen)
 
 

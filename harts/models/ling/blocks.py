@@ -260,8 +260,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.mlp_type(layer_idx) == "moe" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h_TD, position_ids_T, cu_seqlens, token_weight_T=None, max_seqlen: int | None = None):
-        h_TD = h_TD + self.attention(self.input_layernorm(h_TD), position_ids_T, cu_seqlens, max_seqlen)
+    def forward(self, h_TD, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen: int | None = None,
+                *, layout=None):
+        """``layout`` (a ``harts.CompactBatch`` with prefix sharing) swaps in the compact sequence-mixer
+        views through ``layout.mix(attention, x)``; everything else in the block is row-wise and runs
+        unchanged on the compact rows. Going through the module call keeps parallel wrappers (FSDP2
+        hooks, checkpointing, compile) in effect on both paths."""
+        x = self.input_layernorm(h_TD)
+        if layout is not None:
+            h_TD = h_TD + layout.mix(self.attention, x)
+        else:
+            h_TD = h_TD + self.attention(x, position_ids_T, cu_seqlens, max_seqlen)
         x = self.post_attention_layernorm(h_TD)
         y = self.mlp(x, token_weight_T) if isinstance(self.mlp, MoE) else self.mlp(x)
         return h_TD + y

@@ -45,15 +45,25 @@ class LingModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids_T, position_ids_T, cu_seqlens, token_weight_T=None, max_seqlen=None):
-        _check_packed(input_ids_T, position_ids_T, cu_seqlens)
+    def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
+                *, layout=None):
+        """Packed trajectories (input_ids, position_ids, cu_seqlens), or a compact ``layout``: a
+        ``harts.CompactBatch`` with prefix sharing, whose rows (its own share under context
+        parallelism) and multiplicities replace the packed inputs."""
+        if layout is not None:
+            input_ids_T, token_weight_T = layout.local_rows(layout.input_ids), layout.local_rows(layout.multiplicity)
+        else:
+            _check_packed(input_ids_T, position_ids_T, cu_seqlens)
         h_TD = self.word_embeddings(input_ids_T)
+        if token_weight_T is not None:
+            token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
+        args = (position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
         for layer in self.layers:
             if self.cfg.recompute and torch.is_grad_enabled():
-                h_TD = checkpoint(layer, h_TD, position_ids_T, cu_seqlens, token_weight_T, max_seqlen,
-                                  use_reentrant=False)
+                # Under HARTS the plan is fixed: recomputation reruns the same views, nothing is replanned.
+                h_TD = checkpoint(layer, h_TD, *args, layout=layout, use_reentrant=False)
             else:
-                h_TD = layer(h_TD, position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
+                h_TD = layer(h_TD, *args, layout=layout)
         return self.norm(h_TD)
 
 
@@ -96,11 +106,13 @@ class LingForCausalLM(nn.Module):
         return total
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, cu_seqlens: torch.Tensor,
-                token_weight_T: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-        """Final hidden states [T, D]. ``token_weight_T`` (multiplicity per row, default ones) only weights
-        the router statistics; ``max_seqlen`` (optional) avoids a host sync in the fast attention path."""
-        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
+    def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
+                max_seqlen: int | None = None, *, layout=None) -> torch.Tensor:
+        """Final hidden states [T, D] of a packed stream, or [P, D] of a compact ``layout`` (HARTS).
+        ``token_weight_T`` (multiplicity per row, default ones) only weights the router statistics;
+        ``max_seqlen`` (optional) avoids a host sync in the fast attention path."""
+        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """Full logits in fp32+ (small inputs / tests only)."""
