@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from harts.data.trajectory import RolloutBatch
 from harts.planning import MicrobatchPlan, plan_microbatches
-from harts.planning.exact_dp import exact_partitions, first_feasible_start
+from harts.planning.exact_dp import exact_partitions, exact_partitions_pairwise, first_feasible_start
 from harts.planning.greedy import align_to_dp, eliminate_small, greedy_place, neighbour_shared, processing_orders
 from harts.planning.heuristic import evolve_natural, sample_targets
 from harts.planning.microbatch import PlanningError, main, plan_index
@@ -195,6 +195,23 @@ def test_exact_dp_equals_brute_force_over_contiguous_partitions(params, extra):
         works = [brute_work(srt[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
         assert len(works) == k and max(works) <= capacity
         assert (sum(works), max(works)) == ref
+    # The packed-key, windowed fast path and the pairwise reference pick identical partitions.
+    ref_found = exact_partitions_pairwise(idx, capacity, ks)
+    assert found.keys() == ref_found.keys()
+    assert all(np.array_equal(found[k], ref_found[k]) for k in found)
+
+
+@settings(max_examples=30, deadline=None)
+@given(forest_params, st.integers(0, 20), st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_exact_dp_fast_path_equals_pairwise_reference(params, extra, targets):
+    """Larger inputs than brute force allows: same cuts for every target subset (windows depend on it)."""
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len, trees=3)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    fast = exact_partitions(idx, capacity, targets)
+    ref = exact_partitions_pairwise(idx, capacity, targets)
+    assert fast.keys() == ref.keys() and all(np.array_equal(fast[k], ref[k]) for k in fast)
 
 
 # ----------------------------------------------------------------------------------- heuristic
@@ -359,7 +376,8 @@ def test_plan_properties(params, extra, dp):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forest_params, st.integers(0, 25), st.integers(1, 4))
 def test_plan_properties_heuristic_mode(params, extra, dp):
-    """The same guarantees with the exact-search threshold forced to 0 (sampled-K evolution + anchors)."""
+    """The same guarantees in the paper's literal heuristic mode (N0 = 0: sampled-K evolution + anchors),
+    and the default mode above N0 (exact DP partitions added) is never worse under J."""
     from unittest import mock
 
     import harts.planning.microbatch as mb
@@ -369,18 +387,25 @@ def test_plan_properties_heuristic_mode(params, extra, dp):
     capacity = max(len(s) for s in seqs) + extra
     if n < dp:
         return
-    with mock.patch.object(mb, "N0", 0):
-        try:
-            plan = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
-        except PlanningError as e:
-            assert "no DP-compatible plan" in str(e)
-            if n <= 8:
-                assert min_feasible_k(seqs, capacity, dp) is None
-            return
-        assert not plan.candidate.startswith("exact")
-        check_plan(plan, seqs, dp, capacity)
-        again = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+    try:
+        plan = plan_microbatches(seqs, dp_degree=dp, capacity=capacity, exact_threshold=0)
+    except PlanningError as e:
+        assert "no DP-compatible plan" in str(e)
+        if n <= 8:
+            assert min_feasible_k(seqs, capacity, dp) is None
+        return
+    assert not plan.candidate.startswith("exact")
+    check_plan(plan, seqs, dp, capacity)
+    again = plan_microbatches(seqs, dp_degree=dp, capacity=capacity, exact_threshold=0)
     assert again.to_dict() == plan.to_dict()
+    with mock.patch.object(mb, "N0", 0):
+        default = plan_microbatches(seqs, dp_degree=dp, capacity=capacity)
+        check_plan(default, seqs, dp, capacity)
+        assert tuple(default.objective) <= tuple(plan.objective)
+        if tuple(default.objective) == tuple(plan.objective):  # ties go to the paper's candidates
+            assert default.to_dict() == plan.to_dict()
+        with mock.patch.object(mb, "EXACT_CELL_BUDGET", 0):  # over budget: exactly the literal plan
+            assert plan_microbatches(seqs, dp_degree=dp, capacity=capacity).to_dict() == plan.to_dict()
 
 
 def set_partitions(items):
@@ -405,14 +430,20 @@ def test_large_input_uses_heuristic_mode_and_is_valid():
     rng = np.random.default_rng(5)
     seqs = random_forest(rng, 700, vocab=4, max_len=40, trees=30)
     capacity = 400
-    plan = plan_microbatches(seqs, dp_degree=4, capacity=capacity)
-    check_plan(plan, seqs, 4, capacity)
-    assert not plan.candidate.startswith("exact")
+    literal = plan_microbatches(seqs, dp_degree=4, capacity=capacity, exact_threshold=512)
+    check_plan(literal, seqs, 4, capacity)
+    assert not literal.candidate.startswith("exact")
     idx = build_prefix_index([np.asarray(s) for s in seqs])
     # Never worse than the natural partition evolved to any sampled K (those are candidates too).
     nat = natural_partition(idx, capacity)
     targets = k_range(idx.total_work, capacity, 4, nat.shape[0] - 1, idx.n)
     for k, cuts in evolve_natural(idx, nat, capacity, sample_targets(targets)).items():
+        assert literal.objective[0] <= idx.total_work + int(idx.lcp[cuts[1:-1]].sum())
+    # The default adds the exact DP above N0 = 512: never worse, and no worse than any exact partition.
+    plan = plan_microbatches(seqs, dp_degree=4, capacity=capacity)
+    check_plan(plan, seqs, 4, capacity)
+    assert tuple(plan.objective) <= tuple(literal.objective)
+    for k, cuts in exact_partitions(idx, capacity, targets).items():
         assert plan.objective[0] <= idx.total_work + int(idx.lcp[cuts[1:-1]].sum())
 
 

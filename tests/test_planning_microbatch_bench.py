@@ -16,7 +16,7 @@ def _batch(seed=0):
     return [a for a in generate("swe-small", seed=seed, metadata=False).token_arrays]
 
 
-@pytest.mark.parametrize("name", ["harts", "ortools", "natural", "raw_ffd", "harts_n0inf"])
+@pytest.mark.parametrize("name", ["harts", "ortools", "natural", "raw_ffd", "harts_paper"])
 def test_baseline_plans_are_valid(name):
     arrays = _batch(1)
     dp, capacity = 2, 2048

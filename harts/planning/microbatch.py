@@ -1,13 +1,16 @@
 """Prefix-aware microbatch, DP-replica and slot planning (paper 3.2): ``plan_microbatches`` and its CLI.
 
-Candidates (all with K a multiple of D, capacity-feasible, nonempty):
+Candidates (all with K a multiple of D, capacity-feasible, nonempty), in tie-break order:
   * N <= 512: the exact contiguous DP of Eq. 9 for every K in the Eq. 8 range;
   * N > 512: the natural partition evolved to every sampled K (budget 32);
   * the trie-aware greedy candidate (Eq. 10, 8 plans, small-eliminated, DP-aligned, one chosen);
   * refined anchors: the greedy one for N <= 512; for N > 512 also the lowest-work base candidate and
-    the remaining base candidate whose K is closest to the greedy K (at most three distinct).
+    the remaining base candidate whose K is closest to the greedy K (at most three distinct);
+  * default mode only, N > 512 (a deliberate addition to the paper, see docs/planner.md): the exact DP
+    partitions for every Eq. 8 target and the refined lowest-work one, when the banded DP fits its
+    budget. ``exact_threshold=512`` gives the paper's rule literally.
 Each candidate gets the greedy DP-replica/slot schedule and the winner minimises J of Eq. 4
-lexicographically (ties: the earlier candidate in the order above).
+lexicographically (ties: the earlier candidate in the order above), so the additions can only lower J.
 
 CLI: ``python -m harts.planning.microbatch --input F.jsonl --dp D --capacity T [--json OUT]``.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harts.data.trajectory import as_token_arrays
-from harts.planning.exact_dp import exact_partitions
+from harts.planning.exact_dp import dp_size, exact_partitions, first_feasible_start
 from harts.planning.greedy import best_greedy, relabel
 from harts.planning.heuristic import evolve_natural, sample_targets
 from harts.planning.natural import cuts_to_owner, k_range, natural_partition
@@ -32,6 +35,11 @@ from harts.planning.schedule import assign_slots, objective, slot_imbalances, st
 
 N0 = 512  # exact-search threshold
 MAX_ANCHORS = 3
+# Default mode above N0: the exact DP is added when it is cheap. Its cost is at most K (N+1) B cells (~1.2 ns
+# each measured here: a full swe-step step is ~1.4e7 cells, ~15 ms), so 1e8 cells bounds it near 0.15 s;
+# its [N+1, B] int64 arrays (about eight alive at once) are kept under ~100 MB by the row budget.
+EXACT_CELL_BUDGET = 100_000_000
+EXACT_ROW_BUDGET = 1 << 21
 
 
 class PlanningError(ValueError):
@@ -129,36 +137,60 @@ def check_inputs(lengths: np.ndarray, dp_degree, capacity) -> None:
         )
 
 
-def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int | None = None) -> list[tuple[str, np.ndarray]]:
-    """All candidate groupings as (label, owner-by-position), in tie-break order."""
+def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int | None = None) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """All candidate groupings as (label, owner by position, cuts or None), in tie-break order.
+
+    ``exact_threshold`` None (default): the paper's N0 = 512, and for N > N0 the banded exact DP's
+    partitions and the refined lowest-work one are *added* after the paper's candidates when the DP fits
+    ``EXACT_CELL_BUDGET`` / ``EXACT_ROW_BUDGET``. J is a minimum over all candidates and the paper's come
+    first (they win ties), so this never raises J above the literal rule. An int: exactly the paper's
+    rule with that N0 (512 = the paper as written), no additions."""
     n = index.n
     n0 = N0 if exact_threshold is None else exact_threshold
     natural = natural_partition(index, capacity)
     targets = k_range(index.total_work, capacity, dp, natural.shape[0] - 1, n)
-    base: list[tuple[str, np.ndarray]] = []
+    base: list[tuple[str, np.ndarray, np.ndarray | None]] = []
     if n <= n0:
         for k, cuts in sorted(exact_partitions(index, capacity, targets).items()):
-            base.append((f"exact K={k}", cuts_to_owner(cuts, n)))
+            base.append((f"exact K={k}", cuts_to_owner(cuts, n), cuts))
     else:
         for k, cuts in sorted(evolve_natural(index, natural, capacity, sample_targets(targets)).items()):
-            base.append((f"evolved K={k}", cuts_to_owner(cuts, n)))
+            base.append((f"evolved K={k}", cuts_to_owner(cuts, n), cuts))
     out = list(base)
     greedy = best_greedy(index, capacity, dp)
     anchors: list[tuple[str, np.ndarray]] = []
     if greedy is not None:
-        out.append(("greedy", greedy))
+        out.append(("greedy", greedy, None))
         anchors.append(("greedy", greedy))
         if n > n0 and base:
-            works = [int(index.owner_work(o, int(o.max()) + 1).sum()) for _, o in base]
+            works = [int(index.interval_work(c[:-1], c[1:]).sum()) for _, _, c in base]
             low = int(np.argmin(works))
-            anchors.append(base[low])
+            anchors.append(base[low][:2])
             kg = int(greedy.max()) + 1
             rest = [i for i in range(len(base)) if i != low]
             if rest:
-                near = min(rest, key=lambda i: (abs(int(base[i][1].max()) + 1 - kg), i))
-                anchors.append(base[near])
+                near = min(rest, key=lambda i: (abs(base[i][2].shape[0] - 1 - kg), i))
+                anchors.append(base[near][:2])
     for label, owner in anchors[:MAX_ANCHORS]:
-        out.append((f"refined {label}", relabel(refine(index, owner, capacity))))
+        out.append((f"refined {label}", refine(index, owner, capacity), None))
+    if exact_threshold is None and n > n0:
+        out.extend(exact_additions(index, capacity, targets))
+    return out
+
+
+def exact_additions(index: PrefixIndex, capacity: int, targets: list[int]) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """The default mode's extra candidates above N0: exact DP partitions for every Eq. 8 target and the
+    refined lowest-work one, or nothing when the DP would exceed the cell/row budget."""
+    first = first_feasible_start(index, capacity)
+    cells, row = dp_size(index, capacity, targets, first)
+    if cells > EXACT_CELL_BUDGET or row > EXACT_ROW_BUDGET:
+        return []
+    out: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+    for k, cuts in sorted(exact_partitions(index, capacity, targets, first).items()):
+        out.append((f"exact K={k} (above N0)", cuts_to_owner(cuts, index.n), cuts))
+    if out:
+        low = min(range(len(out)), key=lambda i: (int(index.interval_work(out[i][2][:-1], out[i][2][1:]).sum()), i))
+        out.append((f"refined {out[low][0]}", refine(index, out[low][1], capacity), None))
     return out
 
 
@@ -166,16 +198,17 @@ def plan_index(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
     """Best candidate under J: (label, owner by position, work per group, slots [K/D, D], J)."""
     best = None
     seen: set[bytes] = set()
-    for label, owner in candidates(index, dp, capacity, exact_threshold):
-        owner = relabel(owner)
+    for label, owner, cuts in candidates(index, dp, capacity, exact_threshold):
+        if cuts is None:
+            owner = relabel(owner)  # contiguous owners from cuts are already canonical
         key = owner.tobytes()
         if key in seen:
             continue
         seen.add(key)
-        k = int(owner.max()) + 1
+        k = int(owner[-1] if cuts is not None else owner.max()) + 1
         if k % dp:
             continue
-        work = index.owner_work(owner, k)
+        work = index.interval_work(cuts[:-1], cuts[1:]) if cuts is not None else index.owner_work(owner, k)
         if work.max() > capacity:
             raise AssertionError(f"planner bug: candidate {label} exceeds capacity")
         slots = assign_slots(work, dp)
@@ -225,9 +258,11 @@ def plan_microbatches(trajectories, *, dp_degree: int, capacity: int, exact_thre
     ValueError) for a trajectory longer than ``capacity`` (named), dp_degree or capacity < 1, empty input,
     fewer trajectories than DP replicas, or when no DP-compatible plan exists.
 
-    ``exact_threshold``: N0, the largest N planned with the exact contiguous DP (Eq. 9) instead of the
-    sampled-K evolution; None means the paper's 512. The banded DP is cheap enough to raise it (about 0.1 s
-    at N ~ 1,700), which usually lowers compact work; the default stays the paper's."""
+    ``exact_threshold``: None (default) plans like the paper with N0 = 512 and, above N0, also offers the
+    exact contiguous DP's partitions (Eq. 9) as candidates whenever the banded DP is within budget (about
+    15 ms at N ~ 1,900); J is minimised over all candidates, so this is never worse than the paper's rule.
+    An int N0 reproduces the paper's rule literally with that threshold (512 = the paper; a huge value =
+    exact DP instead of the sampled-K evolution at every N)."""
     if isinstance(dp_degree, (int, np.integer)) and not isinstance(dp_degree, bool) and dp_degree < 1:
         raise PlanningError(f"dp_degree must be >= 1, got {dp_degree}")
     arrays = as_token_arrays(trajectories)
@@ -259,7 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, required=True, help="data-parallel degree D")
     ap.add_argument("--capacity", type=int, required=True, help="microbatch capacity T (compact tokens)")
     ap.add_argument("--json", default=None, help="write the plan (to_dict) plus a summary here")
-    ap.add_argument("--exact-threshold", type=int, default=None, help="N0 (default: the paper's 512)")
+    ap.add_argument("--exact-threshold", type=int, default=None,
+                    help="literal paper mode with this N0 (512 = the paper); default: N0 = 512 plus exact-DP candidates above it")
     args = ap.parse_args(argv)
     from harts.data.jsonl import read_jsonl
 
