@@ -4,6 +4,7 @@
   (incl. the expert bias, updated from counts summed over DP) to 1e-9 of each tensor's scale. The two
   runs use different plans (D = 2 vs D = 1), so equality also rests on the split-invariant objective.
 - EP = 2 (experts sharded over the two DP ranks, tokens exchanged by all-to-all): same tolerances.
+- TP = 2, and FSDP2 x TP on four processes with activation checkpointing: same tolerances.
 - Kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 """
@@ -59,9 +60,9 @@ last_save_model_only = false
 """
 
 
-def torchrun(cfg: Path, out: Path, *extra: str) -> None:
+def torchrun(cfg: Path, out: Path, *extra: str, nproc: int = 2) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "train.py"), "--config", str(cfg), f"--job.dump_folder={out}", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
@@ -111,6 +112,23 @@ def test_expert_parallel_equals_one_process(runs):
     torchrun(cfg, d / "ep", "--parallelism.expert_parallel_degree=2")
     _same(one, d / "ep")
     assert all((r["world"], r["dp"], r["ep"]) == (2, 2, 2) for r in records(d / "ep"))
+
+
+def test_tensor_parallel_equals_one_process(runs):
+    """TP = 2 (heads, FFN and expert widths split; two TP regions per layer)."""
+    d, cfg, one = runs
+    torchrun(cfg, d / "tp", "--parallelism.tensor_parallel_degree=2")
+    _same(one, d / "tp")
+    assert all((r["world"], r["dp"], r["tp"]) == (2, 1, 2) for r in records(d / "tp"))
+
+
+def test_fsdp2_x_tp_with_activation_checkpointing_four_processes(runs):
+    """2-D: FSDP2 (DP = 2) x TP = 2 on four processes, with full activation checkpointing."""
+    d, cfg, one = runs
+    torchrun(cfg, d / "fsdp_tp", "--parallelism.tensor_parallel_degree=2", "--activation_checkpoint.mode=full",
+             nproc=4)
+    _same(one, d / "fsdp_tp")
+    assert all((r["world"], r["dp"], r["tp"]) == (4, 2, 2) for r in records(d / "fsdp_tp"))
 
 
 def test_kill_and_resume_reproduces_the_run_exactly(runs):

@@ -33,39 +33,58 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 class AddRouterLoss(torch.autograd.Function):
-    """y -> y in forward; backward also returns 1 for the scalar router term (so it joins the loss)."""
+    """y -> y in forward; backward also returns ``scale`` for the scalar router term (so it joins the
+    loss; scale = 1 / tp inside a tensor-parallel region, whose gradients are summed over tp)."""
 
     @staticmethod
-    def forward(ctx, y, term):
-        ctx.term_meta = (term.shape, term.dtype, term.device)
+    def forward(ctx, y, term, scale: float = 1.0):
+        ctx.term_meta = (term.shape, term.dtype, term.device, scale)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad_y):
-        shape, dtype, device = ctx.term_meta
-        return grad_y, torch.ones(shape, dtype=dtype, device=device)
+        shape, dtype, device, scale = ctx.term_meta
+        return grad_y, torch.full(shape, scale, dtype=dtype, device=device), None
 
 
 class TrainDecoderLayer(DecoderLayer):
     """A DecoderLayer whose forward takes the batch: same parameters, same math as the runtime."""
 
     moe_index: int = -1  # position among the MoE layers (set by HartsPolicy.adopt_layers)
+    tp_mesh = None  # set by harts.train.parallelize.apply_tp: mixer and FFN become TP regions
 
     def forward(self, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor | None,
                 router: tuple | None = None) -> torch.Tensor:
-        x = self.input_layernorm(h_PD)
+        x = self.tp_enter(self.input_layernorm(h_PD))
         if batch.prefix_sharing:
             a = (mla_mix if self.kind == "mla" else kda_mix)(self.attention, x, batch)
         else:
             a = self.attention(x, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-        h_PD = h_PD + a
-        x = self.post_attention_layernorm(h_PD)
+        h_PD = h_PD + self.tp_exit(a)
+        x = self.tp_enter(self.post_attention_layernorm(h_PD))
         if not isinstance(self.mlp, MoE):
-            return h_PD + self.mlp(x)
+            return h_PD + self.tp_exit(self.mlp(x))
         y = self.mlp(x, weight_P)
         if router is not None:
-            y = AddRouterLoss.apply(y, router_term(self.mlp.last_stats, router, self.moe_index))
-        return h_PD + y
+            scale = 1.0 if self.tp_mesh is None else 1.0 / self.tp_mesh.size()
+            y = AddRouterLoss.apply(y, router_term(self.mlp.last_stats, router, self.moe_index), scale)
+        return h_PD + self.tp_exit(y)
+
+    def tp_enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity forward; all-reduces the gradient (the region's ranks each produce a part of it)."""
+        if self.tp_mesh is None:
+            return x
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        return DTensor.from_local(x, self.tp_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+
+    def tp_exit(self, y: torch.Tensor) -> torch.Tensor:
+        """All-reduces the region's partial output."""
+        if self.tp_mesh is None:
+            return y
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        return DTensor.from_local(y, self.tp_mesh, (Partial(),)).redistribute(self.tp_mesh, (Replicate(),)).to_local()
 
 
 def router_term(st, router: tuple, moe_index: int) -> torch.Tensor:

@@ -149,6 +149,143 @@ def expert_params(model) -> set:
             for p in (m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj)}
 
 
+# ------------------------------------------------------------------------------------------ TP
+def _local_view_hooks(owner: nn.Module, targets: list[tuple[nn.Module, str]]) -> None:
+    """Around ``owner``'s forward, expose each DTensor parameter in ``targets`` as its local tensor.
+
+    The model's ops use parameters directly (``F.linear``-free conv weights, A_log, stacked experts) next
+    to plain activations, which DTensor refuses. ``to_local`` is differentiable: a Shard parameter gets
+    its shard's gradient; a Replicate parameter used inside a TP region gets a partial gradient
+    (``grad_placements=Partial``), all-reduced on the way back. FSDP2's unshard hook is prepended and its
+    reshard hook appended, so these hooks see the unsharded TP parameters."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def pre(mod, args):
+        saved = []
+        for m, n in targets:
+            p = m._parameters[n]
+            if isinstance(p, DTensor):
+                saved.append((m, n, p))
+                local = p.to_local()
+                if all(isinstance(pl, Replicate) for pl in p.placements):
+                    # the region's ranks each produce part of this gradient: all-reduce it on the way
+                    # back, so the parameter's gradient is a plain Replicate DTensor
+                    local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False).to_local(
+                        grad_placements=(Partial(),))
+                m._parameters[n] = local
+        mod._harts_local_saved = saved
+
+    def post(mod, args, out):
+        for m, n, p in getattr(mod, "_harts_local_saved", ()):
+            m._parameters[n] = p
+        mod._harts_local_saved = []
+
+    owner.register_forward_pre_hook(pre)
+    owner.register_forward_hook(post)
+
+
+def apply_tp(model, tp_mesh) -> None:
+    """Megatron-style tensor parallelism without sequence parallelism, as two TP regions per layer.
+
+    Each decoder layer's sequence mixer and FFN is a region (``TrainDecoderLayer.tp_enter/tp_exit``): its
+    input is replicated and its input gradient all-reduced; inside, heads (KDA q/k/v/f/g/beta, convs,
+    A_log, dt_bias; MLA q_b/kv_b/g) and FFN widths (dense, shared expert, routed experts' F) are
+    sharded (Shard(0) for column-, Shard(1)/Shard(2) for row-parallel weights), so the region's output is
+    a partial sum, all-reduced at the exit. Weights that stay whole inside a region (MLA's low-rank
+    q_a/kv_a projections and norms, the KDA gated-norm weight, the router) are Replicate DTensors whose
+    gradients are partial and all-reduced. Embeddings, layer norms and the LM head are outside the
+    regions and plain.
+
+    Why not per-Linear ``parallelize_module`` styles: MLA's shared RoPE key (a slice of the replicated
+    kv_a output) and KDA's gated-norm weight meet head-sharded activations inside the model's own code,
+    so their gradients would be partial with nothing to all-reduce them; the region boundary handles every
+    such tensor at once without changing the model."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from harts.train.model import TrainDecoderLayer
+
+    tp = tp_mesh.size()
+    cfg = model.config
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by tensor_parallel_degree={tp}")
+
+    def dist_(mod, name, placement):
+        p = getattr(mod, name)
+        mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [placement])))
+        return (mod, name)
+
+    def ffn(m):
+        return [dist_(m.gate_proj, "weight", Shard(0)), dist_(m.up_proj, "weight", Shard(0)),
+                dist_(m.down_proj, "weight", Shard(1))]
+
+    for layer in model.model.layers:
+        if not isinstance(layer, TrainDecoderLayer):
+            raise TypeError("apply_tp expects a HartsPolicy (TrainDecoderLayer layers)")
+        attn, local = layer.attention, []
+        if layer.kind == "kda":
+            local += [dist_(getattr(attn, n), "weight", Shard(0))
+                      for n in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")]
+            local += [dist_(c, "weight", Shard(0)) for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)]
+            local += [dist_(attn, "A_log", Shard(0)), dist_(attn, "dt_bias", Shard(0)),
+                      dist_(attn.o_norm, "weight", Replicate()), dist_(attn.o_proj, "weight", Shard(1))]
+        else:
+            if cfg.q_lora_rank is None:
+                local.append(dist_(attn.q_proj, "weight", Shard(0)))
+            else:
+                local += [dist_(attn.q_a_proj, "weight", Replicate()),
+                          dist_(attn.q_a_layernorm, "weight", Replicate()), dist_(attn.q_b_proj, "weight", Shard(0))]
+            local += [dist_(attn.kv_a_proj_with_mqa, "weight", Replicate()),
+                      dist_(attn.kv_a_layernorm, "weight", Replicate()), dist_(attn.kv_b_proj, "weight", Shard(0)),
+                      dist_(attn.g_proj, "weight", Shard(0)), dist_(attn.dense, "weight", Shard(1))]
+        attn.H = attn.H // tp
+        if isinstance(layer.mlp, MoE):
+            ex = layer.mlp.experts
+            local += ffn(layer.mlp.shared_experts)
+            local += [dist_(ex, "gate_proj", Shard(1)), dist_(ex, "up_proj", Shard(1)),
+                      dist_(ex, "down_proj", Shard(2)), dist_(layer.mlp.gate, "weight", Replicate())]
+        else:
+            local += ffn(layer.mlp)
+        _local_view_hooks(layer, local)
+        layer.tp_mesh = tp_mesh
+
+
+def clip_grad_norm_mixed_(params, max_norm: float) -> torch.Tensor:
+    """Gradient clipping over parameters living on different meshes (TP DTensors, 2-D FSDP x TP
+    DTensors, 1-D FSDP DTensors, plain replicated tensors), which ``get_total_norm`` cannot stack.
+    Local squared norms are summed per (mesh, sharded dims) group and all-reduced once per group over
+    the dims the gradients are sharded on; replicated dims count once."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    groups: dict = {}
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        if isinstance(g, DTensor):
+            # Shard and FSDP's _StridedShard (not a Shard subclass) both split the tensor over that dim
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError(f"unreduced (Partial) gradient on mesh {g.device_mesh}")
+            dims = tuple(i for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
+            key = (id(g.device_mesh), dims)
+            sq = g.to_local().double().square().sum()
+            mesh = g.device_mesh
+        else:
+            key, sq, mesh, dims = (None, ()), g.double().square().sum(), None, ()
+        if key in groups:
+            groups[key][0] += sq
+        else:
+            groups[key] = [sq, mesh, dims]
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for sq, mesh, dims in groups.values():
+        for d in dims:
+            dist.all_reduce(sq, group=mesh.get_group(mesh_dim=d))
+        total = total + sq
+    norm = total.sqrt()
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
 # ------------------------------------------------------------------------------------------ AC / compile
 def apply_ac(model, mode: str) -> None:
     """Full activation checkpointing of every decoder layer (torchtitan's 'full' mode)."""

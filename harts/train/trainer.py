@@ -69,10 +69,13 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.dims = par.build_parallel_dims(pc, self.world_size, self.device.type)
         d = self.dims
-        if d.tp > 1 or d.pp > 1:
+        if d.pp > 1:
             raise NotImplementedError(
-                f"tensor_parallel_degree={d.tp}, pipeline_parallel_degree={d.pp}: TP and PP are not implemented "
-                "in the HARTS trainer yet (FSDP2 and EP are); see docs/training.md")
+                f"pipeline_parallel_degree={d.pp}: pipeline stages are not implemented in the HARTS trainer yet "
+                "(FSDP2, EP and TP are); see docs/training.md")
+        if d.tp > 1 and d.ep > 1:
+            raise NotImplementedError("tensor parallelism together with expert parallelism is not implemented yet "
+                                      "(each is, separately); see docs/training.md")
         batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
         self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
         self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
@@ -103,6 +106,10 @@ class Trainer:
         ocfg = cfg.optimizer
         if self.device.type != "cuda" and ocfg.implementation == "fused" and self.dtype == torch.float64:
             ocfg = dataclasses.replace(ocfg, implementation="foreach")
+        if self.dims.tp > 1 and not self.dims.fsdp_enabled and ocfg.implementation != "for-loop":
+            # TP without FSDP mixes DTensor and plain parameters, which foreach/fused kernels refuse
+            log.info("optimizer: TP without FSDP -> implementation 'for-loop'")
+            ocfg = dataclasses.replace(ocfg, implementation="for-loop")
         # the expert bias is a buffer: no optimizer ever sees it
         self.optimizers = build_optimizers([self.model], ocfg, self.dims)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
@@ -165,6 +172,8 @@ class Trainer:
         if d.ep > 1:
             par.apply_ep(self.model, d.get_mesh("ep"))
             ignored = par.expert_params(self.model)
+        if d.tp > 1:
+            par.apply_tp(self.model, d.get_mesh("tp"))
         par.apply_ac(self.model, cfg.activation_checkpoint.mode)
         if cfg.compile.enable:
             names = par.apply_compile(self.model, cfg.compile.backend)
@@ -308,10 +317,13 @@ class Trainer:
             dist.all_reduce(sums, group=self.dp_group)
             if counts is not None:
                 dist.all_reduce(counts, group=self.dp_group)
-        from torchtitan.distributed.utils import clip_grad_norm_
+        if self.dims.tp > 1:
+            grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm)
+        else:
+            from torchtitan.distributed.utils import clip_grad_norm_
 
-        grad_norm = clip_grad_norm_([p for p in model.parameters()], cfg.training.max_norm,
-                                    foreach=True, ep_enabled=self.dims.ep > 1)
+            grad_norm = clip_grad_norm_([p for p in model.parameters()], cfg.training.max_norm,
+                                        foreach=True, ep_enabled=self.dims.ep > 1)
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
