@@ -4,7 +4,7 @@
   (incl. the expert bias, updated from counts summed over DP) to 1e-9 of each tensor's scale. The two
   runs use different plans (D = 2 vs D = 1), so equality also rests on the split-invariant objective.
 - EP = 2 (experts sharded over the two DP ranks, tokens exchanged by all-to-all): same tolerances.
-- TP = 2, and FSDP2 x TP on four processes with activation checkpointing: same tolerances.
+- TP = 2, and FSDP2 x TP x EP on four processes with activation checkpointing: same tolerances.
 - Kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 """
@@ -122,13 +122,14 @@ def test_tensor_parallel_equals_one_process(runs):
     assert all((r["world"], r["dp"], r["tp"]) == (2, 1, 2) for r in records(d / "tp"))
 
 
-def test_fsdp2_x_tp_with_activation_checkpointing_four_processes(runs):
-    """2-D: FSDP2 (DP = 2) x TP = 2 on four processes, with full activation checkpointing."""
+def test_fsdp2_x_tp_x_ep_with_activation_checkpointing_four_processes(runs):
+    """FSDP2 (DP = 2) x TP = 2 x EP = 4 (EP spans DP x TP: each TP rank dispatches its slice of the rows)
+    on four processes, with full activation checkpointing: the paper's DP4/TP2/EP8 layout at half size."""
     d, cfg, one = runs
-    torchrun(cfg, d / "fsdp_tp", "--parallelism.tensor_parallel_degree=2", "--activation_checkpoint.mode=full",
-             nproc=4)
-    _same(one, d / "fsdp_tp")
-    assert all((r["world"], r["dp"], r["tp"]) == (4, 2, 2) for r in records(d / "fsdp_tp"))
+    torchrun(cfg, d / "fsdp_tp_ep", "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=4",
+             "--activation_checkpoint.mode=full", nproc=4)
+    _same(one, d / "fsdp_tp_ep")
+    assert all((r["world"], r["dp"], r["tp"], r["ep"]) == (4, 2, 2, 4) for r in records(d / "fsdp_tp_ep"))
 
 
 def test_kill_and_resume_reproduces_the_run_exactly(runs):

@@ -99,7 +99,20 @@ class ExpertParallelMoE(MoE):
         self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
         return self._routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD)
 
+    tp_mesh = None  # with TP, each TP rank dispatches a disjoint slice of the (replicated) rows
+
     def _routed(self, x_TD, idx_TK, w_TK):
+        if self.tp_mesh is None:
+            return self._dispatch(x_TD, idx_TK, w_TK)
+        # inside a TP region: rank r of the TP group sends only its contiguous slice of rows, so no
+        # token reaches the experts twice; the zero-padded result is a partial sum that the region's
+        # exit all-reduces
+        tp, r = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
+        rows = torch.tensor_split(torch.arange(x_TD.shape[0], device=x_TD.device), tp)[r]
+        y = self._dispatch(x_TD.index_select(0, rows), idx_TK.index_select(0, rows), w_TK.index_select(0, rows))
+        return x_TD.new_zeros(x_TD.shape[0], y.shape[1]).index_copy(0, rows, y)
+
+    def _dispatch(self, x_TD, idx_TK, w_TK):
         ex, ep, group = self.experts, self.ep_size, self.ep_group
         wg, wu, wd = (p.to_local() if hasattr(p, "to_local") else p for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
         wg, wu, wd = (w.to(x_TD.dtype) for w in (wg, wu, wd))
@@ -240,9 +253,12 @@ def apply_tp(model, tp_mesh) -> None:
         attn.H = attn.H // tp
         if isinstance(layer.mlp, MoE):
             ex = layer.mlp.experts
-            local += ffn(layer.mlp.shared_experts)
-            local += [dist_(ex, "gate_proj", Shard(1)), dist_(ex, "up_proj", Shard(1)),
-                      dist_(ex, "down_proj", Shard(2)), dist_(layer.mlp.gate, "weight", Replicate())]
+            local += ffn(layer.mlp.shared_experts) + [dist_(layer.mlp.gate, "weight", Replicate())]
+            if isinstance(layer.mlp, ExpertParallelMoE):  # experts already sharded over ep (which spans tp)
+                layer.mlp.tp_mesh = tp_mesh
+            else:
+                local += [dist_(ex, "gate_proj", Shard(1)), dist_(ex, "up_proj", Shard(1)),
+                          dist_(ex, "down_proj", Shard(2))]
         else:
             local += ffn(layer.mlp)
         _local_view_hooks(layer, local)

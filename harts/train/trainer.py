@@ -73,9 +73,6 @@ class Trainer:
             raise NotImplementedError(
                 f"pipeline_parallel_degree={d.pp}: pipeline stages are not implemented in the HARTS trainer yet "
                 "(FSDP2, EP and TP are); see docs/training.md")
-        if d.tp > 1 and d.ep > 1:
-            raise NotImplementedError("tensor parallelism together with expert parallelism is not implemented yet "
-                                      "(each is, separately); see docs/training.md")
         batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
         self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
         self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
