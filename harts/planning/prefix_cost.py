@@ -26,7 +26,8 @@ class PrefixIndex:
     length: np.ndarray  # [N] int64: |x| by position
     lcp: np.ndarray  # [N] int64: adjacent LCP by position (lcp[0] = 0)
     prefix: np.ndarray  # [N+1] int64: prefix[b] = sum_{p<b} (length[p] - lcp[p])
-    table: tuple  # sparse table: table[k][i] = min(lcp[i : i + 2**k])
+    table: np.ndarray  # [levels, N] sparse table: table[k, i] = min(lcp[i : i + 2**k]) (padded past N - 2**k)
+    log2: np.ndarray  # [N+1] floor(log2(span)) for span >= 1 (RMQ level)
     floor: int  # LCP shared by every pair of trajectories (min adjacent LCP; 0 for N = 1)
 
     @property
@@ -45,22 +46,11 @@ class PrefixIndex:
         return self.prefix[b] - self.prefix[a] + self.lcp[a]
 
     def range_min(self, lo, hi):
-        """min(lcp[lo..hi]) inclusive, lo <= hi; vectorised."""
+        """min(lcp[lo..hi]) inclusive, lo <= hi; vectorised (two gathers from the sparse table)."""
         lo = np.asarray(lo, dtype=np.int64)
         hi = np.asarray(hi, dtype=np.int64)
-        span = hi - lo + 1
-        k = np.floor(np.log2(np.maximum(span, 1))).astype(np.int64)
-        # log2 of exact powers of two is exact in float64; guard anyway against rounding.
-        k = np.where((1 << (k + 1)) <= span, k + 1, k)
-        k = np.where((1 << k) > span, k - 1, k)
-        out = np.empty(np.broadcast(lo, hi).shape, dtype=np.int64)
-        flat_k, flat_lo, flat_hi = k.ravel(), np.broadcast_to(lo, out.shape).ravel(), np.broadcast_to(hi, out.shape).ravel()
-        res = out.ravel()
-        for level in np.unique(flat_k).tolist():
-            sel = flat_k == level
-            t = self.table[level]
-            res[sel] = np.minimum(t[flat_lo[sel]], t[flat_hi[sel] - (1 << level) + 1])
-        return out
+        k = self.log2[hi - lo + 1]
+        return np.minimum(self.table[k, lo], self.table[k, hi - (1 << k) + 1])
 
     def pair_lcp(self, p, q):
         """LCP of the trajectories at positions p and q (vectorised); LCP(x, x) = |x|."""
@@ -69,11 +59,9 @@ class PrefixIndex:
         lo = np.minimum(p, q)
         hi = np.maximum(p, q)
         same = lo == hi
-        safe_hi = np.where(same, lo + 1, hi)
-        safe_lo = np.where(same, lo, lo)
-        n = self.n
-        res = self.range_min(np.minimum(safe_lo + 1, n - 1), np.minimum(safe_hi, n - 1)) if n > 1 else np.zeros_like(lo)
-        return np.where(same, self.length[np.minimum(lo, n - 1)], res)
+        # For p != q: min(lcp[lo+1 .. hi]); same-position queries read a harmless one-element range.
+        res = self.range_min(np.minimum(lo + 1, hi), hi)
+        return np.where(same, self.length[lo], res)
 
     def group_work(self, positions) -> int:
         """Compact work of an arbitrary group of positions (Eq. 5 on the sorted group)."""
@@ -100,40 +88,80 @@ class PrefixIndex:
 # ---------------------------------------------------------------------------------------- build
 
 
-def _sort_keys(arrays: list[np.ndarray]) -> list[bytes]:
-    """Big-endian fixed-width bytes compare like the integer sequences (a prefix sorts first)."""
-    top = max(int(a.max()) for a in arrays)
-    dtype = ">u2" if top < (1 << 16) else ">u4" if top < (1 << 32) else ">u8"
-    return [a.astype(dtype).tobytes() for a in arrays]
+HEAD = 16  # tokens per head key: sequences are first grouped by their first HEAD tokens
 
 
-def _lcp_of(a: np.ndarray, b: np.ndarray) -> int:
-    """First mismatch of two int arrays, probing growing chunks so short LCPs stay cheap."""
-    m = min(a.shape[0], b.shape[0])
-    start, step = 0, 256
-    while start < m:
-        stop = min(m, start + step)
+def _lcp_capped(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
+    """First mismatch of a and b in [start, cap) (cap if none); both are known equal before ``start``.
+    Probes growing chunks so an early mismatch stays cheap."""
+    step = 4096
+    while start < cap:
+        stop = min(cap, start + step)
         diff = np.flatnonzero(a[start:stop] != b[start:stop])
         if diff.shape[0]:
             return start + int(diff[0])
         start, step = stop, step * 4
-    return m
+    return cap
+
+
+def _suffix_keys(arrays: list[np.ndarray], members: list[int], skip: int) -> list[bytes]:
+    """Big-endian fixed-width bytes of each member's tokens after ``skip``: memcmp order of these keys is
+    the numeric lexicographic order, a proper prefix first (width from the largest token present)."""
+    tails = [arrays[m][skip:] for m in members]
+    top = max((int(t.max()) for t in tails if t.shape[0]), default=0)
+    dtype = ">u2" if top < (1 << 16) else ">u4" if top < (1 << 32) else ">u8"
+    return [t.astype(dtype).tobytes() for t in tails]
 
 
 def build_prefix_index(arrays: list[np.ndarray]) -> PrefixIndex:
-    """Sort N token arrays lexicographically (stable) and index their adjacent LCPs."""
+    """Sort N non-negative token arrays lexicographically (stable) and index their adjacent LCPs.
+
+    Rollout trees make most tokens shared trunk, so the sort avoids touching the trunk more than once:
+    sequences are grouped by their first HEAD tokens (a group is contiguous in lexicographic order and
+    groups are ordered by that head), each group's common prefix L is found by comparing every member
+    against one pivot, and only the members' tails after L are turned into byte keys, sorted (memcmp) and
+    compared for adjacent LCPs (L + LCP of the tails). Across a group boundary the LCP lies inside the
+    heads. Exact for any input; the trunk saving is what makes it fast on trees."""
     n = len(arrays)
     if n == 0:
         raise ValueError("build_prefix_index: no trajectories")
-    keys = _sort_keys(arrays)
-    order = np.asarray(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
-    del keys
-    length = np.fromiter((arrays[i].shape[0] for i in order.tolist()), dtype=np.int64, count=n)
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n)
+    # Heads padded with -1 (below every token), so a shorter head sorts first and rows compare exactly.
+    head_len = np.minimum(lengths, HEAD)
+    head = np.full((n, HEAD), -1, dtype=np.int64)
+    flat = np.concatenate([a[:HEAD] for a in arrays]).astype(np.int64, copy=False)
+    row = np.repeat(np.arange(n), head_len)
+    col = np.arange(flat.shape[0]) - np.repeat(np.cumsum(head_len) - head_len, head_len)
+    head[row, col] = flat
+    by_head = np.lexsort((np.arange(n),) + tuple(head[:, j] for j in range(HEAD - 1, -1, -1)))
+    sorted_head = head[by_head]
+    differs = sorted_head[1:] != sorted_head[:-1]  # [N-1, HEAD]
+    new_group = differs.any(axis=1)
     lcp = np.zeros(n, dtype=np.int64)
-    ol = order.tolist()
-    for p in range(1, n):
-        lcp[p] = _lcp_of(arrays[ol[p - 1]], arrays[ol[p]])
-    return index_from_lcp(order, length, lcp)
+    # Across different heads: the first differing head column (a -1 there means one sequence ended).
+    boundary = np.flatnonzero(new_group)
+    lcp[boundary + 1] = np.argmax(differs[boundary], axis=1)
+    starts = np.concatenate(([0], boundary + 1, [n])).tolist()
+    order = by_head.copy()
+    for g0, g1 in zip(starts[:-1], starts[1:]):
+        if g1 - g0 < 2:
+            continue
+        members = by_head[g0:g1].tolist()  # ascending original index (stable ties)
+        pivot = arrays[members[0]]
+        common = int(lengths[members].min())
+        start = int(min(common, HEAD))
+        for m in members[1:]:
+            common = _lcp_capped(arrays[m], pivot, start, common)
+            if common <= start:
+                break
+        keys = _suffix_keys(arrays, members, common)
+        rank = sorted(range(len(members)), key=keys.__getitem__)
+        members = [members[r] for r in rank]
+        order[g0:g1] = members
+        for p in range(1, len(members)):
+            a, b = arrays[members[p - 1]], arrays[members[p]]
+            lcp[g0 + p] = _lcp_capped(a, b, common, min(a.shape[0], b.shape[0]))
+    return index_from_lcp(order.astype(np.int64), lengths[order], lcp)
 
 
 def index_from_lcp(order: np.ndarray, length: np.ndarray, lcp: np.ndarray) -> PrefixIndex:
@@ -143,12 +171,17 @@ def index_from_lcp(order: np.ndarray, length: np.ndarray, lcp: np.ndarray) -> Pr
     position[order] = np.arange(n, dtype=np.int64)
     prefix = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(length - lcp, out=prefix[1:])
-    table = [lcp]
+    levels = max(1, int(n).bit_length())
+    table = np.empty((levels, n), dtype=np.int64)
+    table[0] = lcp
     width = 1
-    while 2 * width <= n:
-        prev = table[-1]
-        table.append(np.minimum(prev[:-width], prev[width:]))
+    for k in range(1, levels):
+        prev = table[k - 1]
+        table[k, : n - width] = np.minimum(prev[: n - width], prev[width:])
+        table[k, n - width :] = prev[n - width :]  # padding: never read by a valid query
         width *= 2
+    log2 = np.zeros(n + 1, dtype=np.int64)
+    log2[1:] = np.frexp(np.arange(1, n + 1, dtype=np.float64))[1] - 1  # exact for integers < 2**53
     floor = int(lcp[1:].min()) if n > 1 else 0
     return PrefixIndex(
         order=order,
@@ -156,7 +189,8 @@ def index_from_lcp(order: np.ndarray, length: np.ndarray, lcp: np.ndarray) -> Pr
         length=length,
         lcp=lcp,
         prefix=prefix,
-        table=tuple(table),
+        table=table,
+        log2=log2,
         floor=floor,
     )
 
