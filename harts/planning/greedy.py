@@ -3,10 +3,12 @@
 Inserting x between its lexicographic neighbours p and q inside a microbatch costs
 dC = |x| - LCP(p, x) - LCP(x, q) + LCP(p, q) (Eq. 10). Because LCP(p, q) = min(LCP(p, x), LCP(x, q)) when
 p < x < q, this is |x| - max(LCP(p, x), LCP(x, q)): the shared amount is the largest LCP of x with any
-member, reached at its nearest member on either side. The greedy therefore scans outward from x's global
-position only while the running LCP stays above the batch floor (the LCP every pair shares, usually 0);
-every microbatch not met in that scan shares exactly the floor with x, and among those the best one is
-found by bisection on a work-sorted list. That keeps one insertion O(neighbourhood + log K), not O(K).
+member, reached at its nearest member on either side. Only members of x's own "tree" (the run of
+positions around x whose adjacent LCPs stay above the batch floor, the LCP every pair shares, usually 0)
+share more than the floor: their LCPs with x are read from precomputed rows (or, in a very large tree,
+by scanning outward with a running minimum). Every other microbatch shares exactly the floor with x, and
+among those the best one is found by bisection on a work-sorted list. That keeps one insertion
+O(placed tree mates + log K), not O(K).
 
 Groupings are ``owner`` arrays: owner[position] = microbatch id (ids 0..K-1, by order of creation).
 """
@@ -35,46 +37,97 @@ def processing_orders(index: PrefixIndex) -> dict[str, list[int]]:
     }
 
 
-def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: int) -> np.ndarray:
+TREE_ROWS_MAX = 256  # trees up to this many positions get precomputed LCP rows; larger ones are scanned
+
+
+class Neighbourhoods:
+    """Static part of every insertion, shared by the eight greedy plans.
+
+    A "tree" is a maximal run of positions whose adjacent LCPs exceed the batch floor; x shares more than
+    the floor only with members of its own tree. For trees of at most TREE_ROWS_MAX positions, ``rows[p]``
+    lists LCP(p, q) for every q of p's tree (index q - start[p]), so an insertion reads the LCPs of the
+    placed mates directly instead of scanning with a running minimum."""
+
+    def __init__(self, index: PrefixIndex):
+        n = index.n
+        lcp = index.lcp
+        tree_first = np.flatnonzero(np.concatenate(([True], lcp[1:] <= index.floor)))
+        size = np.diff(np.append(tree_first, n))
+        tree = np.repeat(np.arange(tree_first.shape[0]), size)
+        self.tree = tree.tolist()
+        self.start = tree_first[tree].tolist()
+        small = np.flatnonzero((size >= 2) & (size <= TREE_ROWS_MAX))
+        self.rows: list[list[int] | None] = [None] * n
+        if small.shape[0]:
+            pos = np.concatenate([np.arange(tree_first[t], tree_first[t] + size[t]) for t in small.tolist()])
+            width = np.repeat(size[small], size[small])  # row length of every position in a small tree
+            p = np.repeat(pos, width)
+            first = np.repeat(tree_first[tree[pos]], width)
+            offset = np.arange(p.shape[0]) - np.repeat(np.cumsum(width) - width, width)
+            flat = index.pair_lcp(p, first + offset).tolist()
+            at = 0
+            rows = self.rows
+            for q, w in zip(pos.tolist(), width.tolist()):
+                rows[q] = flat[at : at + w]
+                at += w
+
+
+def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: int,
+                 hoods: Neighbourhoods | None = None) -> np.ndarray:
     """Insert positions in ``order``; best-fit maximises work after insertion, max-shared maximises
     |x| - dC. Ties: the other criterion, then the lowest microbatch id. Opens a microbatch when none fits."""
     if policy not in POLICIES:
         raise ValueError(f"unknown greedy policy {policy!r}; expected one of {POLICIES}")
+    if hoods is None:
+        hoods = Neighbourhoods(index)
     best_fit = policy == "best_fit"
     n = index.n
+    big = n + 1  # by_work entries are work * big + (n - id): ascending work, then descending id
     length = index.length.tolist()
     lcp = index.lcp.tolist()
     floor = index.floor
+    rows, tree_of, start_of = hoods.rows, hoods.tree, hoods.start
+    placed: dict[int, list[tuple[int, int]]] = {}  # tree -> [(column, id)] of its placed positions
     owner = [-1] * n
     work: list[int] = []
-    by_work: list[tuple[int, int]] = []  # sorted (work, -id): the last entry <= a bound is the best fit
+    by_work: list[int] = []  # sorted keys; the last one <= a bound is the heaviest fit (lowest id on ties)
     for p in order:
         x = length[p]
-        seen: dict[int, int] = {}
-        m = x
-        q = p - 1 if x > floor else -1  # x no longer than the floor shares all of itself with everyone
-        while q >= 0:
-            v = lcp[q + 1]
-            if v < m:
-                m = v
-                if m <= floor:
-                    break
-            g = owner[q]
-            if g >= 0 and g not in seen:
-                seen[g] = m
-            q -= 1
-        m = x
-        q = p + 1 if x > floor else n
-        while q < n:
-            v = lcp[q]
-            if v < m:
-                m = v
-                if m <= floor:
-                    break
-            g = owner[q]
-            if g >= 0 and seen.get(g, -1) < m:
-                seen[g] = m
-            q += 1
+        seen: dict[int, int] = {}  # id -> largest LCP of x with a member (only ids sharing > floor)
+        t = tree_of[p]
+        row = rows[p]
+        if x <= floor:
+            pass  # x shares all of itself with everyone
+        elif row is not None:
+            for c, g in placed.get(t, ()):
+                v = row[c]
+                if v > seen.get(g, -1):
+                    seen[g] = v
+        else:  # large tree: scan outward with a running minimum while it stays above the floor
+            m = x
+            q = p - 1
+            while q >= 0:
+                v = lcp[q + 1]
+                if v < m:
+                    m = v
+                    if m <= floor:
+                        break
+                g = owner[q]
+                if g >= 0 and g not in seen:
+                    seen[g] = m
+                q -= 1
+            m = x
+            q = p + 1
+            while q < n:
+                v = lcp[q]
+                if v < m:
+                    m = v
+                    if m <= floor:
+                        break
+                g = owner[q]
+                if g >= 0 and seen.get(g, -1) < m:
+                    seen[g] = m
+                q += 1
         best = None  # (key, id, new work)
         for g, sh in seen.items():
             new = work[g] + x - sh
@@ -83,25 +136,27 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
                 if best is None or key > best[0]:
                     best = (key, g, new)
         # Best microbatch among those sharing only the floor: the heaviest that still fits.
-        i = bisect_right(by_work, (capacity - x + floor, 1)) - 1
-        while i >= 0 and -by_work[i][1] in seen:
+        i = bisect_right(by_work, (capacity - x + floor) * big + big - 1) - 1
+        while i >= 0 and n - by_work[i] % big in seen:
             i -= 1
         if i >= 0:
-            w, ng = by_work[i]
-            g, new = -ng, w + x - floor
-            key = (new, floor, ng) if best_fit else (floor, new, ng)
+            w, g = by_work[i] // big, n - by_work[i] % big
+            new = w + x - floor
+            key = (new, floor, -g) if best_fit else (floor, new, -g)
             if best is None or key > best[0]:
                 best = (key, g, new)
         if best is None:
             g = len(work)
             work.append(x)
-            insort(by_work, (x, -g))
+            insort(by_work, x * big + n - g)
         else:
             _, g, new = best
-            del by_work[bisect_left(by_work, (work[g], -g))]
+            del by_work[bisect_left(by_work, work[g] * big + n - g)]
             work[g] = new
-            insort(by_work, (new, -g))
+            insort(by_work, new * big + n - g)
         owner[p] = g
+        if row is not None:
+            placed.setdefault(t, []).append((p - start_of[p], g))
     return np.asarray(owner, dtype=np.int64)
 
 
@@ -208,9 +263,10 @@ def best_greedy(index: PrefixIndex, capacity: int, dp: int) -> np.ndarray | None
     """Eight greedy plans (4 orders x 2 policies), each small-eliminated and DP-aligned; the one with the
     fewest microbatches, then the least work, then the first generated."""
     best = None
+    hoods = Neighbourhoods(index)
     for order in processing_orders(index).values():
         for policy in POLICIES:
-            owner = greedy_place(index, order, policy, capacity)
+            owner = greedy_place(index, order, policy, capacity, hoods)
             owner = eliminate_small(index, owner, capacity)
             owner = align_to_dp(index, owner, dp)
             if owner is None:
