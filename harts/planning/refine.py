@@ -8,13 +8,12 @@ microbatches and capacity.
 
 All move/swap costs are exact and vectorised with Eq. 10: the work x adds to (or removes from) a
 microbatch is |x| minus its largest LCP with the other members, found at their nearest members on
-either side of x's position (``_shared_with``).
+either side of x's position (read off each microbatch's previous/next-member links, ``group_links``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from harts.planning.greedy import neighbour_shared
 from harts.planning.natural import cuts_to_owner, owner_is_contiguous, owner_to_cuts
 from harts.planning.prefix_cost import PrefixIndex
 
@@ -23,87 +22,99 @@ BOUNDARY_SWEEPS = 2
 REPAIR_ITERS = 4
 
 
+def _best_cuts(index: PrefixIndex, a: np.ndarray, c: np.ndarray, b: np.ndarray, capacity: int) -> np.ndarray:
+    """For every cut c between neighbours a < c < b (vectorised): the position t in (a, b) within H of c
+    with the lowest (pair total, pair max), strictly better than c, ties closest to c then leftmost;
+    c itself when no position improves."""
+    off = np.arange(-H, H + 1, dtype=np.int64)
+    t = c[:, None] + off[None, :]
+    valid = (t > a[:, None]) & (t < b[:, None])
+    t_safe = np.where(valid, t, c[:, None])
+    left = index.interval_work(a[:, None], t_safe)
+    right = index.interval_work(t_safe, b[:, None])
+    tot, mx = left + right, np.maximum(left, right)
+    cur_l, cur_r = index.interval_work(a, c), index.interval_work(c, b)
+    cur_tot, cur_mx = (cur_l + cur_r)[:, None], np.maximum(cur_l, cur_r)[:, None]
+    ok = valid & (left <= capacity) & (right <= capacity) & ((tot < cur_tot) | ((tot == cur_tot) & (mx < cur_mx)))
+    rows, cols = np.nonzero(ok)
+    out = c.copy()
+    if rows.shape[0]:
+        pick = np.lexsort((t[rows, cols], np.abs(off)[cols], mx[rows, cols], tot[rows, cols], rows))
+        first = pick[np.concatenate(([True], rows[pick][1:] != rows[pick][:-1]))]
+        out[rows[first]] = t[rows[first], cols[first]]
+    return out
+
+
 def boundary_refine(index: PrefixIndex, cuts: np.ndarray, capacity: int) -> np.ndarray:
-    """Move each inner cut within H positions to lower (pair total, pair max); strict improvements only,
-    closest move then leftmost on ties."""
+    """Move each inner cut, left to right, within H positions to lower (pair total, pair max); strict
+    improvements only, closest move then leftmost on ties; at most BOUNDARY_SWEEPS sweeps.
+
+    Each sweep is sequential (a cut sees its left neighbour's new place), but all cuts are first
+    evaluated at once against the sweep's starting cuts; only a cut whose left neighbour has just moved
+    is re-evaluated (its right neighbour has not moved yet in this sweep)."""
     cuts = cuts.copy()
     for _ in range(BOUNDARY_SWEEPS):
-        changed = False
+        proposal = _best_cuts(index, cuts[:-2], cuts[1:-1], cuts[2:], capacity).tolist()
+        changed = moved = False
         for i in range(1, cuts.shape[0] - 1):
-            a, c, b = int(cuts[i - 1]), int(cuts[i]), int(cuts[i + 1])
-            t = np.arange(max(a + 1, c - H), min(b - 1, c + H) + 1, dtype=np.int64)
-            left = index.interval_work(a, t)
-            right = index.interval_work(t, b)
-            tot, mx = left + right, np.maximum(left, right)
-            cur = (int(index.interval_work(a, c) + index.interval_work(c, b)),
-                   int(max(index.interval_work(a, c), index.interval_work(c, b))))
-            ok = (left <= capacity) & (right <= capacity) & ((tot < cur[0]) | ((tot == cur[0]) & (mx < cur[1])))
-            if not ok.any():
-                continue
-            t, tot, mx = t[ok], tot[ok], mx[ok]
-            j = np.lexsort((t, np.abs(t - c), mx, tot))[0]
-            cuts[i] = t[j]
-            changed = True
+            new = int(_best_cuts(index, cuts[i - 1 : i], cuts[i : i + 1], cuts[i + 1 : i + 2], capacity)[0]) if moved else proposal[i - 1]
+            moved = new != cuts[i]
+            if moved:
+                cuts[i] = new
+                changed = True
         if not changed:
             break
     return cuts
 
 
-def _shared_with(index: PrefixIndex, keys: np.ndarray, g: np.ndarray, p: np.ndarray, exclude: np.ndarray) -> np.ndarray:
-    """Largest LCP of position p with the members of microbatch g other than p and ``exclude``.
+def group_links(owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """prev[p] / nxt[p]: the previous / next position of p's own microbatch (-1 / N when there is none)."""
+    n = owner.shape[0]
+    srt = np.argsort(owner, kind="stable")  # positions by (microbatch, position)
+    same = owner[srt[1:]] == owner[srt[:-1]]
+    prev = np.full(n, -1, dtype=np.int64)
+    nxt = np.full(n, n, dtype=np.int64)
+    prev[srt[1:][same]] = srt[:-1][same]
+    nxt[srt[:-1][same]] = srt[1:][same]
+    return prev, nxt
 
-    ``keys`` = sorted owner * N + position. The nearest member strictly on each side is found by
-    bisection; when it is the excluded position, the next one out is used."""
+
+def _lcp_or_zero(index: PrefixIndex, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """LCP(p, q) where q is a real position, 0 where q is a -1 / N "no member" marker."""
     n = index.n
-    target = g * n + p
-    best = np.zeros(p.shape[0], dtype=np.int64)
-    for side in (-1, 1):
-        i = np.searchsorted(keys, target, side="left" if side < 0 else "right")
-        i = i - 1 if side < 0 else i
-        for _ in range(2):
-            inside = (i >= 0) & (i < keys.shape[0])
-            cand = keys[np.clip(i, 0, keys.shape[0] - 1)]
-            valid = inside & (cand // n == g)
-            pos = cand % n
-            skip = valid & (pos == exclude)
-            if not skip.any():
-                break
-            i = np.where(skip, i + side, i)
-        inside = (i >= 0) & (i < keys.shape[0])
-        cand = keys[np.clip(i, 0, keys.shape[0] - 1)]
-        pos = cand % n
-        valid = inside & (cand // n == g) & (pos != exclude) & (pos != p)
-        if valid.any():
-            val = np.zeros(p.shape[0], dtype=np.int64)
-            val[valid] = index.pair_lcp(pos[valid], p[valid])
-            best = np.maximum(best, val)
-    return best
+    real = (q >= 0) & (q < n)
+    return np.where(real, index.pair_lcp(p, np.clip(q, 0, n - 1)), 0)
 
 
-def _best_move(index, owner, work, keys, own_shared, capacity):
+def _window_pairs(n: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """All (p, p + off) inside [0, N), p-major then offset order."""
+    p = np.repeat(np.arange(n, dtype=np.int64), offsets.shape[0])
+    q = p + np.tile(offsets, n)
+    keep = (q >= 0) & (q < n)
+    return p[keep], q[keep]
+
+
+def _best_move(index, owner, work, links, own_shared, capacity):
+    """Best single move of x (position p) into a microbatch D with a member within H positions.
+
+    x shares with D its larger LCP with D's nearest members on either side (Eq. 10). A candidate (p, D)
+    is generated from each of those nearest members q that lies in the window; q is nearest on its side
+    exactly when D's previous (next) member lies beyond p, and then that member is D's nearest on the
+    other side. Both generators of one (p, D) give the same value, so duplicates are harmless."""
     n = index.n
-    k = work.shape[0]
-    counts = np.bincount(owner, minlength=k)
-    pos = np.arange(n, dtype=np.int64)
-    src_ok = counts[owner] > 1
-    ps, gs = [], []
-    for off in range(-H, H + 1):
-        if off == 0:
-            continue
-        q = pos + off
-        sel = src_ok & (q >= 0) & (q < n)
-        p = pos[sel]
-        d = owner[q[sel]]
-        keep = d != owner[p]
-        ps.append(p[keep])
-        gs.append(d[keep])
-    if not ps:
-        return None
-    pair = np.unique(np.concatenate(ps) * k + np.concatenate(gs))
-    p, d = pair // k, pair % k
+    prev, nxt = links
+    counts = np.bincount(owner, minlength=work.shape[0])
+    offsets = np.concatenate((np.arange(-H, 0), np.arange(1, H + 1))).astype(np.int64)
+    p, q = _window_pairs(n, offsets)
+    d = owner[q]
+    right = q > p
+    nearest = np.where(right, prev[q] < p, nxt[q] > p)
+    keep = (d != owner[p]) & (counts[owner[p]] > 1) & nearest
+    p, q, d, right = p[keep], q[keep], d[keep], right[keep]
     if p.shape[0] == 0:
         return None
-    sh = _shared_with(index, keys, d, p, np.full(p.shape[0], -1))
+    other = np.where(right, prev[q], nxt[q])
+    sh = np.maximum(index.pair_lcp(p, q), _lcp_or_zero(index, p, other))
     new_d = work[d] + index.length[p] - sh
     gain = sh - own_shared[p]
     ok = (new_d <= capacity) & (gain > 0)
@@ -114,35 +125,42 @@ def _best_move(index, owner, work, keys, own_shared, capacity):
     return int(gain[j]), int(p[j]), int(d[j])
 
 
-def _best_swap(index, owner, work, keys, own_shared, capacity):
+def _best_swap(index, owner, work, links, own_shared, capacity):
+    """Best swap of x (position p, microbatch A) and y (position q, microbatch B), p < q <= p + H.
+
+    y's LCP with A without x comes from A's last member before q and first after q (x excluded), found
+    by walking A's links from p; x's LCP with B without y likewise by walking B's links back from q."""
     n = index.n
+    prev, nxt = links
     length = index.length
-    best = None
-    ps, qs = [], []
-    pos = np.arange(n, dtype=np.int64)
-    for off in range(1, min(H, n - 1) + 1):
-        p = pos[: n - off]
-        q = p + off
-        keep = owner[p] != owner[q]
-        ps.append(p[keep])
-        qs.append(q[keep])
-    if not ps:
-        return None
-    p = np.concatenate(ps)
-    q = np.concatenate(qs)
+    p, q = _window_pairs(n, np.arange(1, H + 1, dtype=np.int64))
+    keep = owner[p] != owner[q]
+    p, q = p[keep], q[keep]
     if p.shape[0] == 0:
         return None
     a, b = owner[p], owner[q]
-    s_ax = own_shared[p]
-    s_by = own_shared[q]
-    s_ay = _shared_with(index, keys, a, q, p)  # y joins A once x has left
-    s_bx = _shared_with(index, keys, b, p, q)  # x joins B once y has left
-    new_a = work[a] - length[p] + s_ax + length[q] - s_ay
-    new_b = work[b] - length[q] + s_by + length[p] - s_bx
+    last_a = p.copy()  # A's last member before q (members between p and q lie inside the window)
+    for _ in range(H):
+        step = nxt[last_a] < q
+        if not step.any():
+            break
+        last_a = np.where(step, nxt[last_a], last_a)
+    left_a = np.where(last_a == p, prev[p], last_a)
+    s_ay = np.maximum(_lcp_or_zero(index, q, left_a), _lcp_or_zero(index, q, nxt[last_a]))
+    first_b = q.copy()  # B's first member after p
+    for _ in range(H):
+        step = prev[first_b] > p
+        if not step.any():
+            break
+        first_b = np.where(step, prev[first_b], first_b)
+    right_b = np.where(first_b == q, nxt[q], first_b)
+    s_bx = np.maximum(_lcp_or_zero(index, p, prev[first_b]), _lcp_or_zero(index, p, right_b))
+    new_a = work[a] - length[p] + own_shared[p] + length[q] - s_ay
+    new_b = work[b] - length[q] + own_shared[q] + length[p] - s_bx
     gain = work[a] + work[b] - new_a - new_b
     ok = (new_a <= capacity) & (new_b <= capacity) & (gain > 0)
     if not ok.any():
-        return best
+        return None
     p, q, gain = p[ok], q[ok], gain[ok]
     j = np.lexsort((q, p, -gain))[0]
     return int(gain[j]), int(p[j]), int(q[j])
@@ -155,14 +173,15 @@ def sparse_repair(index: PrefixIndex, owner: np.ndarray, capacity: int) -> np.nd
     k = int(owner.max()) + 1
     for _ in range(REPAIR_ITERS):
         work = index.owner_work(owner, k)
-        keys = np.sort(owner * n + np.arange(n, dtype=np.int64))
-        own_shared = neighbour_shared(index, owner)
-        move = _best_move(index, owner, work, keys, own_shared, capacity)
+        links = group_links(owner)
+        prev, nxt = links
+        own_shared = np.maximum(_lcp_or_zero(index, np.arange(n), prev), _lcp_or_zero(index, np.arange(n), nxt))
+        move = _best_move(index, owner, work, links, own_shared, capacity)
         if move is not None:
             _, p, d = move
             owner[p] = d
             continue
-        swap = _best_swap(index, owner, work, keys, own_shared, capacity)
+        swap = _best_swap(index, owner, work, links, own_shared, capacity)
         if swap is None:
             break
         _, p, q = swap
