@@ -211,6 +211,8 @@ def plan_index(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
         work = index.interval_work(cuts[:-1], cuts[1:]) if cuts is not None else index.owner_work(owner, k)
         if work.max() > capacity:
             raise AssertionError(f"planner bug: candidate {label} exceeds capacity")
+        if best is not None and int(work.sum()) > best[4][0]:
+            continue  # J is lexicographic and total work comes first: this one cannot win
         slots = assign_slots(work, dp)
         j = objective(work, slots)
         if best is None or j < best[4]:

@@ -14,15 +14,18 @@ def assign_slots(work: np.ndarray, dp: int) -> np.ndarray:
     k = work.shape[0]
     if k % dp:
         raise ValueError(f"assign_slots: K = {k} is not a multiple of D = {dp}")
-    order = np.lexsort((np.arange(k), -work))
-    slots = np.empty((k // dp, dp), dtype=np.int64)
-    load = np.zeros(dp, dtype=np.int64)
+    order = np.lexsort((np.arange(k), -work)).tolist()
+    w = work.tolist()
+    slots = [[0] * dp for _ in range(k // dp)]
+    load = [0] * dp
     for j in range(k // dp):
         block = order[j * dp : (j + 1) * dp]  # already heaviest first
-        replicas = np.lexsort((np.arange(dp), load))  # lightest replica first
-        slots[j, replicas] = block
-        load[replicas] += work[block]
-    return slots
+        replicas = sorted(range(dp), key=load.__getitem__)  # lightest first; stable: lower replica on ties
+        row = slots[j]
+        for r, m in zip(replicas, block):
+            row[r] = m
+            load[r] += w[m]
+    return np.asarray(slots, dtype=np.int64).reshape(k // dp, dp)
 
 
 def objective(work: np.ndarray, slots: np.ndarray) -> tuple[int, int, int]:
