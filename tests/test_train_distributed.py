@@ -4,7 +4,8 @@
   (incl. the expert bias, updated from counts summed over DP) to 1e-9 of each tensor's scale. The two
   runs use different plans (D = 2 vs D = 1), so equality also rests on the split-invariant objective.
 - EP = 2 (experts sharded over the two DP ranks, tokens exchanged by all-to-all): same tolerances.
-- TP = 2, and FSDP2 x TP x EP on four processes with activation checkpointing: same tolerances.
+- PP = 2 with activation checkpointing; on four processes FSDP2 x TP x EP (with AC), FSDP2 x PP x EP,
+  and TP x PP x EP (with AC): same tolerances.
 - Kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 """
@@ -114,12 +115,14 @@ def test_expert_parallel_equals_one_process(runs):
     assert all((r["world"], r["dp"], r["ep"]) == (2, 2, 2) for r in records(d / "ep"))
 
 
-def test_tensor_parallel_equals_one_process(runs):
-    """TP = 2 (heads, FFN and expert widths split; two TP regions per layer)."""
+def test_pipeline_parallel_with_activation_checkpointing(runs):
+    """PP = 2 (two layer stages, padded static activations, GPipe when a step has fewer slots than
+    stages, 1F1B otherwise; forwards of later microbatches run before earlier backwards) with full AC."""
     d, cfg, one = runs
-    torchrun(cfg, d / "tp", "--parallelism.tensor_parallel_degree=2")
-    _same(one, d / "tp")
-    assert all((r["world"], r["dp"], r["tp"]) == (2, 1, 2) for r in records(d / "tp"))
+    torchrun(cfg, d / "pp", "--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full")
+    _same(one, d / "pp")
+    recs = records(d / "pp")
+    assert all((r["world"], r["pp"]) == (2, 2) for r in recs) and max(r["microbatches"] for r in recs) >= 2
 
 
 def test_fsdp2_x_tp_x_ep_with_activation_checkpointing_four_processes(runs):
@@ -130,6 +133,24 @@ def test_fsdp2_x_tp_x_ep_with_activation_checkpointing_four_processes(runs):
              "--activation_checkpoint.mode=full", nproc=4)
     _same(one, d / "fsdp_tp_ep")
     assert all((r["world"], r["dp"], r["tp"], r["ep"]) == (4, 2, 2, 4) for r in records(d / "fsdp_tp_ep"))
+
+
+def test_fsdp2_x_pp_x_ep_four_processes(runs):
+    """The paper's DP2/PP4/EP2 layout at half size: FSDP2 (DP = 2) x PP = 2 x EP = 2."""
+    d, cfg, one = runs
+    torchrun(cfg, d / "dp_pp_ep", "--parallelism.pipeline_parallel_degree=2", "--parallelism.expert_parallel_degree=2",
+             nproc=4)
+    _same(one, d / "dp_pp_ep")
+    assert all((r["dp"], r["pp"], r["ep"]) == (2, 2, 2) for r in records(d / "dp_pp_ep"))
+
+
+def test_tp_x_pp_x_ep_with_activation_checkpointing_four_processes(runs):
+    """The paper's DP2/TP2/PP2/EP4 layout without its DP dimension: TP = 2 x PP = 2 x EP = 2, full AC."""
+    d, cfg, one = runs
+    torchrun(cfg, d / "tp_pp_ep", "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",
+             "--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full", nproc=4)
+    _same(one, d / "tp_pp_ep")
+    assert all((r["tp"], r["pp"], r["ep"]) == (2, 2, 2) for r in records(d / "tp_pp_ep"))
 
 
 def test_kill_and_resume_reproduces_the_run_exactly(runs):

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import DecoderLayer, MoE
+from harts.ops.moe import moe_experts, route, router_stats
 from harts.runtime.batch import CompactBatch
 from harts.runtime.compact import kda_mix, logprobs as compact_logprobs, mla_mix
 
@@ -47,6 +48,39 @@ class AddRouterLoss(torch.autograd.Function):
         return grad_y, torch.full(shape, scale, dtype=dtype, device=device), None
 
 
+def _in_backward() -> bool:
+    """True inside an autograd backward pass (an activation-checkpointing recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class TrainMoE(MoE):
+    """MoE whose forward also returns this call's router statistics.
+
+    The router loss must be built from the statistics of the *same* call: a checkpointing recomputation
+    runs inside backward, where ``MoE.forward`` deliberately keeps ``last_stats`` from the forward (to not
+    pin recomputed activations), and with pipeline schedules another microbatch's forward may have run in
+    between. ``last_stats`` keeps its meaning (the last forward's statistics, read for counts)."""
+
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_with_stats(x_TD, token_weight_T)[0]
+
+    def forward_with_stats(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        c = self.cfg
+        logits, scores, idx_TK, w_TK = route(
+            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+            top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
+            norm_topk_prob=c.norm_topk_prob)
+        stats = router_stats(logits, scores, idx_TK, token_weight_T)
+        if not _in_backward():
+            self.last_stats = stats
+        return self.routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD), stats
+
+    def routed(self, x_TD, idx_TK, w_TK) -> torch.Tensor:
+        ex = self.experts
+        return moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj,
+                           backend=self.cfg.op_backend("moe"))
+
+
 class TrainDecoderLayer(DecoderLayer):
     """A DecoderLayer whose forward takes the batch: same parameters, same math as the runtime."""
 
@@ -64,10 +98,10 @@ class TrainDecoderLayer(DecoderLayer):
         x = self.tp_enter(self.post_attention_layernorm(h_PD))
         if not isinstance(self.mlp, MoE):
             return h_PD + self.tp_exit(self.mlp(x))
-        y = self.mlp(x, weight_P)
+        y, stats = self.mlp.forward_with_stats(x, weight_P)
         if router is not None:
             scale = 1.0 if self.tp_mesh is None else 1.0 / self.tp_mesh.size()
-            y = AddRouterLoss.apply(y, router_term(self.mlp.last_stats, router, self.moe_index), scale)
+            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), scale)
         return h_PD + self.tp_exit(y)
 
     def tp_enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +140,10 @@ class HartsPolicy(LingForCausalLM):
     """LingForCausalLM whose ``forward(batch)`` returns log-probs of every predicted position."""
 
     activation_checkpoint: bool = False
+    # Early stop ends a recomputation once the saved tensors are back. Layers with collectives (TP
+    # all-reduces, EP all-to-alls) must recompute whole, or ranks can stop at different collectives
+    # (observed: wrong gradients with TP x PP); harts.train.parallelize.apply_ac turns it off for them.
+    ac_early_stop: bool = True
 
     def adopt_layers(self) -> "HartsPolicy":
         i = 0
@@ -113,20 +151,34 @@ class HartsPolicy(LingForCausalLM):
             if type(layer) is DecoderLayer:
                 layer.__class__ = TrainDecoderLayer
             if isinstance(layer.mlp, MoE):
+                if type(layer.mlp) is MoE:
+                    layer.mlp.__class__ = TrainMoE
                 layer.moe_index, i = i, i + 1
         return self
+
+    def decoder_layers(self) -> list:
+        """This module's decoder layers (all of them, or a pipeline stage's, kept under their indices)."""
+        layers = self.model.layers
+        return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+    def moe_layers(self) -> list[MoE]:
+        return [l.mlp for l in self.decoder_layers() if isinstance(l.mlp, MoE)]
 
     def forward(self, batch: CompactBatch, router: tuple | None = None) -> torch.Tensor:
         """Log-probs [S]; ``router`` = (coef_2, f_LE or None) adds the router losses (see router_term)."""
         h = self.embed(batch)
+        return self.head(self.run_layers(h, batch, router), batch)
+
+    def run_layers(self, h: torch.Tensor, batch: CompactBatch, router: tuple | None) -> torch.Tensor:
         weight = self.row_weight(batch, h.dtype)
-        for layer in self.model.layers:
+        for layer in self.decoder_layers():
             if self.activation_checkpoint and torch.is_grad_enabled():
                 # the plan is fixed: recomputation reruns the same views, nothing is replanned
-                h = checkpoint(layer, h, batch, weight, router, use_reentrant=False)
+                with torch.utils.checkpoint.set_checkpoint_early_stop(self.ac_early_stop):
+                    h = checkpoint(layer, h, batch, weight, router, use_reentrant=False)
             else:
                 h = layer(h, batch, weight, router)
-        return self.head(h, batch)
+        return h
 
     # pieces (pipeline stages call these on their own modules)
     def embed(self, batch: CompactBatch) -> torch.Tensor:

@@ -26,8 +26,8 @@ from torch import nn
 
 from harts.models.ling.blocks import MoE
 from harts.ops.backend import resolve
-from harts.ops.moe import route, router_stats
 from harts.ops.moe.experts import _combine
+from harts.train.model import TrainMoE
 
 log = logging.getLogger("harts.train")
 
@@ -84,24 +84,15 @@ def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend
     return torch.cat(outs, 0) + 0 * (wg.sum() + wu.sum() + wd.sum())
 
 
-class ExpertParallelMoE(MoE):
+class ExpertParallelMoE(TrainMoE):
     """MoE whose routed experts are sharded over the ``ep`` mesh dim (Shard(0) on the expert dim)."""
 
     ep_group = None
     ep_size = 1
 
-    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
-        c = self.cfg
-        logits, scores, idx_TK, w_TK = route(
-            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
-            top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
-            norm_topk_prob=c.norm_topk_prob)
-        self.last_stats = router_stats(logits, scores, idx_TK, token_weight_T)
-        return self._routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD)
-
     tp_mesh = None  # with TP, each TP rank dispatches a disjoint slice of the (replicated) rows
 
-    def _routed(self, x_TD, idx_TK, w_TK):
+    def routed(self, x_TD, idx_TK, w_TK):
         if self.tp_mesh is None:
             return self._dispatch(x_TD, idx_TK, w_TK)
         # inside a TP region: rank r of the TP group sends only its contiguous slice of rows, so no
@@ -231,7 +222,7 @@ def apply_tp(model, tp_mesh) -> None:
         return [dist_(m.gate_proj, "weight", Shard(0)), dist_(m.up_proj, "weight", Shard(0)),
                 dist_(m.down_proj, "weight", Shard(1))]
 
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         if not isinstance(layer, TrainDecoderLayer):
             raise TypeError("apply_tp expects a HartsPolicy (TrainDecoderLayer layers)")
         attn, local = layer.attention, []
@@ -265,7 +256,7 @@ def apply_tp(model, tp_mesh) -> None:
         layer.tp_mesh = tp_mesh
 
 
-def clip_grad_norm_mixed_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Gradient clipping over parameters living on different meshes (TP DTensors, 2-D FSDP x TP
     DTensors, 1-D FSDP DTensors, plain replicated tensors), which ``get_total_norm`` cannot stack.
     Local squared norms are summed per (mesh, sharded dims) group and all-reduced once per group over
@@ -294,6 +285,8 @@ def clip_grad_norm_mixed_(params, max_norm: float) -> torch.Tensor:
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(mesh_dim=d))
         total = total + sq
+    if pp_group is not None:  # stages hold disjoint parameters
+        dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:
@@ -303,9 +296,11 @@ def clip_grad_norm_mixed_(params, max_norm: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ AC / compile
-def apply_ac(model, mode: str) -> None:
-    """Full activation checkpointing of every decoder layer (torchtitan's 'full' mode)."""
+def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
+    """Full activation checkpointing of every decoder layer (torchtitan's 'full' mode); layers with
+    collectives are always recomputed whole (no early stop)."""
     model.activation_checkpoint = mode == "full"
+    model.ac_early_stop = not collectives_in_layers
 
 
 def apply_compile(model, backend: str = "inductor") -> list[str]:
@@ -315,7 +310,8 @@ def apply_compile(model, backend: str = "inductor") -> list[str]:
     reference MoE loops over experts present in the batch; compiling those would graph-break on every
     microbatch, so they stay eager."""
     compiled = []
-    for i, layer in enumerate(model.model.layers):
+    for layer in model.decoder_layers():
+        i = layer.layer_idx
         targets = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm", layer.post_attention_layernorm)]
         if isinstance(layer.mlp, MoE):
             targets.append(("mlp.shared_experts", layer.mlp.shared_experts))
@@ -339,8 +335,9 @@ def apply_fsdp(model, dp_mesh, *, param_dtype=None, reduce_dtype=None, reshard_a
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dp_mesh, mp_policy=mp)
     ign = ignored or set()
-    fully_shard(model.model.word_embeddings, reshard_after_forward=reshard_after_forward, **kw)
-    for layer in model.model.layers:
+    if model.model.word_embeddings is not None:  # None on later pipeline stages
+        fully_shard(model.model.word_embeddings, reshard_after_forward=reshard_after_forward, **kw)
+    for layer in model.decoder_layers():
         fully_shard(layer, reshard_after_forward=reshard_after_forward,
                     ignored_params={p for p in layer.parameters() if p in ign} or None, **kw)
     fully_shard(model, reshard_after_forward=False, ignored_params=ign or None, **kw)

@@ -69,10 +69,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.dims = par.build_parallel_dims(pc, self.world_size, self.device.type)
         d = self.dims
-        if d.pp > 1:
-            raise NotImplementedError(
-                f"pipeline_parallel_degree={d.pp}: pipeline stages are not implemented in the HARTS trainer yet "
-                "(FSDP2, EP and TP are); see docs/training.md")
         batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
         self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
         self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
@@ -87,12 +83,20 @@ class Trainer:
         self.dtype = DTYPES[lc.dtype]
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
+        self.n_moe = len(self.model.moe_layers())  # of the whole model (a pipeline stage has fewer)
         if lc.load_hf:
             if lc.init_on_meta:
                 raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before sharding)")
             from harts.models.ling.checkpoint import load_hf_state_dict, read_hf_tensors
 
             load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
+        self.pp_group, self.pp_rank = None, 0
+        if d.pp > 1:
+            from harts.train.pipeline import prune_to_stage
+
+            pp_mesh = d.get_mesh("pp")
+            self.pp_group, self.pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
+            prune_to_stage(self.model, self.pp_rank, d.pp)
         self._parallelize()
         if lc.init_on_meta:
             init_sharded(self.model, self.device, lc.init_seed, self.rank)
@@ -115,11 +119,19 @@ class Trainer:
         self.loss_cfg = LossConfig(objective=rl.objective, clip_eps=rl.clip_eps,
                                    clip_eps_high=rl.clip_eps_high or None, kl_coef=rl.kl_coef,
                                    normalization=rl.loss_norm)
-        self.n_moe = len(self.model.moe_layers())
         self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
                                    vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
                                    conv_width=self.model_cfg.short_conv_kernel_size)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
+        self.pipe = None
+        if d.pp > 1:
+            from harts.train.pipeline import PipelineRunner
+
+            act = self.mp_param_dtype or self.dtype
+            self.pipe = PipelineRunner(self.model, stage=self.pp_rank, pp=d.pp, group=self.pp_group, device=self.device,
+                                       schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
+                                       hidden=self.model_cfg.hidden_size, act_dtype=act,
+                                       loss_dtype=torch.promote_types(act, torch.float32))
         self.state = TrainState()
         if self.n_moe:
             self.state.moe_f = torch.ones(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64,
@@ -171,18 +183,20 @@ class Trainer:
             ignored = par.expert_params(self.model)
         if d.tp > 1:
             par.apply_tp(self.model, d.get_mesh("tp"))
-        par.apply_ac(self.model, cfg.activation_checkpoint.mode)
+        par.apply_ac(self.model, cfg.activation_checkpoint.mode, collectives_in_layers=d.tp > 1 or d.ep > 1)
         if cfg.compile.enable:
             names = par.apply_compile(self.model, cfg.compile.backend)
             log.info("compiled %d modules per-block (fullgraph): norms, dense MLPs, shared experts", len(names))
         self.amp = contextlib.nullcontext()
+        self.mp_param_dtype = None
         if d.fsdp_enabled or d.dp_replicate > 1:
             mesh = d.get_mesh(["dp_replicate", "fsdp"]) if d.dp_replicate > 1 else d.get_mesh("fsdp")
             mp = {}
             if self.device.type == "cuda" and self.dtype == torch.float32:
                 mp = dict(param_dtype=DTYPES[cfg.training.mixed_precision_param],
                           reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
-            rf = cfg.parallelism.fsdp_reshard_after_forward != "never"
+            self.mp_param_dtype = mp.get("param_dtype")
+            rf = {"always": True, "never": False}.get(cfg.parallelism.fsdp_reshard_after_forward, d.pp == 1)
             par.apply_fsdp(self.model, mesh, reshard_after_forward=rf, ignored=ignored, **mp)
         elif self.device.type == "cuda" and self.dtype == torch.float32:
             from torchtitan.distributed.utils import maybe_enable_amp
@@ -283,7 +297,9 @@ class Trainer:
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
-        for j, mb in enumerate(mbs):
+        if self.pipe is not None:
+            sums, counts = self._pipeline_slots(step, mbs, router, sums)
+        for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
                 logp = model(mb.batch, router)
                 loss_S, pg_S, kl_S, clip_S = token_losses(
@@ -314,8 +330,13 @@ class Trainer:
             dist.all_reduce(sums, group=self.dp_group)
             if counts is not None:
                 dist.all_reduce(counts, group=self.dp_group)
-        if self.dims.tp > 1:
-            grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm)
+        if self.pp_group is not None:  # stages contribute disjoint parts (metrics on the last, counts per layer)
+            dist.all_reduce(sums, group=self.pp_group)
+            if counts is not None:
+                dist.all_reduce(counts, group=self.pp_group)
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm,
+                                                  pp_group=self.pp_group)
         else:
             from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -326,7 +347,8 @@ class Trainer:
         self.optimizers.zero_grad()
         if counts is not None:
             if cfg.rl.expert_bias_rate > 0:
-                model.update_expert_bias(cfg.rl.expert_bias_rate, counts.to(torch.float32))
+                own = model.moe_ids() if self.pipe is not None else list(range(self.n_moe))
+                model.update_expert_bias(cfg.rl.expert_bias_rate, counts[own].to(torch.float32))
             c = self.model_cfg
             self.state.moe_f = counts * (c.num_experts / (c.num_experts_per_tok * data.normalizer.raw_tokens))
         s = sums.tolist()
@@ -335,6 +357,51 @@ class Trainer:
         if cfg.data.reward == "learnable" and s[7] > 0 and s[9] > 0:
             out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
         return out
+
+    def _pipeline_slots(self, step: int, mbs, router, sums):
+        """All slots through the pipeline schedule; returns this rank's metric sums and MoE counts (full
+        [MoE layers, E] with this stage's rows filled), to be reduced over DP and PP like the others."""
+        m = self.model
+        with torch.profiler.record_function("harts.pipeline"), self.amp:
+            self.pipe.run(mbs, router, self.loss_cfg)
+        counts = None
+        if self.n_moe:
+            counts = torch.zeros(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64, device=self.device)
+            if m.mb_counts is not None:
+                counts[m.moe_ids()] = m.mb_counts
+        by_id = {mb.index: mb for mb in mbs}
+        bad_loss = []
+        for mb_id, logp, loss, pg, kl, clip in m.mb_records:
+            mb = by_id[mb_id]
+            if not torch.isfinite(loss).item():
+                bad_loss.append(mb_id)
+            sums += torch.stack([loss.double(), pg.double(), kl.double(), clip.double(),
+                                 torch.zeros((), dtype=torch.float64, device=self.device),
+                                 torch.tensor(float(mb.coeff.numel()), dtype=torch.float64, device=self.device),
+                                 *self._reward_probe(logp, mb)])
+        sums[4] += m.router_sum
+        if self.cfg.debug.check_finite:
+            self._check_finite_pipeline(step, bad_loss)
+        return sums, counts
+
+    def _check_finite_pipeline(self, step: int, bad_loss: list[int]):
+        """Under PP the schedule interleaves microbatches, so gradients are checked once after all of
+        them (the error names the stage); non-finite losses are named per microbatch (last stage)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        gsq = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+        flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
+        flags[0, self.rank] = (bad_loss[0] + 1) if bad_loss else 0
+        flags[1, self.rank] = 0 if torch.isfinite(gsq).item() else self.pp_rank + 1
+        dist.all_reduce(flags)
+        if flags.any():
+            where = [f"non-finite loss in microbatch {int(flags[0, r]) - 1} on rank {r}"
+                     for r in torch.nonzero(flags[0]).flatten().tolist()]
+            where += [f"non-finite gradients of pipeline stage {int(flags[1, r]) - 1} on rank {r}"
+                      for r in torch.nonzero(flags[1]).flatten().tolist()]
+            raise NonFiniteError(f"step {step}: " + "; ".join(where) + " (step not applied)")
 
     def _reward_probe(self, logp: torch.Tensor, mb) -> list[torch.Tensor]:
         """Learnable reward: mean log-prob of rewarded (id < V/2) minus unrewarded loss-token targets; it
@@ -406,7 +473,14 @@ class Trainer:
         from harts.models.ling import LingForCausalLM
         from harts.models.ling.checkpoint import save_pretrained
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.pp_group is None:
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:  # every stage holds its own layers (cpu_offload would leave them on global rank 0 only): gather
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            sd = {k: v.detach().cpu() for k, v in sd.items()}
+            parts = [None] * self.dims.pp
+            dist.all_gather_object(parts, sd, group=self.pp_group)
+            sd = {k: v for part in parts for k, v in part.items()}
         if self.rank == 0:
             with torch.device("meta"):
                 plain = LingForCausalLM(self.model_cfg)
