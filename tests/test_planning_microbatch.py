@@ -110,6 +110,31 @@ def test_interval_work_pair_lcp_and_split_cost(params):
     assert idx.group_work(np.flatnonzero(sub)) == brute_work([s for s, m in zip(srt, sub) if m])
 
 
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.sampled_from([1, 2, 3, 16]), st.sampled_from([3, 70_000, 2**40]))
+def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top):
+    """Head groups, trunk comparison against a pivot and tail keys (all widths) give Python's sorted order
+    and the brute-force adjacent LCPs; small HEADs make the trunk path run on small inputs."""
+    from unittest import mock
+
+    import harts.planning.prefix_cost as pc
+
+    seed, n, vocab, max_len = params
+    rng = np.random.default_rng(seed)
+    seqs = random_forest(rng, n, vocab=vocab, max_len=max_len + 20)
+    big = rng.integers(0, top, 64).tolist()  # a few large token ids force 4- and 8-byte tail keys
+    seqs = [[big[t % 64] if t % 3 == 0 else t for t in s] for s in seqs]
+    with mock.patch.object(pc, "HEAD", head):
+        idx = build_prefix_index([np.asarray(s, dtype=np.int64) for s in seqs])
+    assert idx.order.tolist() == sorted(range(n), key=lambda i: (seqs[i], i))
+    srt = [seqs[i] for i in idx.order]
+    for p in range(1, n):
+        x, y = srt[p - 1], srt[p]
+        ref = next((t for t in range(min(len(x), len(y))) if x[t] != y[t]), min(len(x), len(y)))
+        assert idx.lcp[p] == ref
+    assert idx.total_work == brute_work(seqs)
+
+
 def test_first_feasible_start_is_the_first_fitting_start():
     rng = np.random.default_rng(3)
     seqs = random_forest(rng, 30, vocab=3, max_len=10)
@@ -280,6 +305,54 @@ def test_greedy_placement_feasible_and_post_processing(params, extra, policy):
             assert k3 % dp == 0 and k3 - k2 == (-k2) % dp and set(aligned.tolist()) == set(range(k3))
 
 
+def naive_greedy(srt, order, policy, capacity):
+    """Eq. 10 greedy from the wording, on sequence sets: each position joins the microbatch maximising
+    (work after, shared) for best-fit or (shared, work after) for max-shared, lowest id on ties."""
+    groups: list[list[int]] = []
+    owner = [-1] * len(srt)
+    for p in order:
+        x = len(srt[p])
+        best = None
+        for g, members in enumerate(groups):
+            before = brute_work([srt[q] for q in members])
+            after = brute_work([srt[q] for q in members] + [srt[p]])
+            if after > capacity:
+                continue
+            shared = x - (after - before)
+            key = (after, shared, -g) if policy == "best_fit" else (shared, after, -g)
+            if best is None or key > best[0]:
+                best = (key, g)
+        if best is None:
+            groups.append([p])
+            owner[p] = len(groups) - 1
+        else:
+            groups[best[1]].append(p)
+            owner[p] = best[1]
+    return owner
+
+
+@settings(max_examples=30, deadline=None)
+@given(forest_params, st.integers(0, 20), st.sampled_from([256, 2]))
+def test_greedy_equals_naive_reference(params, extra, rows_max):
+    """Same placements as the naive greedy, with precomputed tree rows and with the scanning fallback."""
+    from unittest import mock
+
+    import harts.planning.greedy as gr
+
+    seed, n, vocab, max_len = params
+    n = min(n, 24)
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = [seqs[i] for i in idx.order]
+    with mock.patch.object(gr, "TREE_ROWS_MAX", rows_max):
+        hoods = gr.Neighbourhoods(idx)
+        for order in processing_orders(idx).values():
+            for policy in ("best_fit", "max_shared"):
+                got = greedy_place(idx, order, policy, capacity, hoods)
+                assert got.tolist() == naive_greedy(srt, order, policy, capacity)
+
+
 def test_greedy_eq10_insertion_cost_brute_force():
     """neighbour_shared is |x| minus the work x adds to its microbatch (Eq. 10 with p, q its neighbours)."""
     rng = np.random.default_rng(11)
@@ -296,6 +369,89 @@ def test_greedy_eq10_insertion_cost_brute_force():
 
 
 # ----------------------------------------------------------------------------------- refinement
+
+
+def naive_boundary_refine(srt, cuts, capacity, h=8, sweeps=2):
+    cuts = list(cuts)
+    for _ in range(sweeps):
+        changed = False
+        for i in range(1, len(cuts) - 1):
+            a, c, b = cuts[i - 1], cuts[i], cuts[i + 1]
+            pair = lambda t: (brute_work(srt[a:t]), brute_work(srt[t:b]))  # noqa: E731
+            cur = (sum(pair(c)), max(pair(c)))
+            options = []
+            for t in range(max(a + 1, c - h), min(b - 1, c + h) + 1):
+                left, right = pair(t)
+                if left <= capacity and right <= capacity and (left + right, max(left, right)) < cur:
+                    options.append((left + right, max(left, right), abs(t - c), t))
+            if options:
+                cuts[i] = min(options)[3]
+                changed = True
+        if not changed:
+            break
+    return cuts
+
+
+def naive_sparse_repair(srt, owner, capacity, h=8, iters=4):
+    owner = list(owner)
+    n = len(srt)
+    k = max(owner) + 1
+    for _ in range(iters):
+        members = [[p for p in range(n) if owner[p] == g] for g in range(k)]
+        work = [brute_work([srt[p] for p in m]) for m in members]
+        moves = []
+        for p in range(n):
+            a = owner[p]
+            if len(members[a]) < 2:
+                continue
+            for d in sorted({owner[q] for q in range(max(0, p - h), min(n, p + h + 1))} - {a}):
+                new_a = brute_work([srt[q] for q in members[a] if q != p])
+                new_d = brute_work([srt[q] for q in members[d]] + [srt[p]])
+                gain = work[a] + work[d] - new_a - new_d
+                if new_d <= capacity and gain > 0:
+                    moves.append((-gain, p, d))
+        if moves:
+            _, p, d = min(moves)
+            owner[p] = d
+            continue
+        swaps = []
+        for p in range(n):
+            for q in range(p + 1, min(n, p + h + 1)):
+                a, b = owner[p], owner[q]
+                if a == b:
+                    continue
+                new_a = brute_work([srt[r] for r in members[a] if r != p] + [srt[q]])
+                new_b = brute_work([srt[r] for r in members[b] if r != q] + [srt[p]])
+                gain = work[a] + work[b] - new_a - new_b
+                if new_a <= capacity and new_b <= capacity and gain > 0:
+                    swaps.append((-gain, p, q))
+        if not swaps:
+            break
+        _, p, q = min(swaps)
+        owner[p], owner[q] = owner[q], owner[p]
+    return owner
+
+
+@settings(max_examples=25, deadline=None)
+@given(forest_params, st.integers(0, 20), st.integers(0, 2**31 - 1))
+def test_refinement_equals_naive_reference(params, extra, seed2):
+    """Vectorised boundary sweeps and link-based sparse repair make the naive references' exact choices."""
+    seed, n, vocab, max_len = params
+    n = min(n, 22)
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    srt = [seqs[i] for i in idx.order]
+    rng = np.random.default_rng(seed2)
+    k = int(rng.integers(1, n + 1))
+    cuts = np.concatenate(([0], np.sort(rng.choice(np.arange(1, n), k - 1, replace=False)), [n])).astype(np.int64)
+    for c in (cuts, natural_partition(idx, capacity)):
+        assert boundary_refine(idx, c, capacity).tolist() == naive_boundary_refine(srt, c.tolist(), capacity)
+    owner = greedy_place(idx, processing_orders(idx)["suffix_desc"], "max_shared", capacity)
+    assert sparse_repair(idx, owner, capacity).tolist() == naive_sparse_repair(srt, owner.tolist(), capacity)
+    loose = rng.integers(0, max(1, n // 3), n)  # arbitrary grouping, no capacity pressure
+    loose = np.unique(loose, return_inverse=True)[1].ravel()
+    assert sparse_repair(idx, loose, 10**9).tolist() == naive_sparse_repair(srt, loose.tolist(), 10**9)
 
 
 @settings(max_examples=40, deadline=None)
