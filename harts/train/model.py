@@ -232,8 +232,11 @@ def _local_params(model: torch.nn.Module):
 @torch.no_grad()
 def init_sharded(model: HartsPolicy, device: torch.device, seed: int, rank: int) -> None:
     """Materialise a meta-built, already sharded model and initialise each rank's shards (seed + rank)."""
+    from harts.models.ling.blocks import init_module_weights
+
     model.to_empty(device=device)
-    with _local_params(model):
-        model.init_weights(seed + rank)
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    with _local_params(model):  # (a pipeline stage may lack the LM head init_weights keys its device on)
+        init_module_weights(model, model.config, gen)
     for m in model.moe_layers():
         m.gate.expert_bias.zero_()
