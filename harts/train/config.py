@@ -207,7 +207,8 @@ def _normalize(argv: list[str]) -> list[str]:
                 out.append(f"--{key}" if v in ("true", "1", "yes") else f"--{sec}.no-{name}")
                 i += 1
                 continue
-            if typing.get_origin(t) is list and "," in val:
+            if typing.get_origin(t) is list and "," in val and typing.get_args(t) != (str,):
+                # list[str] already takes "a,b" (torchtitan's tyro rule); other lists get one value each
                 out += [f"--{key}"] + [x for x in val.split(",") if x]
                 i += 1
                 continue
@@ -263,7 +264,7 @@ def load_config(path: str | None = None, **overrides) -> HartsJobConfig:
         if isinstance(v, bool):
             argv.append(f"--{k}={'true' if v else 'false'}")
         elif isinstance(v, (list, tuple)):
-            argv += [f"--{k}"] + [str(x) for x in v]
+            argv.append(f"--{k}=" + ",".join(str(x) for x in v))
         else:
             argv.append(f"--{k}={v}")
     return parse_args(argv)

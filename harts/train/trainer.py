@@ -91,6 +91,9 @@ class Trainer:
 
             load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
         self.pp_group, self.pp_rank = None, 0
+        if d.pp > 1 and cfg.rl.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
+            raise NotImplementedError("rl.old_logprobs = 'recompute' needs a whole-model forward; with pipeline "
+                                      "parallelism give old_logprobs in the data")
         if d.pp > 1:
             from harts.train.pipeline import prune_to_stage
 
