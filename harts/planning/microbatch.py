@@ -35,9 +35,9 @@ from harts.planning.schedule import assign_slots, objective, slot_imbalances, st
 
 N0 = 512  # exact-search threshold
 MAX_ANCHORS = 3
-# Default mode above N0: the exact DP is added when it is cheap. Its cost is at most K (N+1) B cells (~1.2 ns
-# each measured here: a full swe-step step is ~1.4e7 cells, ~15 ms), so 1e8 cells bounds it near 0.15 s;
-# its [N+1, B] int64 arrays (about eight alive at once) are kept under ~100 MB by the row budget.
+# Default mode above N0: the exact DP is added when it is cheap. Its cost is at most K (N+1) B cells (~1 ns
+# each measured here: a full swe-step step is ~1.4e7 cells, ~12 ms), so 1e8 cells bounds it near 0.1 s;
+# its [N+1, B] int64 arrays (16 MB each at the row budget, about eight alive at once) bound the memory.
 EXACT_CELL_BUDGET = 100_000_000
 EXACT_ROW_BUDGET = 1 << 21
 
