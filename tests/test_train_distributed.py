@@ -5,7 +5,7 @@
   runs use different plans (D = 2 vs D = 1), so equality also rests on the split-invariant objective.
 - EP = 2 (experts sharded over the two DP ranks, tokens exchanged by all-to-all): same tolerances.
 - PP = 2 with activation checkpointing; on four processes FSDP2 x TP x EP (with AC), FSDP2 x PP x EP,
-  and TP x PP x EP (with AC): same tolerances.
+  and TP + SP x PP x EP (with AC): same tolerances.
 - Kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 """
@@ -144,11 +144,13 @@ def test_fsdp2_x_pp_x_ep_four_processes(runs):
     assert all((r["dp"], r["pp"], r["ep"]) == (2, 2, 2) for r in records(d / "dp_pp_ep"))
 
 
-def test_tp_x_pp_x_ep_with_activation_checkpointing_four_processes(runs):
-    """The paper's DP2/TP2/PP2/EP4 layout without its DP dimension: TP = 2 x PP = 2 x EP = 2, full AC."""
+def test_tp_sp_x_pp_x_ep_with_activation_checkpointing_four_processes(runs):
+    """The paper's DP2/TP2/SP/PP2/EP4 layout without its DP dimension: TP = 2 with sequence parallelism
+    (row shards between regions and stages) x PP = 2 x EP = 2, full AC."""
     d, cfg, one = runs
     torchrun(cfg, d / "tp_pp_ep", "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",
-             "--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full", nproc=4)
+             "--parallelism.expert_parallel_degree=2", "--parallelism.enable_sequence_parallel=true",
+             "--activation_checkpoint.mode=full", nproc=4)
     _same(one, d / "tp_pp_ep")
     assert all((r["tp"], r["pp"], r["ep"]) == (2, 2, 2) for r in records(d / "tp_pp_ep"))
 

@@ -118,6 +118,13 @@ class Checkpoint(tt.Checkpoint):
 
 
 @dataclass
+class Parallelism(tt.Parallelism):
+    enable_sequence_parallel: bool = False
+    """With TP: shard the rows (compact rows or tokens) over the TP group outside the TP regions (norms,
+    residual stream, pipeline activations); all-gather into and reduce-scatter out of each region."""
+
+
+@dataclass
 class ActivationCheckpoint(tt.ActivationCheckpoint):
     mode: str = "none"
     """'none' or 'full' (recompute each decoder layer in backward; the plan and layout are reused)."""
@@ -141,6 +148,7 @@ class HartsJobConfig(tt.JobConfig):
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    parallelism: Parallelism = field(default_factory=Parallelism)
 
 
 # torchtitan sections/fields this trainer reads; anything else must stay at its default.
@@ -151,7 +159,8 @@ _USED = {
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree"},
+                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree",
+                    "enable_sequence_parallel"},
     "checkpoint": {"enable", "folder", "interval", "keep_latest_k", "load_step", "last_save_model_only",
                    "export_dtype", "initial_load_path", "initial_load_model_only", "async_mode",
                    "exclude_from_loading", "enable_first_step_checkpoint", "export_hf", "load_only",

@@ -70,6 +70,21 @@ def truncate(t: Trajectory, n: int) -> Trajectory:
     return dataclasses.replace(t, **ch)
 
 
+def pad_rows(batch: CompactBatch, multiple: int) -> CompactBatch:
+    """Pad a trajectory-wise batch to a multiple of ``multiple`` rows: the padding rows form one extra
+    sequence (so every sequence mixer stays within its own rows), have multiplicity 0 (no router
+    statistics) and no log-prob positions."""
+    P = batch.num_phys
+    pad = -P % multiple
+    if pad == 0:
+        return batch
+    z = torch.zeros(pad, dtype=torch.long)
+    cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
+    return dataclasses.replace(
+        batch, input_ids=torch.cat([batch.input_ids, z]), position_ids=torch.cat([batch.position_ids, torch.arange(pad)]),
+        multiplicity=torch.cat([batch.multiplicity, z]), cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad))
+
+
 def learnable_reward(t: Trajectory, vocab_size: int) -> float:
     """Fraction of the trajectory's loss tokens whose id is below vocab/2 (0.5 if it has none)."""
     m = np.ones(len(t), dtype=bool) if t.loss_mask is None else t.loss_mask > 0
@@ -116,8 +131,10 @@ def plan_trajectory_wise(lengths, *, dp_degree: int, capacity: int) -> Microbatc
 class StepBuilder:
     """Everything for step s on one DP replica; pure function of (config, s), identical on every rank."""
 
-    def __init__(self, cfg, *, dp_degree: int, dp_rank: int, vocab_size: int, chunk_size: int, conv_width: int):
+    def __init__(self, cfg, *, dp_degree: int, dp_rank: int, vocab_size: int, chunk_size: int, conv_width: int,
+                 row_multiple: int = 1):
         self.cfg, self.D, self.d = cfg, dp_degree, dp_rank
+        self.row_multiple = row_multiple  # sequence parallelism splits every microbatch's rows evenly
         self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
         self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
         if cfg.data.source == "synthetic":
@@ -173,7 +190,9 @@ class StepBuilder:
         for slot, mb_id in enumerate(plan.replicas[self.d]):
             sub = [trajs[i] for i in plan.microbatches[mb_id]]
             batch = pack(sub, chunk_size=self.chunk_size, prefix_sharing=self.cfg.harts.enabled,
-                         conv_width=self.conv_width)
+                         conv_width=self.conv_width, pad_to_multiple=self.row_multiple)
+            if not batch.prefix_sharing and self.row_multiple > 1:
+                batch = pad_rows(batch, self.row_multiple)
             coeff = torch.from_numpy(microbatch_coefficients(sub, norm, rl.loss_norm))
             mbs.append(Microbatch(
                 index=mb_id, slot=slot, batch=batch, coeff=coeff, adv=batch.semantic("advantages"),

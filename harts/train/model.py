@@ -86,6 +86,7 @@ class TrainDecoderLayer(DecoderLayer):
 
     moe_index: int = -1  # position among the MoE layers (set by HartsPolicy.adopt_layers)
     tp_mesh = None  # set by harts.train.parallelize.apply_tp: mixer and FFN become TP regions
+    sequence_parallel: bool = False  # rows sharded over tp outside the regions
 
     def forward(self, h_PD: torch.Tensor, batch: CompactBatch, weight_P: torch.Tensor | None,
                 router: tuple | None = None) -> torch.Tensor:
@@ -105,20 +106,26 @@ class TrainDecoderLayer(DecoderLayer):
         return h_PD + self.tp_exit(y)
 
     def tp_enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Identity forward; all-reduces the gradient (the region's ranks each produce a part of it)."""
+        """Region input: identity (or all-gather of the row shards under SP) forward; the gradient, of
+        which every rank produces a part, is all-reduced (or reduce-scattered)."""
         if self.tp_mesh is None:
             return x
-        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-        return DTensor.from_local(x, self.tp_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+        src = (Shard(0),) if self.sequence_parallel else (Replicate(),)
+        d = DTensor.from_local(x, self.tp_mesh, src)
+        if self.sequence_parallel:
+            d = d.redistribute(self.tp_mesh, (Replicate(),))
+        return d.to_local(grad_placements=(Partial(),))
 
     def tp_exit(self, y: torch.Tensor) -> torch.Tensor:
-        """All-reduces the region's partial output."""
+        """Region output: all-reduce (or reduce-scatter into row shards under SP) of the partial sums."""
         if self.tp_mesh is None:
             return y
-        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-        return DTensor.from_local(y, self.tp_mesh, (Partial(),)).redistribute(self.tp_mesh, (Replicate(),)).to_local()
+        dst = (Shard(0),) if self.sequence_parallel else (Replicate(),)
+        return DTensor.from_local(y, self.tp_mesh, (Partial(),)).redistribute(self.tp_mesh, dst).to_local()
 
 
 def router_term(st, router: tuple, moe_index: int) -> torch.Tensor:
@@ -164,10 +171,28 @@ class HartsPolicy(LingForCausalLM):
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.decoder_layers() if isinstance(l.mlp, MoE)]
 
+    sp_mesh = None  # sequence parallelism: the residual stream holds this TP rank's rows only
+
     def forward(self, batch: CompactBatch, router: tuple | None = None) -> torch.Tensor:
         """Log-probs [S]; ``router`` = (coef_2, f_LE or None) adds the router losses (see router_term)."""
         h = self.embed(batch)
         return self.head(self.run_layers(h, batch, router), batch)
+
+    def sp_split(self, h_PD: torch.Tensor) -> torch.Tensor:
+        """Keep this TP rank's rows (backward: all-gather the row gradients)."""
+        if self.sp_mesh is None:
+            return h_PD
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        return DTensor.from_local(h_PD, self.sp_mesh, (Replicate(),)).redistribute(self.sp_mesh, (Shard(0),)).to_local()
+
+    def sp_gather(self, h_PD: torch.Tensor) -> torch.Tensor:
+        """All rows for the (replicated) LM head (backward: each rank keeps its rows' gradient)."""
+        if self.sp_mesh is None:
+            return h_PD
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        return DTensor.from_local(h_PD, self.sp_mesh, (Shard(0),)).redistribute(self.sp_mesh, (Replicate(),)).to_local()
 
     def run_layers(self, h: torch.Tensor, batch: CompactBatch, router: tuple | None) -> torch.Tensor:
         weight = self.row_weight(batch, h.dtype)
@@ -182,17 +207,16 @@ class HartsPolicy(LingForCausalLM):
 
     # pieces (pipeline stages call these on their own modules)
     def embed(self, batch: CompactBatch) -> torch.Tensor:
-        return self.model.word_embeddings(batch.input_ids)
+        return self.sp_split(self.model.word_embeddings(batch.input_ids))
 
     @staticmethod
-    def row_weight(batch: CompactBatch, dtype: torch.dtype) -> torch.Tensor | None:
-        """Multiplicities weight the router statistics on the compact path; the baseline's are all 1."""
-        if not batch.prefix_sharing:
-            return None
+    def row_weight(batch: CompactBatch, dtype: torch.dtype) -> torch.Tensor:
+        """Multiplicities weight the router statistics (compact rows: q_c; baseline tokens: 1; padding
+        rows: 0)."""
         return batch.multiplicity.to(torch.promote_types(dtype, torch.float32))
 
     def head(self, h_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
-        return compact_logprobs(self, batch, hidden_PD=self.model.norm(h_PD))
+        return compact_logprobs(self, batch, hidden_PD=self.model.norm(self.sp_gather(h_PD)))
 
 
 def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, seed: int,

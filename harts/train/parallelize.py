@@ -188,7 +188,7 @@ def _local_view_hooks(owner: nn.Module, targets: list[tuple[nn.Module, str]]) ->
     owner.register_forward_hook(post)
 
 
-def apply_tp(model, tp_mesh) -> None:
+def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     """Megatron-style tensor parallelism without sequence parallelism, as two TP regions per layer.
 
     Each decoder layer's sequence mixer and FFN is a region (``TrainDecoderLayer.tp_enter/tp_exit``): its
@@ -199,6 +199,11 @@ def apply_tp(model, tp_mesh) -> None:
     q_a/kv_a projections and norms, the KDA gated-norm weight, the router) are Replicate DTensors whose
     gradients are partial and all-reduced. Embeddings, layer norms and the LM head are outside the
     regions and plain.
+
+    Sequence parallelism: the residual stream and the layer norms hold this rank's rows only (the rows
+    are padded to a multiple of tp); regions all-gather their input rows and reduce-scatter their output,
+    the layer-norm weights become Replicate DTensors with partial gradients, and the embeddings (split
+    after the lookup) and the LM head (after an all-gather) stay whole.
 
     Why not per-Linear ``parallelize_module`` styles: MLA's shared RoPE key (a slice of the replicated
     kv_a output) and KDA's gated-norm weight meet head-sharded activations inside the model's own code,
@@ -252,8 +257,14 @@ def apply_tp(model, tp_mesh) -> None:
                           dist_(ex, "down_proj", Shard(2))]
         else:
             local += ffn(layer.mlp)
+        if sequence_parallel:  # the layer norms see row shards: partial weight gradients
+            local += [dist_(layer.input_layernorm, "weight", Replicate()),
+                      dist_(layer.post_attention_layernorm, "weight", Replicate())]
         _local_view_hooks(layer, local)
         layer.tp_mesh = tp_mesh
+        layer.sequence_parallel = sequence_parallel
+    if sequence_parallel:
+        model.sp_mesh = tp_mesh
 
 
 def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None) -> torch.Tensor:

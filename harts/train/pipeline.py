@@ -46,6 +46,7 @@ class HartsStage(HartsPolicy):
     first: bool = True
     last: bool = True
     rows: int = 0
+    row_split: int = 1  # sequence parallelism: a stage passes on this TP rank's rows
     act_dtype: torch.dtype = torch.float32
 
     def begin_step(self, mbs, router, loss_cfg):
@@ -62,7 +63,7 @@ class HartsStage(HartsPolicy):
         mb = self._mbs[self._cursor]
         self._cursor += 1
         batch = mb.batch
-        h = self.embed(batch) if self.first else x[: batch.num_phys]
+        h = self.embed(batch) if self.first else x[: batch.num_phys // self.row_split]
         h = self.run_layers(h, batch, self._router)
         stats = self.router_stats()
         if stats:
@@ -102,11 +103,15 @@ class PipelineRunner:
     """One pipeline schedule per slot count (plans may change K from step to step)."""
 
     def __init__(self, stage_model: HartsStage, *, stage: int, pp: int, group, device, schedule: str,
-                 rows: int, hidden: int, act_dtype: torch.dtype, loss_dtype: torch.dtype):
+                 rows: int, hidden: int, act_dtype: torch.dtype, loss_dtype: torch.dtype, row_split: int = 1):
+        if rows % row_split:
+            raise ValueError(f"harts.capacity={rows} must be a multiple of tensor_parallel_degree={row_split} "
+                             "with sequence and pipeline parallelism")
+        rows //= row_split
         self.model, self.stage, self.pp, self.group, self.device = stage_model, stage, pp, group, device
         self.schedule_name, self.rows, self.hidden = schedule, rows, hidden
         self.act_dtype, self.loss_dtype = act_dtype, loss_dtype
-        stage_model.rows = rows
+        stage_model.rows, stage_model.row_split = rows, row_split
         self._cache: dict[int, object] = {}
 
     def _schedule(self, n: int):

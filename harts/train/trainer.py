@@ -90,6 +90,7 @@ class Trainer:
             from harts.models.ling.checkpoint import load_hf_state_dict, read_hf_tensors
 
             load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
+        self.sp = cfg.parallelism.enable_sequence_parallel and d.tp > 1
         self.pp_group, self.pp_rank = None, 0
         if d.pp > 1 and cfg.rl.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             raise NotImplementedError("rl.old_logprobs = 'recompute' needs a whole-model forward; with pipeline "
@@ -124,7 +125,8 @@ class Trainer:
                                    normalization=rl.loss_norm)
         self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
                                    vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
-                                   conv_width=self.model_cfg.short_conv_kernel_size)
+                                   conv_width=self.model_cfg.short_conv_kernel_size,
+                                   row_multiple=d.tp if self.sp else 1)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
         self.pipe = None
         if d.pp > 1:
@@ -134,7 +136,8 @@ class Trainer:
             self.pipe = PipelineRunner(self.model, stage=self.pp_rank, pp=d.pp, group=self.pp_group, device=self.device,
                                        schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
                                        hidden=self.model_cfg.hidden_size, act_dtype=act,
-                                       loss_dtype=torch.promote_types(act, torch.float32))
+                                       loss_dtype=torch.promote_types(act, torch.float32),
+                                       row_split=d.tp if self.sp else 1)
         self.state = TrainState()
         if self.n_moe:
             self.state.moe_f = torch.ones(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64,
@@ -185,7 +188,7 @@ class Trainer:
             par.apply_ep(self.model, d.get_mesh("ep"))
             ignored = par.expert_params(self.model)
         if d.tp > 1:
-            par.apply_tp(self.model, d.get_mesh("tp"))
+            par.apply_tp(self.model, d.get_mesh("tp"), sequence_parallel=self.sp)
         par.apply_ac(self.model, cfg.activation_checkpoint.mode, collectives_in_layers=d.tp > 1 or d.ep > 1)
         if cfg.compile.enable:
             names = par.apply_compile(self.model, cfg.compile.backend)
