@@ -124,7 +124,7 @@ def rollout_forests(draw, B=4):
     return [trajs[i] for i in draw(st.permutations(range(len(trajs))))]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rollout_forests())
 def test_random_forests_equal_trajectory_wise(trajs):
     assert_equivalent(trajs, 4)
