@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
+#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup [...]
+# with carry [".whl", ".triton_cache"]. Every step has its own timeout and tees its log into $OUT; the
+# Triton cache (compiled kernels + autotune results, fla caches them on disk) comes back as one archive.
+set -uo pipefail
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT" .triton_cache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed" >&2; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
+export PYTORCH_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "== $name ($(date +%T), limit ${secs}s)" | tee -a "$OUT/sweep.log"
+  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "== $name rc=${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/sweep.log"
+}
+
+for what in "$@"; do
+  case $what in
+    warm) step warm 300 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_ops_kda.py \
+            tests/test_kernels_kda_round.py tests/test_kernels_logprobs.py tests/test_runtime_gpu.py ;;
+    kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" ;;
+    model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
+    compact) step compact 240 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
+            --repeats 1 --out "$OUT" ;;
+    fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
+    speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
+            --out "$OUT" ;;
+    *) echo "unknown step $what" >&2 ;;
+  esac
+done
+tar -C .triton_cache -cJf "$OUT/triton_cache.tar.xz" . && ls -l "$OUT/triton_cache.tar.xz"
