@@ -65,6 +65,8 @@ class CompactBatch:
     max_seqlen: int = 0
     # compact (prefix_sharing=True)
     conv_pred: torch.Tensor | None = None  # [P, w] physical rows 0..w-1 steps back on the path, -1 = none
+    conv_cu_seqlens: torch.Tensor | None = None  # [Q+1] sequences' output blocks in physical rows
+    conv_context: torch.Tensor | None = None  # [Q, w-1] ancestor rows before each block (oldest first), -1 = none
     rounds: tuple[KDARound, ...] = ()
     num_states: int = 0
     mla_q_rows: torch.Tensor | None = None  # [C]
@@ -208,6 +210,7 @@ def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_wid
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
         conv_pred=predecessor_index(_t(lay.parent_phys), conv_width),
+        conv_cu_seqlens=_t(lay.seq_cu_seqlens), conv_context=_t(lay.conv_context),
         rounds=tuple(rounds), num_states=lay.num_states if replay else n_states,
         kda_output_perm=perm, replay=replay,
         mla_q_rows=_t(lay.mla_q_rows), mla_q_is_identity=bool(np.array_equal(lay.mla_q_rows, np.arange(P))),

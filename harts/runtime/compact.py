@@ -97,7 +97,9 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
         heads = cp.head_slice(H)
     h = heads.stop - heads.start
     chans = slice(heads.start * Kh, heads.stop * Kh)
-    q, k, v = (tree_short_conv(t.flatten(1), c.weight.squeeze(1)[chans], batch.conv_pred, "silu").view(-1, h, Kh)
+    q, k, v = (tree_short_conv(t.flatten(1), c.weight.squeeze(1)[chans], batch.conv_pred, "silu",
+                               seq_cu=batch.conv_cu_seqlens, context=batch.conv_context, num_rows=batch.num_rows,
+                               backend=cfg.op_backend("conv")).view(-1, h, Kh)
                for t, c in ((q, attn.q_conv1d), (k, attn.k_conv1d), (v, attn.v_conv1d)))
     o = kda_rounds(q, k, v, f, beta, attn.A_log[heads], attn.dt_bias.view(H, Kh)[heads].flatten(), batch, cfg)
     if cp is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_short_conv", "predecessor_index"]
+__all__ = ["tree_short_conv", "tree_short_conv_reference", "predecessor_index"]
 
 
 def predecessor_index(parent_C: torch.Tensor, width: int) -> torch.Tensor:
@@ -29,7 +29,28 @@ def predecessor_index(parent_C: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def tree_short_conv(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_CW: torch.Tensor,
-                    activation: str | None = "silu") -> torch.Tensor:
+                    activation: str | None = "silu", *, seq_cu: torch.Tensor | None = None,
+                    context: torch.Tensor | None = None, num_rows: int | None = None,
+                    backend: str = "auto") -> torch.Tensor:
+    """Dispatch (``harts.ops.backend.resolve("conv", ...)``, logged): fla's varlen causal_conv1d over the
+    sequences' output blocks with ancestor windows as initial states (needs ``seq_cu`` [Q+1] and
+    ``context`` [Q, W-1]; rows >= ``num_rows`` are alignment padding and give zeros), or the gather
+    reference over ``pred_CW``."""
+    from harts.ops.backend import resolve
+
+    if seq_cu is not None and context is not None and resolve("conv", backend, x_CP.device, x_CP.dtype) == "fast":
+        from harts.ops.tree_conv.fast import tree_short_conv_fast
+
+        C = x_CP.shape[0] if num_rows is None else num_rows
+        y = tree_short_conv_fast(x_CP[:C], weight_PW, seq_cu, context, activation)
+        if C < x_CP.shape[0]:
+            y = torch.cat([y, y.new_zeros(x_CP.shape[0] - C, y.shape[1])])
+        return y
+    return tree_short_conv_reference(x_CP, weight_PW, pred_CW, activation)
+
+
+def tree_short_conv_reference(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_CW: torch.Tensor,
+                              activation: str | None = "silu") -> torch.Tensor:
     """Gather-based path convolution; exact in float64 and differentiable (index_select backward
     accumulates each row's gradient from every descendant window that reads it)."""
     if x_CP.dim() != 2 or weight_PW.dim() != 2 or x_CP.shape[1] != weight_PW.shape[0]:
