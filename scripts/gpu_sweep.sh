@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup [...]
+#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1|train2 [...]
 # with carry [".whl", ".triton_cache"]. Every step has its own timeout and tees its log into $OUT; the
 # Triton cache (compiled kernels + autotune results, fla caches them on disk) comes back as one archive.
 set -uo pipefail
@@ -31,6 +31,14 @@ for what in "$@"; do
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
             --out "$OUT" ;;
+    train1) step train1_harts 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
+              --job.dump_folder="$OUT/train1_harts"
+            step train1_base 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
+              --harts.enabled=false --job.dump_folder="$OUT/train1_base" ;;
+    train2) step train2_harts 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
+              --training.steps=20 --job.dump_folder="$OUT/train2_harts"
+            step train2_base 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
+              --training.steps=20 --harts.enabled=false --job.dump_folder="$OUT/train2_base" ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done
