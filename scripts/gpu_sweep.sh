@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
 #   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1|train2 [...]
-# with carry [".whl", ".triton_cache"]. Every step has its own timeout and tees its log into $OUT; the
-# Triton cache (compiled kernels + autotune results, fla caches them on disk) comes back as one archive.
+# with carry [".whl", ".triton_cache"]. Every step has its own timeout and tees its log into $OUT/sweep.log
+# (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
+# autotune results, fla caches them on disk) comes back as one archive.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT" .triton_cache
@@ -16,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "== $name ($(date +%T), limit ${secs}s)" | tee -a "$OUT/sweep.log"
-  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout "$secs" "$@" 2>&1 | tee -a "$OUT/sweep.log"
   echo "== $name rc=${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/sweep.log"
 }
 
@@ -32,14 +33,17 @@ for what in "$@"; do
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
             --out "$OUT" ;;
     train1) step train1_harts 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
-              --job.dump_folder="$OUT/train1_harts"
+              --job.dump_folder=/tmp/train1_harts
             step train1_base 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
-              --harts.enabled=false --job.dump_folder="$OUT/train1_base" ;;
+              --harts.enabled=false --job.dump_folder=/tmp/train1_base ;;
     train2) step train2_harts 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
-              --training.steps=20 --job.dump_folder="$OUT/train2_harts"
+              --training.steps=20 --job.dump_folder=/tmp/train2_harts
             step train2_base 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
-              --training.steps=20 --harts.enabled=false --job.dump_folder="$OUT/train2_base" ;;
+              --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base ;;
     *) echo "unknown step $what" >&2 ;;
   esac
+done
+for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base; do
+  [ -f "$d/metrics.jsonl" ] && cat "$d/metrics.jsonl" | sed "s#^#$(basename $d) #" >> "$OUT/train_metrics.txt"
 done
 tar -C .triton_cache -cJf "$OUT/triton_cache.tar.xz" . && ls -l "$OUT/triton_cache.tar.xz"
