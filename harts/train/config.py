@@ -255,8 +255,13 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
     if cfg.harts.capacity < 1:
         raise ValueError(f"config: harts.capacity = {cfg.harts.capacity} must be >= 1")
-    if cfg.parallelism.context_parallel_degree != 1:
-        raise ValueError("config: context parallelism is not supported by the HARTS trainer")
+    cp = cfg.parallelism.context_parallel_degree
+    if cp < 1:
+        raise ValueError(f"config: parallelism.context_parallel_degree = {cp} must be >= 1")
+    if cp > 1 and not cfg.harts.enabled:
+        raise ValueError("config: parallelism.context_parallel_degree > 1 needs harts.enabled = true (context "
+                         "parallelism is implemented for HARTS prefix-shared batches, not the trajectory-wise "
+                         "baseline)")
     return cfg
 
 

@@ -9,6 +9,11 @@ step's critical path and lets each rank's worker run ahead independently; the co
 (milliseconds at our sizes, and in a background thread). The trainer verifies agreement with one
 all-reduce of a plan hash per step.
 
+Context parallelism: the planner's capacity is per CP group (a microbatch's physical rows are split
+over its cp ranks), so every CP rank of a DP replica plans, packs (padded to a multiple of cp) and
+receives the same microbatches, then keeps its share of the rows (``CompactBatch.context_parallel``)
+and the predicted positions those rows produce (``Microbatch.own_positions``).
+
 With ``harts.enabled = false`` the same trajectories are grouped trajectory-wise (LPT on raw lengths,
 capacity in raw tokens) and packed without prefix sharing: the baseline through the same trainer.
 
@@ -41,15 +46,38 @@ class Microbatch:
     index: int  # microbatch id in the plan
     slot: int
     batch: CompactBatch
-    coeff: torch.Tensor  # [S] float64, c_s (harts.rl.losses)
-    adv: torch.Tensor  # [S] float64
+    coeff: torch.Tensor  # [S] float64, c_s (harts.rl.losses); [S_own] under context parallelism
+    adv: torch.Tensor  # [S] float64 (or [S_own])
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    own: torch.Tensor | None = None  # [S_own] long: positions whose rows this CP rank holds (None = all)
 
     def to(self, device, dtype) -> "Microbatch":
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype, non_blocking=True)
+        own = None if self.own is None else self.own.to(device, non_blocking=True)
         return dataclasses.replace(self, batch=self.batch.to(device, non_blocking=True), coeff=mv(self.coeff),
-                                   adv=mv(self.adv), old_logp=mv(self.old_logp), ref_logp=mv(self.ref_logp))
+                                   adv=mv(self.adv), old_logp=mv(self.old_logp), ref_logp=mv(self.ref_logp), own=own)
+
+    def select(self, values_S: torch.Tensor) -> torch.Tensor:
+        """This CP rank's entries of a per-position tensor (log-probs, targets); all without CP."""
+        return values_S if self.own is None else values_S.index_select(0, self.own)
+
+    def own_positions(self) -> "Microbatch":
+        """Restrict the per-position metadata to the positions whose rows this CP rank holds.
+
+        The runtime returns log-probs as partial vectors (other ranks' positions are zero). The
+        objective is evaluated on own positions only, so every position is counted by exactly one CP
+        rank and the group's losses add up to the full loss: masking zeros instead would be wrong for
+        PPO and KL, where l(log p = 0) != 0."""
+        cp = self.batch.cp
+        if cp is None:
+            return self
+        lo, hi = cp.row_range
+        rows = self.batch.logprob_rows
+        own = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)
+        pick = lambda t: None if t is None else t.index_select(0, own)
+        return dataclasses.replace(self, coeff=pick(self.coeff), adv=pick(self.adv), old_logp=pick(self.old_logp),
+                                   ref_logp=pick(self.ref_logp), own=own)
 
 
 @dataclass
@@ -132,9 +160,11 @@ class StepBuilder:
     """Everything for step s on one DP replica; pure function of (config, s), identical on every rank."""
 
     def __init__(self, cfg, *, dp_degree: int, dp_rank: int, vocab_size: int, chunk_size: int, conv_width: int,
-                 row_multiple: int = 1):
+                 row_multiple: int = 1, cp_group=None):
         self.cfg, self.D, self.d = cfg, dp_degree, dp_rank
-        self.row_multiple = row_multiple  # sequence parallelism splits every microbatch's rows evenly
+        # context and sequence parallelism split every microbatch's rows evenly (cp x tp shares)
+        self.row_multiple = row_multiple
+        self.cp_group = cp_group  # every CP rank of a replica packs the same microbatches, then keeps its rows
         self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
         self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
         if cfg.data.source == "synthetic":
@@ -193,11 +223,13 @@ class StepBuilder:
                          conv_width=self.conv_width, pad_to_multiple=self.row_multiple)
             if not batch.prefix_sharing and self.row_multiple > 1:
                 batch = pad_rows(batch, self.row_multiple)
+            if self.cp_group is not None:
+                batch = batch.context_parallel(self.cp_group)
             coeff = torch.from_numpy(microbatch_coefficients(sub, norm, rl.loss_norm))
             mbs.append(Microbatch(
                 index=mb_id, slot=slot, batch=batch, coeff=coeff, adv=batch.semantic("advantages"),
                 old_logp=self._field(batch, "old_logprobs", step, mb_id) if need_old else None,
-                ref_logp=self._field(batch, "ref_logprobs", step, mb_id) if rl.kl_coef > 0 else None))
+                ref_logp=self._field(batch, "ref_logprobs", step, mb_id) if rl.kl_coef > 0 else None).own_positions())
         t3 = time.perf_counter()
         rewards = [t.reward for t in trajs if t.reward is not None]
         stats = {"raw_tokens": int(sum(len(t) for t in trajs)), "compact_rows": int(sum(plan.work)),

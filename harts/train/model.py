@@ -12,8 +12,12 @@ Router losses are attached to each layer's output with ``AddRouterLoss`` (an ide
 also seeds d(loss)/d(router term) = 1): their gradient then flows inside the layer's own backward, which
 FSDP2's per-layer reduce-scatter, activation checkpointing and pipeline stages all require.
 
-Legend: P rows of the batch (physical compact rows, or packed tokens for the baseline), D hidden,
-S predicted positions.
+Context parallelism (``batch.cp``, harts.runtime.cp): the policy embeds, normalises, routes and projects
+only this CP rank's rows; the sequence mixers (``mla_mix``/``kda_mix``) exchange rows for heads around
+their cores; the LM head scores only the positions whose rows this rank holds.
+
+Legend: P rows of the batch (physical compact rows, or packed tokens for the baseline; this CP rank's
+share under context parallelism), D hidden, S predicted positions.
 """
 from __future__ import annotations
 
@@ -207,15 +211,20 @@ class HartsPolicy(LingForCausalLM):
 
     # pieces (pipeline stages call these on their own modules)
     def embed(self, batch: CompactBatch) -> torch.Tensor:
-        return self.sp_split(self.model.word_embeddings(batch.input_ids))
+        """Embeddings of this rank's rows: under context parallelism the CP rank's share of the physical
+        rows (``batch.local_rows``), then under sequence parallelism this TP rank's part of those."""
+        return self.sp_split(self.model.word_embeddings(batch.local_rows(batch.input_ids)))
 
     @staticmethod
     def row_weight(batch: CompactBatch, dtype: torch.dtype) -> torch.Tensor:
         """Multiplicities weight the router statistics (compact rows: q_c; baseline tokens: 1; padding
-        rows: 0)."""
-        return batch.multiplicity.to(torch.promote_types(dtype, torch.float32))
+        rows: 0), for the rows this CP rank holds (all rows without CP)."""
+        return batch.local_rows(batch.multiplicity).to(torch.promote_types(dtype, torch.float32))
 
     def head(self, h_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+        """Log-probs [S] of every predicted position; under context parallelism a partial vector (the
+        positions whose rows live on other CP ranks are zero; the trainer keeps only its own positions,
+        see ``harts.train.data.Microbatch.select``)."""
         return compact_logprobs(self, batch, hidden_PD=self.model.norm(self.sp_gather(h_PD)))
 
 

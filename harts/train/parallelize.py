@@ -1,7 +1,7 @@
 """Device mesh and parallelisms, applied from the outside in torchtitan's order: EP, TP, activation
 checkpointing, compile, FSDP2.
 
-The mesh is torchtitan 0.2.2's ``ParallelDims`` (dims pp / batch / fsdp / tp / ep / efsdp, with the
+The mesh is torchtitan 0.2.2's ``ParallelDims`` (dims pp / batch / cp / fsdp / tp / ep / efsdp, with the
 ``fake`` backend for size-1 dims). On a CPU host we point its device type at "cpu" and register the
 ``fake`` backend (torch's testing fake process group), which torchtitan expects to exist.
 
@@ -9,9 +9,14 @@ Expert parallelism follows the pattern of torchtitan's ``ExpertParallel`` style 
 token all-to-all with autograd, rank-major -> expert-major permutation, reverse on combine) but is our
 code: torchtitan's style wraps a GroupedExperts module with a (tokens, counts) forward and pads every
 expert group through a Triton index kernel, while our experts are the model's stacked weights used by
-the router's fixed (token, k) combine order. EP borrows ranks from dp_shard x tp (torchtitan's rule); we
-require efsdp = 1 (ep = dp_shard x tp), so expert gradients are complete after the backward all-to-all
-and experts are left out of FSDP (``ignored_params``).
+the router's fixed (token, k) combine order. EP borrows ranks from dp_shard x cp x tp (torchtitan's rule);
+we require efsdp = 1 (ep = dp_shard x cp x tp), so expert gradients are complete after the backward
+all-to-all and experts are left out of FSDP (``ignored_params``).
+
+Context parallelism (cp) is folded into FSDP's dimension as torchtitan does (its ``fsdp`` mesh dim is
+dp_shard x cp): a CP rank's parameter gradients are partial (its own rows, its own heads), and the FSDP
+reduce-scatter over dp_shard x cp sums them in the same collective that sums DP gradients, while the
+parameters and optimizer states are sharded over the CP ranks as well.
 
 Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden.
 """
@@ -41,16 +46,19 @@ def build_parallel_dims(pcfg, world_size: int, device_type: str):
     from torchtitan.distributed import ParallelDims
 
     pdm.device_type = device_type
-    if pcfg.context_parallel_degree != 1:
-        raise ValueError("context parallelism is not supported")
+    cp = pcfg.context_parallel_degree
+    if cp < 1:
+        raise ValueError(f"parallelism.context_parallel_degree = {cp} must be >= 1")
     dims = ParallelDims(
-        dp_replicate=pcfg.data_parallel_replicate_degree, dp_shard=pcfg.data_parallel_shard_degree, cp=1,
+        dp_replicate=pcfg.data_parallel_replicate_degree, dp_shard=pcfg.data_parallel_shard_degree, cp=cp,
         tp=pcfg.tensor_parallel_degree, pp=pcfg.pipeline_parallel_degree, ep=pcfg.expert_parallel_degree,
         etp=pcfg.expert_tensor_parallel_degree, world_size=world_size)
     if dims.ep > 1:
-        if dims.ep != dims.dp_shard * dims.tp or dims.dp_replicate != 1:
-            raise ValueError(f"expert_parallel_degree={dims.ep}: the HARTS trainer needs ep = dp_shard x tp "
-                             f"(= {dims.dp_shard * dims.tp}) and dp_replicate = 1 (no extra expert FSDP)")
+        # EP borrows every rank of one pipeline stage's dp_shard x cp x tp block (efsdp = 1); CP ranks hold
+        # disjoint rows, so each dispatches its own rows like a DP rank
+        if dims.ep != dims.dp_shard * dims.cp * dims.tp or dims.dp_replicate != 1:
+            raise ValueError(f"expert_parallel_degree={dims.ep}: the HARTS trainer needs ep = dp_shard x cp x tp "
+                             f"(= {dims.dp_shard * dims.cp * dims.tp}) and dp_replicate = 1 (no extra expert FSDP)")
         if dims.etp != 1:
             raise ValueError("expert_tensor_parallel_degree must be 1")
     if world_size > 1 or dims.pp > 1:

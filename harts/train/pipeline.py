@@ -46,7 +46,7 @@ class HartsStage(HartsPolicy):
     first: bool = True
     last: bool = True
     rows: int = 0
-    row_split: int = 1  # sequence parallelism: a stage passes on this TP rank's rows
+    row_split: int = 1  # context / sequence parallelism: a stage passes on this CP and TP rank's rows
     act_dtype: torch.dtype = torch.float32
 
     def begin_step(self, mbs, router, loss_cfg):
@@ -74,7 +74,7 @@ class HartsStage(HartsPolicy):
                     self.router_sum += sum(float(router_term(s, self._router, i)) for s, i in zip(stats, self.moe_ids()))
         if not self.last:
             return F.pad(h, (0, 0, 0, self.rows - h.shape[0]))
-        logp = self.head(h, batch)
+        logp = mb.select(self.head(h, batch))  # this CP rank's positions (all without CP)
         loss_S, pg_S, kl_S, clip_S = token_losses(logp, mb.adv, self._loss_cfg, old_logp_S=mb.old_logp,
                                                   ref_logp_S=mb.ref_logp)
         c = mb.coeff.to(loss_S.dtype)
@@ -105,8 +105,8 @@ class PipelineRunner:
     def __init__(self, stage_model: HartsStage, *, stage: int, pp: int, group, device, schedule: str,
                  rows: int, hidden: int, act_dtype: torch.dtype, loss_dtype: torch.dtype, row_split: int = 1):
         if rows % row_split:
-            raise ValueError(f"harts.capacity={rows} must be a multiple of tensor_parallel_degree={row_split} "
-                             "with sequence and pipeline parallelism")
+            raise ValueError(f"harts.capacity={rows} must be a multiple of {row_split} (context_parallel_degree x "
+                             "tensor_parallel_degree with sequence parallelism) with pipeline parallelism")
         rows //= row_split
         self.model, self.stage, self.pp, self.group, self.device = stage_model, stage, pp, group, device
         self.schedule_name, self.rows, self.hidden = schedule, rows, hidden

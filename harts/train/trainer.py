@@ -73,6 +73,10 @@ class Trainer:
         self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
         self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
         self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        # context parallelism: the CP ranks of a replica share its microbatches (each holds a share of the
+        # rows); metric sums and MoE counts are then reduced over batch x cp (torchtitan's "loss" mesh)
+        self.cp_group = d.get_mesh("cp").get_group() if d.cp > 1 else None
+        self.metric_group = d.get_mesh("loss").get_group() if d.cp > 1 else self.dp_group
 
         overrides = {"backend": lc.backend, "recompute": False}
         if lc.num_hidden_layers:
@@ -91,6 +95,8 @@ class Trainer:
 
             load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
         self.sp = cfg.parallelism.enable_sequence_parallel and d.tp > 1
+        if d.cp > 1:
+            self._check_cp()
         self.pp_group, self.pp_rank = None, 0
         if d.pp > 1 and cfg.rl.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             raise NotImplementedError("rl.old_logprobs = 'recompute' needs a whole-model forward; with pipeline "
@@ -126,7 +132,7 @@ class Trainer:
         self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
                                    vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
                                    conv_width=self.model_cfg.short_conv_kernel_size,
-                                   row_multiple=d.tp if self.sp else 1)
+                                   row_multiple=self.row_split, cp_group=self.cp_group)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
         self.pipe = None
         if d.pp > 1:
@@ -137,7 +143,7 @@ class Trainer:
                                        schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
                                        hidden=self.model_cfg.hidden_size, act_dtype=act,
                                        loss_dtype=torch.promote_types(act, torch.float32),
-                                       row_split=d.tp if self.sp else 1)
+                                       row_split=self.row_split)
         self.state = TrainState()
         if self.n_moe:
             self.state.moe_f = torch.ones(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64,
@@ -160,11 +166,27 @@ class Trainer:
             self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device))
         self.history: list[dict] = []
         if self.rank == 0:
-            log.info("HARTS trainer: world %d (dp %d, ep %d), device %s, dtype %s, harts.enabled=%s, model %s "
-                     "(%d layers, %.2fM params)", self.world_size, self.dp_degree, d.ep, self.device, lc.dtype,
+            log.info("HARTS trainer: world %d (dp %d, cp %d, ep %d), device %s, dtype %s, harts.enabled=%s, model %s "
+                     "(%d layers, %.2fM params)", self.world_size, self.dp_degree, d.cp, d.ep, self.device, lc.dtype,
                      cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers, self._num_params() / 1e6)
 
+    @property
+    def row_split(self) -> int:
+        """Row shares of a microbatch: cp (context parallelism) x tp (with sequence parallelism)."""
+        return self.dims.cp * (self.dims.tp if self.sp else 1)
+
     # ------------------------------------------------------------------ setup helpers
+    def _check_cp(self):
+        """Context parallelism splits the attention heads of each TP rank over the CP group (KDA and MLA
+        have num_attention_heads heads each)."""
+        d, H = self.dims, self.model_cfg.num_attention_heads
+        if not self.cfg.harts.enabled:
+            raise ValueError("parallelism.context_parallel_degree > 1 needs harts.enabled = true: context "
+                             "parallelism is implemented for HARTS (prefix-shared) batches only")
+        if H % (d.tp * d.cp):
+            raise ValueError(f"parallelism.context_parallel_degree={d.cp}: num_attention_heads={H} must be divisible "
+                             f"by tensor_parallel_degree x context_parallel_degree = {d.tp * d.cp}")
+
     def _init_distributed(self):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -189,7 +211,8 @@ class Trainer:
             ignored = par.expert_params(self.model)
         if d.tp > 1:
             par.apply_tp(self.model, d.get_mesh("tp"), sequence_parallel=self.sp)
-        par.apply_ac(self.model, cfg.activation_checkpoint.mode, collectives_in_layers=d.tp > 1 or d.ep > 1)
+        par.apply_ac(self.model, cfg.activation_checkpoint.mode,
+                     collectives_in_layers=d.tp > 1 or d.ep > 1 or d.cp > 1)
         if cfg.compile.enable:
             names = par.apply_compile(self.model, cfg.compile.backend)
             log.info("compiled %d modules per-block (fullgraph): norms, dense MLPs, shared experts", len(names))
@@ -299,7 +322,7 @@ class Trainer:
         old = [None] * len(mbs)
         if self.loss_cfg.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             with torch.no_grad(), self.amp:
-                old = [model(mb.batch).detach() for mb in mbs]
+                old = [mb.select(model(mb.batch)).detach() for mb in mbs]
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
@@ -307,7 +330,7 @@ class Trainer:
             sums, counts = self._pipeline_slots(step, mbs, router, sums)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
-                logp = model(mb.batch, router)
+                logp = mb.select(model(mb.batch, router))  # this CP rank's positions (all without CP)
                 loss_S, pg_S, kl_S, clip_S = token_losses(
                     logp, mb.adv, self.loss_cfg, old_logp_S=old[j] if old[j] is not None else mb.old_logp,
                     ref_logp_S=mb.ref_logp)
@@ -332,10 +355,10 @@ class Trainer:
                                      torch.tensor(rterm, dtype=torch.float64, device=self.device),
                                      torch.tensor(float(c.numel()), dtype=torch.float64, device=self.device),
                                      *self._reward_probe(logp.detach(), mb)])
-        if self.dp_group is not None:
-            dist.all_reduce(sums, group=self.dp_group)
+        if self.metric_group is not None:  # DP replicas, and CP ranks (disjoint rows and positions)
+            dist.all_reduce(sums, group=self.metric_group)
             if counts is not None:
-                dist.all_reduce(counts, group=self.dp_group)
+                dist.all_reduce(counts, group=self.metric_group)
         if self.pp_group is not None:  # stages contribute disjoint parts (metrics on the last, counts per layer)
             dist.all_reduce(sums, group=self.pp_group)
             if counts is not None:
@@ -416,7 +439,7 @@ class Trainer:
         if self.cfg.data.reward != "learnable":
             return list(z)
         on = mb.coeff > 0
-        good = (mb.batch.logprob_targets < self.builder.reward_vocab // 2) & on
+        good = (mb.select(mb.batch.logprob_targets) < self.builder.reward_vocab // 2) & on
         bad = ~good & on
         lp = logp.double()
         return [lp[good].sum(), good.sum().double(), lp[bad].sum(), bad.sum().double()]
@@ -461,7 +484,7 @@ class Trainer:
                "plan_s": st["plan_s"], "pack_s": st["pack_s"], "load_s": st["load_s"],
                "peak_mem_gib": peak_memory_gib(self.device), "harts": self.cfg.harts.enabled,
                "world": self.world_size, "dp": self.dp_degree, "ep": self.dims.ep, "tp": self.dims.tp,
-               "pp": self.dims.pp}
+               "pp": self.dims.pp, "cp": self.dims.cp}
         if "logp_gap" in out:
             rec["logp_gap"] = out["logp_gap"]
         flops = self.flops_per_row * st["compact_rows"]
