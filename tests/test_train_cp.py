@@ -47,6 +47,41 @@ def test_fsdp2_x_cp_x_ep_four_processes(ref):
     assert all((r["world"], r["dp"], r["cp"], r["ep"]) == (4, 2, 2, 4) for r in records(d / "dp_cp_ep"))
 
 
+def test_ppo_with_kl_cp2_equals_one_process(tmp_path):
+    """PPO-clip + k3 KL with old/ref log-probs from JSONL (two files cycled) at cp = 2: each CP rank
+    evaluates the objective on its own positions only (l(log p = 0) != 0 here, so zero-masking the
+    partial log-probs would be wrong), and the losses, clip fraction and KL add up over the group."""
+    import json
+
+    import numpy as np
+
+    from harts.data.synthetic import generate
+
+    paths = []
+    for k in range(2):
+        rng = np.random.default_rng(k)
+        with open(tmp_path / f"step{k}.jsonl", "w") as f:
+            for t in generate("tiny", seed=20 + k).trajectories:
+                L = min(len(t), 40)
+                f.write(json.dumps({"tokens": t.tokens[:L].tolist(), "loss_mask": t.loss_mask[:L].tolist(),
+                                    "advantage": float(rng.normal()), "group_id": int(t.group_id),
+                                    "old_logprobs": (np.log(1 / 512) + 0.5 * rng.normal(size=L)).tolist(),
+                                    "ref_logprobs": (np.log(1 / 512) + 0.3 * rng.normal(size=L)).tolist()}) + "\n")
+        paths.append(f'"{tmp_path / f"step{k}.jsonl"}"')
+    cfg = tmp_path / "ppo.toml"
+    cfg.write_text(BASE.replace('reward = "learnable"', f'reward = "data"\nsource = "jsonl"\npath = [{", ".join(paths)}]'))
+    over = {"rl.objective": "ppo", "rl.advantages": "data", "rl.kl_coef": 0.1, "training.steps": 3}
+    one = tmp_path / "one"
+    Trainer(load_config(str(cfg), **over, **{"job.dump_folder": str(one), "checkpoint.enable": False})).train()
+    torchrun(cfg, tmp_path / "cp2", "--parallelism.context_parallel_degree=2", *(f"--{k}={v}" for k, v in over.items()))
+    a, b = records(one), records(tmp_path / "cp2")
+    assert [r["step"] for r in b] == [1, 2, 3] and all(r["cp"] == 2 for r in b)
+    for ra, rb in zip(a, b):
+        for k in ("loss", "policy_loss", "kl", "clip_frac", "router_loss", "grad_norm"):
+            assert abs(ra[k] - rb[k]) <= 1e-10 * max(abs(ra[k]), 1e-30), (ra["step"], k, ra[k], rb[k])
+    assert all(r["clip_frac"] > 0 and r["kl"] > 0 for r in b)
+
+
 def test_cp_config_errors(tmp_path):
     with pytest.raises(ValueError, match="context_parallel_degree > 1 needs harts.enabled"):
         load_config(None, **{"parallelism.context_parallel_degree": 2, "harts.enabled": False})
