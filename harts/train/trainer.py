@@ -4,7 +4,10 @@ One step = the planner's microbatches of this DP replica, in slot order: forward
 predicted position), per-token objective, backward, with gradients accumulating across microbatches;
 then DP reductions of metrics and MoE counts, gradient clipping, optimizer and LR steps, and the
 expert-bias update. Every rank runs the same number of slots (the plan gives K/D per replica), which
-FSDP2 and expert parallelism need because their collectives pair up across ranks.
+FSDP2 and expert parallelism need because their collectives pair up across ranks. Under context
+parallelism the CP ranks of a replica run the same slots on their shares of the rows and evaluate the
+objective on the predicted positions of their own rows; metric sums and MoE counts are reduced over
+DP x CP, gradients by FSDP2 over dp_shard x cp.
 
 From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (OptimizersContainer),
 build_lr_schedulers, clip_grad_norm_ (PP/EP aware), CheckpointManager (DCP), get_peak_flops, and
