@@ -45,3 +45,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)"))
+
+
+@pytest.fixture
+def fla_interpreter_patches(monkeypatch):
+    """fla 0.6.0's safe-gate KDA kernels under the Triton interpreter: the interpreter has no ``tl.gather``
+    and rejects the 'bf16x3' dot precision, so take fla's own non-gather branch and 'ieee' dots (the
+    compiled GPU kernels are unaffected; this only lets CPU CI execute the same kernel code)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    import fla.ops.kda.chunk_intra as chunk_intra
+
+    monkeypatch.setattr(chunk_intra, "IS_GATHER_SUPPORTED", False)
+    monkeypatch.setattr(chunk_intra, "SAFE_GATE_DOT_PRECISION", tl.constexpr("ieee"))

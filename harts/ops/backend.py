@@ -22,7 +22,10 @@ __all__ = ["resolve", "attention_fast_impl", "has_fla"]
 
 log = logging.getLogger("harts.ops.backend")
 
-OPS = ("attention", "kda", "conv", "moe_experts")
+OPS = ("attention", "kda", "conv", "moe_experts", "logprobs")
+# Triton-only ops whose fast path also runs on the CPU under TRITON_INTERPRET=1 (CI tests the kernel code;
+# only when asked for explicitly with "fast": "auto" on CPU stays on the reference).
+_INTERPRETABLE = ("kda", "conv", "logprobs")
 _logged: set[tuple] = set()
 
 
@@ -49,8 +52,14 @@ def attention_fast_impl() -> str | None:
         return None
 
 
-def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cuda":
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str | None:
+    if device.type != "cuda" and not (requested == "fast" and op in _INTERPRETABLE and _interpreting()):
         return f"device is {device.type}, fast {op} kernels need CUDA"
     if dtype == torch.float64:
         return "float64 is served by the reference path only"
@@ -61,6 +70,11 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype) -> str 
             return "neither flash_attn nor torch.nn.attention.varlen is available"
         if dtype not in (torch.bfloat16, torch.float16):
             return f"flash attention kernels need bf16/fp16, got {dtype}"
+    if op == "logprobs":
+        if importlib.util.find_spec("triton") is None:
+            return "triton not importable"
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"fused log-probs need fp32/bf16/fp16, got {dtype}"
     if op == "moe_experts":
         if not hasattr(torch, "_grouped_mm"):
             return "torch._grouped_mm not available"
@@ -78,7 +92,7 @@ def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -
     if requested == "reference":
         choice, why = "reference", "requested"
     else:
-        bad = _fast_unavailable(op, device, dtype)
+        bad = _fast_unavailable(op, device, dtype, requested)
         if requested == "fast":
             if bad:
                 raise RuntimeError(f"fast backend for {op} requested but unavailable: {bad}")

@@ -158,9 +158,8 @@ def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None) 
 
 
 def _logprobs(model, h, rows, targets):
-    w = model.lm_head.weight
-    if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32):
+    if resolve("logprobs", model.config.op_backend("logprobs"), h.device, h.dtype) == "fast":
         from harts.ops.logprobs import compact_logprobs
 
-        return compact_logprobs(h, w, rows, targets)
+        return compact_logprobs(h, model.lm_head.weight, rows, targets)
     return model.token_logprobs(h, targets, rows)
