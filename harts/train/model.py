@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import DecoderLayer, MoE
-from harts.ops.moe import moe_experts, route, router_stats
 from harts.runtime.batch import CompactBatch
 from harts.runtime.compact import kda_mix, logprobs as compact_logprobs, mla_mix
 
@@ -52,37 +51,9 @@ class AddRouterLoss(torch.autograd.Function):
         return grad_y, torch.full(shape, scale, dtype=dtype, device=device), None
 
 
-def _in_backward() -> bool:
-    """True inside an autograd backward pass (an activation-checkpointing recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class TrainMoE(MoE):
-    """MoE whose forward also returns this call's router statistics.
-
-    The router loss must be built from the statistics of the *same* call: a checkpointing recomputation
-    runs inside backward, where ``MoE.forward`` deliberately keeps ``last_stats`` from the forward (to not
-    pin recomputed activations), and with pipeline schedules another microbatch's forward may have run in
-    between. ``last_stats`` keeps its meaning (the last forward's statistics, read for counts)."""
-
-    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_with_stats(x_TD, token_weight_T)[0]
-
-    def forward_with_stats(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
-        c = self.cfg
-        logits, scores, idx_TK, w_TK = route(
-            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
-            top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
-            norm_topk_prob=c.norm_topk_prob)
-        stats = router_stats(logits, scores, idx_TK, token_weight_T)
-        if not _in_backward():
-            self.last_stats = stats
-        return self.routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD), stats
-
-    def routed(self, x_TD, idx_TK, w_TK) -> torch.Tensor:
-        ex = self.experts
-        return moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj,
-                           backend=self.cfg.op_backend("moe"))
+    """The trainer's MoE type (``MoE.forward_with_stats`` gives each call's router statistics); expert
+    parallelism subclasses it to override ``routed``."""
 
 
 class TrainDecoderLayer(DecoderLayer):

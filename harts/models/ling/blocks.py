@@ -234,6 +234,12 @@ class MoE(nn.Module):
         self.last_stats: RouterStats | None = None
 
     def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_with_stats(x_TD, token_weight_T)[0]
+
+    def forward_with_stats(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        """Output and this call's router statistics. A loss must use the stats of the same call: a
+        checkpointing recomputation runs inside backward (where ``last_stats`` deliberately keeps the
+        forward's), and pipeline schedules interleave microbatches."""
         c = self.cfg
         logits, scores, idx_TK, w_TK = route(
             x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
@@ -245,9 +251,13 @@ class MoE(nn.Module):
             # stats would pin that layer's recomputed activations until the next forward (one layer's
             # worth per MoE layer, ~100 GB at 64K tokens). The forward's stats have the same values.
             self.last_stats = stats
+        return self.routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD), stats
+
+    def routed(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts (expert parallelism overrides this with its all-to-all dispatch)."""
         ex = self.experts
-        y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
-        return y + self.shared_experts(x_TD)
+        return moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj,
+                           backend=self.cfg.op_backend("moe"))
 
 
 class DecoderLayer(nn.Module):
