@@ -23,7 +23,7 @@ def _fork_trajs(B, rng, vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_matches_trajectory_wise_on_gpu(dtype):
     # ling3-tiny head shapes (K = V = 128, chunk 64) so the compiled and autotuned kernels are shared
-    cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128, num_attention_heads=2, hidden_size=256)
+    cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128, num_attention_heads=16, hidden_size=256)
     torch.manual_seed(0)
     model = LingForCausalLM(cfg).cuda().cast_(dtype)
     trajs = _fork_trajs(64, np.random.default_rng(0), cfg.vocab_size)
