@@ -6,21 +6,22 @@ That secondary order is exact too: for a fixed state, a predecessor with equal t
 never yield a smaller peak after appending the same last interval.
 
 Feasible-start skip: W(s+1, e) only shrinks as s moves right, so for each e every s before the first
-capacity-feasible start is skipped (it is masked out of the vectorised row, never evaluated as valid).
+capacity-feasible start is skipped (the fast path has no cell for it; the reference masks it out).
 
 Two exact evaluations of the same recurrence:
 
-* ``exact_partitions`` (fast path): (total, peak) packed into one int64 key total * (T + 1) + peak, which
-  orders exactly like the pair because peak <= T; each DP row only visits the end positions e that are
-  reachable with k microbatches *and* can still reach N within the largest target (both bounds come from
-  the feasible starts), so useless states are never computed. Used whenever the packed key cannot
-  overflow (sum of lengths * (T + 1) < 2**60), i.e. always in practice.
-* ``exact_partitions_pairwise`` (reference): separate total and peak arrays over every end position;
-  the fallback when the packed key could overflow, and the tests' cross-check of the fast path.
+* ``exact_partitions`` (fast path): the total of [0, e) ending with [s, e) is prefix[e] + A(s) with
+  A(s) = F(s) - prefix[s] + lcp[s] independent of e (Eq. 5), so each row is one min-reduction of A over
+  e's feasible split points; only the cells reaching the minimum compare peaks. The cells are ragged
+  (exactly the feasible [first[e], e) per e, ``band_cells``), and each DP row only visits the end
+  positions e that are reachable with k microbatches *and* can still reach N within the largest target
+  (both bounds come from the feasible starts), so useless states are never computed.
+* ``exact_partitions_pairwise`` (reference): separate total and peak arrays over every end position on
+  the rectangular band; the tests' cross-check of the fast path.
 
 Legend: N trajectories, B the band (widest capacity-feasible last interval, in positions), K the
-largest target; DP arrays are [e, r] with end position e in 0..N and split point s = e - B + r, so r
-ascends with s and argmin's first hit is the smallest s.
+largest target; ragged cells are ordered by (e, s), so the first minimum of a run of cells is the
+smallest s.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 from harts.planning.prefix_cost import PrefixIndex
 
 _INF = np.iinfo(np.int64).max // 4
-_KEY_INF = 1 << 61  # packed-key "unreachable"; two of them plus T still fit in int64
+_UNREACHED = 1 << 62  # fast-path key of an unreachable state; any reachable key is smaller
 
 
 def first_feasible_start(index: PrefixIndex, capacity: int) -> np.ndarray:
@@ -60,12 +61,6 @@ def band_width(index: PrefixIndex, capacity: int, first: np.ndarray | None = Non
     return int(np.max(np.arange(1, index.n + 1) - first[1:])) if index.n else 1
 
 
-def packed_key_fits(index: PrefixIndex, capacity: int) -> bool:
-    """True when every partition's total * (T + 1) + peak stays below the packed-key sentinel."""
-    total_bound = int(index.length.sum())  # no partition costs more than its raw tokens
-    return total_bound * (capacity + 1) + capacity < _KEY_INF // 2
-
-
 def dp_size(index: PrefixIndex, capacity: int, targets: list[int], first: np.ndarray | None = None) -> tuple[int, int]:
     """(K (N+1) B, (N+1) B): the DP's worst-case cell count (time) and its per-row arrays (memory)."""
     if not targets:
@@ -74,29 +69,55 @@ def dp_size(index: PrefixIndex, capacity: int, targets: list[int], first: np.nda
     return min(max(targets), index.n) * row, row
 
 
+def band_cells(index: PrefixIndex, first: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ragged band: for every end e = 1..N, one cell per feasible split point s in [first[e], e).
+
+    Returns (offsets [N+2], s [cells], rank [cells], work [cells]); the cells of e are
+    offsets[e]:offsets[e+1], ascending in s, rank = s - first[e] and work = W([s, e)). Only feasible
+    cells exist, so a DP row costs the mean feasible width, not the widest one (B)."""
+    n = index.n
+    e = np.arange(n + 1, dtype=np.int64)
+    width = e - first
+    width[0] = 0
+    offsets = np.zeros(n + 2, dtype=np.int64)
+    np.cumsum(width, out=offsets[1:])
+    e_of = np.repeat(e, width)
+    rank = np.arange(offsets[-1], dtype=np.int64) - offsets[e_of]
+    s = first[e_of] + rank
+    work = index.prefix[e_of] - index.prefix[s] + index.lcp[s]
+    return offsets, s, rank, work
+
+
+def packed_key_fits(index: PrefixIndex, capacity: int, band: int) -> bool:
+    """True when every cell key (A (T + 1) + peak) B + rank stays below the unreachable sentinel."""
+    total_bound = int(index.length.sum())  # no partition costs more than its raw tokens
+    return (total_bound + 1) * (capacity + 1) * band < _UNREACHED
+
+
 def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], first: np.ndarray | None = None) -> dict[int, np.ndarray]:
     """Minimum-(total, peak) contiguous partition into k microbatches for every k in ``targets``.
 
     Returns {k: cuts} for the feasible targets (infeasible ones are absent); identical to
-    ``exact_partitions_pairwise`` (same ties: smallest split point), at O(K N B) worst case.
-    ``first``: ``first_feasible_start(index, capacity)`` if the caller already has it."""
+    ``exact_partitions_pairwise`` (same ties: smallest split point).
+    ``first``: ``first_feasible_start(index, capacity)`` if the caller already has it.
+
+    Appending [s, e) to the best (k-1)-partition of [0, s) gives the total prefix[e] + A(s), with
+    A(s) = F(s) - prefix[s] + lcp[s] independent of e (Eq. 5). One int64 per cell orders exactly like
+    (total, peak, s): (A(s) (T + 1) + max(peak(s), W([s, e)))) B + rank, because peak <= T and rank < B;
+    so a DP row is one ragged min-reduction, and the winner's A, peak and s decode from its key."""
     n = index.n
     if not targets:
         return {}
-    if not packed_key_fits(index, capacity):
-        return exact_partitions_pairwise(index, capacity, targets)
-    k_hi = min(max(targets), n)
     if first is None:
         first = first_feasible_start(index, capacity)
     band = band_width(index, capacity, first)
+    if not packed_key_fits(index, capacity, band):
+        return exact_partitions_pairwise(index, capacity, targets)
+    k_hi = min(max(targets), n)
     m = capacity + 1
-    e = np.arange(n + 1, dtype=np.int64)
-    s = e[:, None] - band + np.arange(band, dtype=np.int64)[None, :]  # [N+1, B] split points, ascending
-    legal = (s >= first[:, None]) & (s >= 0)
-    legal[0] = False
-    s_safe = np.where(legal, s, 0)
-    work = np.where(legal, index.prefix[e][:, None] - index.prefix[s_safe] + index.lcp[s_safe], 0)
-    work_m = np.where(legal, work * m, _KEY_INF)  # illegal cells can never win
+    offsets, s, rank, work = band_cells(index, first)
+    work_rank = work * band + rank  # max(peak, W) B + rank == max(peak B + rank, W B + rank)
+    lcp_end = np.append(index.lcp, 0)  # [N+1]; e = N is never a split point
 
     # Windows: (k, e) is worth computing only if e is reachable with k parts (e <= reach_k, e >= k) and
     # N is reachable from e within the k_hi - k parts left (e >= back_{k_hi - k}); first[] gives both.
@@ -104,8 +125,9 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
     back = [n]
     for _ in range(k_hi):
         back.append(int(first[back[-1]]))
-    key = np.full(n + 1, _KEY_INF, dtype=np.int64)
-    key[0] = 0
+    key_a = np.full(n + 1, _UNREACHED, dtype=np.int64)  # A(s) (T + 1) B per split point s
+    key_a[0] = 0
+    peak_b = np.zeros(n + 1, dtype=np.int64)  # peak(s) B
     choice = np.full((k_hi + 1, n + 1), -1, dtype=np.int64)
     found: dict[int, np.ndarray] = {}
     wanted = set(targets)
@@ -113,21 +135,23 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
     for k in range(1, k_hi + 1):
         far = min(n, int(reach[far]))
         lo, hi = max(k, back[k_hi - k]), far
-        new = np.full(n + 1, _KEY_INF, dtype=np.int64)
+        new_key_a = np.full(n + 1, _UNREACHED, dtype=np.int64)
+        new_peak_b = np.zeros(n + 1, dtype=np.int64)
         if lo <= hi:
+            c0, c1 = int(offsets[lo]), int(offsets[hi + 1])
+            sw = s[c0:c1]
+            cand = np.maximum(peak_b[sw] + rank[c0:c1], work_rank[c0:c1])
+            cand += key_a[sw]
+            best = np.minimum.reduceat(cand, offsets[lo : hi + 1] - c0)
+            ok = best < _UNREACHED
+            a_peak, r = np.divmod(best, band)
+            a, pk = np.divmod(a_peak, m)
             rows = slice(lo, hi + 1)
-            sw = s_safe[rows]
-            peak = key % m
-            prev_peak = peak[sw]
-            cand = key[sw] + work_m[rows]
-            cand += np.maximum(prev_peak, work[rows]) - prev_peak
-            r = cand.argmin(axis=1)
-            best = np.take_along_axis(cand, r[:, None], axis=1)[:, 0]
-            ok = best < _KEY_INF
-            new[rows] = np.where(ok, best, _KEY_INF)
-            choice[k, rows] = np.where(ok, e[rows] - band + r, -1)
-        key = new
-        if k in wanted and key[n] < _KEY_INF:
+            new_key_a[rows] = np.where(ok, (a + lcp_end[rows]) * (m * band), _UNREACHED)  # A(e) = total - prefix[e] + lcp[e]
+            new_peak_b[rows] = np.where(ok, pk * band, 0)
+            choice[k, rows] = np.where(ok, first[rows] + r, -1)
+        key_a, peak_b = new_key_a, new_peak_b
+        if k in wanted and key_a[n] < _UNREACHED:
             found[k] = _backtrack(choice, k, n)
     return found
 
