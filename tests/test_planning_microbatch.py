@@ -353,6 +353,41 @@ def test_greedy_equals_naive_reference(params, extra, rows_max):
                 assert got.tolist() == naive_greedy(srt, order, policy, capacity)
 
 
+@settings(max_examples=40, deadline=None)
+@given(forest_params, st.integers(0, 20), st.integers(1, 4))
+def test_best_greedy_pruning_keeps_the_unpruned_choice(params, extra, dp):
+    """best_greedy stops a plan once more than the best K microbatches exceed T/2; the chosen plan is
+    the one the unpruned selection (all eight plans run to the end) picks, and a stopped plan always
+    ends with more microbatches than that bound."""
+    from harts.planning.greedy import POLICIES, Neighbourhoods, best_greedy, relabel
+
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    capacity = max(len(s) for s in seqs) + extra
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    hoods = Neighbourhoods(idx)
+    best = None
+    for order in processing_orders(idx).values():
+        for policy in POLICIES:
+            full = greedy_place(idx, order, policy, capacity, hoods)
+            owner = align_to_dp(idx, eliminate_small(idx, full, capacity), dp)
+            k = None if owner is None else int(owner.max()) + 1
+            for bound in range(0, n + 1):
+                pruned = greedy_place(idx, order, policy, capacity, hoods, max_heavy=bound)
+                if pruned is None:
+                    assert k is None or k > bound
+                else:
+                    assert pruned.tolist() == full.tolist()
+            if owner is not None:
+                key = (k, int(idx.owner_work(owner, k).sum()))
+                if best is None or key < best[0]:
+                    best = (key, owner)
+    got = best_greedy(idx, capacity, dp)
+    assert (got is None) == (best is None)
+    if best is not None:
+        assert got.tolist() == relabel(best[1]).tolist()
+
+
 def test_greedy_eq10_insertion_cost_brute_force():
     """neighbour_shared is |x| minus the work x adds to its microbatch (Eq. 10 with p, q its neighbours)."""
     rng = np.random.default_rng(11)

@@ -73,9 +73,14 @@ class Neighbourhoods:
 
 
 def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: int,
-                 hoods: Neighbourhoods | None = None) -> np.ndarray:
+                 hoods: Neighbourhoods | None = None, max_heavy: int | None = None) -> np.ndarray | None:
     """Insert positions in ``order``; best-fit maximises work after insertion, max-shared maximises
-    |x| - dC. Ties: the other criterion, then the lowest microbatch id. Opens a microbatch when none fits."""
+    |x| - dC. Ties: the other criterion, then the lowest microbatch id. Opens a microbatch when none fits.
+
+    ``max_heavy``: give up (return None) as soon as more than this many microbatches hold work above
+    T/2. Work only grows during placement and small-microbatch elimination never dissolves such a
+    microbatch, so the plan would end with more than ``max_heavy`` microbatches (``best_greedy`` uses
+    it to stop plans that can no longer have the fewest)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown greedy policy {policy!r}; expected one of {POLICIES}")
     if hoods is None:
@@ -91,6 +96,9 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
     owner = [-1] * n
     work: list[int] = []
     by_work: list[int] = []  # sorted keys; the last one <= a bound is the heaviest fit (lowest id on ties)
+    half = capacity // 2  # work > half <=> work above T/2
+    heavy = 0
+    limit = n if max_heavy is None else max_heavy
     for p in order:
         x = length[p]
         seen: dict[int, int] = {}  # id -> largest LCP of x with a member (only ids sharing > floor)
@@ -149,11 +157,16 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
             g = len(work)
             work.append(x)
             insort(by_work, x * big + n - g)
+            heavy += x > half
         else:
             _, g, new = best
-            del by_work[bisect_left(by_work, work[g] * big + n - g)]
+            old = work[g]
+            del by_work[bisect_left(by_work, old * big + n - g)]
             work[g] = new
             insort(by_work, new * big + n - g)
+            heavy += old <= half < new
+        if heavy > limit:
+            return None
         owner[p] = g
         if row is not None:
             placed.setdefault(t, []).append((p - start_of[p], g))
@@ -266,7 +279,10 @@ def best_greedy(index: PrefixIndex, capacity: int, dp: int) -> np.ndarray | None
     hoods = Neighbourhoods(index)
     for order in processing_orders(index).values():
         for policy in POLICIES:
-            owner = greedy_place(index, order, policy, capacity, hoods)
+            # A plan ending with more microbatches than the best so far can never be chosen.
+            owner = greedy_place(index, order, policy, capacity, hoods, None if best is None else best[0][0])
+            if owner is None:
+                continue
             owner = eliminate_small(index, owner, capacity)
             owner = align_to_dp(index, owner, dp)
             if owner is None:
