@@ -111,10 +111,11 @@ def test_interval_work_pair_lcp_and_split_cost(params):
 
 
 @settings(max_examples=40, deadline=None)
-@given(forest_params, st.sampled_from([1, 2, 3, 16]), st.sampled_from([3, 70_000, 2**40]))
-def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top):
-    """Head groups, trunk comparison against a pivot and tail keys (all widths) give Python's sorted order
-    and the brute-force adjacent LCPs; small HEADs make the trunk path run on small inputs."""
+@given(forest_params, st.sampled_from([1, 2, 3, 16]), st.sampled_from([3, 70_000, 2**40]), st.sampled_from([1, 2, 4096]))
+def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top, probe):
+    """Head groups and pivot partitioning give Python's sorted order (ties by index) and the brute-force
+    adjacent LCPs; small HEADs make the partitioning run on small inputs and small probes make the
+    mismatch search take several growing steps."""
     from unittest import mock
 
     import harts.planning.prefix_cost as pc
@@ -122,9 +123,9 @@ def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top):
     seed, n, vocab, max_len = params
     rng = np.random.default_rng(seed)
     seqs = random_forest(rng, n, vocab=vocab, max_len=max_len + 20)
-    big = rng.integers(0, top, 64).tolist()  # a few large token ids force 4- and 8-byte tail keys
+    big = rng.integers(0, top, 64).tolist()  # a few large token ids
     seqs = [[big[t % 64] if t % 3 == 0 else t for t in s] for s in seqs]
-    with mock.patch.object(pc, "HEAD", head):
+    with mock.patch.object(pc, "HEAD", head), mock.patch.object(pc, "FIRST_PROBE", probe):
         idx = build_prefix_index([np.asarray(s, dtype=np.int64) for s in seqs])
     assert idx.order.tolist() == sorted(range(n), key=lambda i: (seqs[i], i))
     srt = [seqs[i] for i in idx.order]

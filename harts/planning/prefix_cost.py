@@ -89,39 +89,86 @@ class PrefixIndex:
 
 
 HEAD = 16  # tokens per head key: sequences are first grouped by their first HEAD tokens
+FIRST_PROBE = 4096  # tokens compared by the first probe of a mismatch search (then 4x larger probes)
+END = -1  # "the sequence has ended": below every token
 
 
-def _lcp_capped(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
+def _first_mismatch(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
     """First mismatch of a and b in [start, cap) (cap if none); both are known equal before ``start``.
     Probes growing chunks so an early mismatch stays cheap."""
-    step = 4096
+    step = FIRST_PROBE
     while start < cap:
         stop = min(cap, start + step)
-        diff = np.flatnonzero(a[start:stop] != b[start:stop])
-        if diff.shape[0]:
-            return start + int(diff[0])
+        diff = a[start:stop] != b[start:stop]
+        if diff.any():
+            return start + int(diff.argmax())
         start, step = stop, step * 4
     return cap
 
 
-def _suffix_keys(arrays: list[np.ndarray], members: list[int], skip: int) -> list[bytes]:
-    """Big-endian fixed-width bytes of each member's tokens after ``skip``: memcmp order of these keys is
-    the numeric lexicographic order, a proper prefix first (width from the largest token present)."""
-    tails = [arrays[m][skip:] for m in members]
-    top = max((int(t.max()) for t in tails if t.shape[0]), default=0)
-    dtype = ">u2" if top < (1 << 16) else ">u4" if top < (1 << 32) else ">u8"
-    return [t.astype(dtype).tobytes() for t in tails]
+def _pivot_blocks(arrays: list[np.ndarray], members: list[int], depth: int) -> list[tuple[int, int, list[int]]]:
+    """Split ``members`` (ascending original index, sharing their first ``depth`` tokens) around the
+    first one, the pivot, into lexicographically ordered blocks (level, next token, members).
+
+    A member's class is (l, x): l = its LCP with the pivot, x its token at l (END if it ended there).
+    Members before the pivot (x below the pivot's token at l) come by ascending l, then x; members after
+    it by descending l, then x; the pivot's own block (it and every identical sequence) has level
+    |pivot| and next token END. Two members of different blocks have LCP = min of the blocks' levels;
+    a class shares l + 1 tokens (l tokens if x is END: then its members are identical)."""
+    pivot_id = members[0]
+    pivot = arrays[pivot_id]
+    plen = pivot.shape[0]
+    classes: dict[tuple[int, int], list[int]] = {}
+    same = [pivot_id]
+    for m in members[1:]:
+        a = arrays[m]
+        cap = min(a.shape[0], plen)
+        l = _first_mismatch(a, pivot, depth, cap)
+        if l == a.shape[0] == plen:
+            same.append(m)
+            continue
+        classes.setdefault((l, int(a[l]) if l < a.shape[0] else END), []).append(m)
+    below, above = [], []
+    for (l, x), ms in classes.items():
+        (below if x < (int(pivot[l]) if l < plen else END) else above).append((l, x, ms))
+    below.sort(key=lambda c: (c[0], c[1]))
+    above.sort(key=lambda c: (-c[0], c[1]))
+    return below + [(plen, END, same)] + above
+
+
+def _sort_group(arrays: list[np.ndarray], members: list[int], depth: int, order: list[int], lcp: list[int], pos: int) -> None:
+    """Write the lexicographic order of ``members`` (sharing ``depth`` tokens) to order[pos:] and their
+    adjacent LCPs to lcp[pos + 1:], by repeated pivot partitioning (an explicit stack, no recursion).
+    Every token a member shares with another is read once, when it is compared against a pivot."""
+    stack = [(members, depth, pos)]
+    while stack:
+        members, depth, pos = stack.pop()
+        if len(members) == 1:
+            order[pos] = members[0]
+            continue
+        prev = None
+        for level, x, ms in _pivot_blocks(arrays, members, depth):
+            if prev is not None:
+                lcp[pos] = min(prev, level)
+            if x == END or len(ms) == 1:  # identical sequences (or a single one): stable by index
+                order[pos : pos + len(ms)] = ms
+                lcp[pos + 1 : pos + len(ms)] = [level] * (len(ms) - 1)
+            else:
+                stack.append((ms, level + 1, pos))
+            pos += len(ms)
+            prev = level
 
 
 def build_prefix_index(arrays: list[np.ndarray]) -> PrefixIndex:
     """Sort N non-negative token arrays lexicographically (stable) and index their adjacent LCPs.
 
-    Rollout trees make most tokens shared trunk, so the sort avoids touching the trunk more than once:
-    sequences are grouped by their first HEAD tokens (a group is contiguous in lexicographic order and
-    groups are ordered by that head), each group's common prefix L is found by comparing every member
-    against one pivot, and only the members' tails after L are turned into byte keys, sorted (memcmp) and
-    compared for adjacent LCPs (L + LCP of the tails). Across a group boundary the LCP lies inside the
-    heads. Exact for any input; the trunk saving is what makes it fast on trees."""
+    Rollout trees make most tokens shared trunk, so the sort reads each shared token once: sequences
+    are grouped by their first HEAD tokens (a group is contiguous in lexicographic order and groups are
+    ordered by that head; across a group boundary the LCP lies inside the heads), and each group is
+    sorted by pivot partitioning (``_pivot_blocks``): every member is compared with a pivot from the
+    depth they are known to share, which yields its class, the order of the classes and the LCPs
+    across classes; classes of several members are partitioned again from one token deeper. Exact for
+    any input; ties (identical sequences) keep the original order."""
     n = len(arrays)
     if n == 0:
         raise ValueError("build_prefix_index: no trajectories")
@@ -137,31 +184,19 @@ def build_prefix_index(arrays: list[np.ndarray]) -> PrefixIndex:
     sorted_head = head[by_head]
     differs = sorted_head[1:] != sorted_head[:-1]  # [N-1, HEAD]
     new_group = differs.any(axis=1)
-    lcp = np.zeros(n, dtype=np.int64)
+    lcp_head = np.zeros(n, dtype=np.int64)
     # Across different heads: the first differing head column (a -1 there means one sequence ended).
     boundary = np.flatnonzero(new_group)
-    lcp[boundary + 1] = np.argmax(differs[boundary], axis=1)
+    lcp_head[boundary + 1] = np.argmax(differs[boundary], axis=1)
     starts = np.concatenate(([0], boundary + 1, [n])).tolist()
-    order = by_head.copy()
+    order = by_head.tolist()
+    lcp = lcp_head.tolist()
     for g0, g1 in zip(starts[:-1], starts[1:]):
-        if g1 - g0 < 2:
-            continue
-        members = by_head[g0:g1].tolist()  # ascending original index (stable ties)
-        pivot = arrays[members[0]]
-        common = int(lengths[members].min())
-        start = int(min(common, HEAD))
-        for m in members[1:]:
-            common = _lcp_capped(arrays[m], pivot, start, common)
-            if common <= start:
-                break
-        keys = _suffix_keys(arrays, members, common)
-        rank = sorted(range(len(members)), key=keys.__getitem__)
-        members = [members[r] for r in rank]
-        order[g0:g1] = members
-        for p in range(1, len(members)):
-            a, b = arrays[members[p - 1]], arrays[members[p]]
-            lcp[g0 + p] = _lcp_capped(a, b, common, min(a.shape[0], b.shape[0]))
-    return index_from_lcp(order.astype(np.int64), lengths[order], lcp)
+        if g1 - g0 > 1:  # members share their whole head (all of it when one is shorter than HEAD)
+            members = order[g0:g1]  # ascending original index (stable ties)
+            _sort_group(arrays, members, int(min(lengths[members].min(), HEAD)), order, lcp, g0)
+    order_arr = np.asarray(order, dtype=np.int64)
+    return index_from_lcp(order_arr, lengths[order_arr], np.asarray(lcp, dtype=np.int64))
 
 
 def index_from_lcp(order: np.ndarray, length: np.ndarray, lcp: np.ndarray) -> PrefixIndex:
