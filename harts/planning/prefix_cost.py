@@ -89,7 +89,9 @@ class PrefixIndex:
 
 
 HEAD = 16  # tokens per head key: sequences are first grouped by their first HEAD tokens
-FIRST_PROBE = 4096  # tokens compared by the first probe of a mismatch search (then 4x larger probes)
+FIRST_PROBE = 1 << 15  # tokens compared by the first probe of a mismatch search (then 4x larger probes);
+# large, because on rollout trees most searches run through a long shared trunk and a numpy call costs
+# more than reading a few thousand tokens past an early mismatch
 END = -1  # "the sequence has ended": below every token
 
 
