@@ -136,6 +136,32 @@ def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top, probe)
     assert idx.total_work == brute_work(seqs)
 
 
+@settings(max_examples=30, deadline=None)
+@given(forest_params, st.integers(0, 2**31 - 1))
+def test_near_lcp_and_group_state_match_rmq_and_owner_work(params, seed2):
+    """The running-minimum window table equals RMQ pair LCPs; group_state's work, links and shared
+    amounts equal owner_work, the nearest mates on either side and the maximum LCP over all mates."""
+    from harts.planning.refine import H, group_state, near_lcp
+
+    seed, n, vocab, max_len = params
+    seqs = random_forest(np.random.default_rng(seed), n, vocab=vocab, max_len=max_len)
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    near = near_lcp(idx)
+    for p in range(n):
+        for o in range(H + 1):
+            assert near[p, o] == (idx.pair_lcp(p, p + o) if p + o < n else 0)
+    k = min(n, 4)
+    owner = np.random.default_rng(seed2).integers(0, k, n)
+    owner[:k] = np.arange(k)
+    work, (prev, nxt), own = group_state(idx, owner, k)
+    assert work.tolist() == idx.owner_work(owner, k).tolist()
+    for p in range(n):
+        mates = [q for q in range(n) if q != p and owner[q] == owner[p]]
+        assert prev[p] == max((q for q in mates if q < p), default=-1)
+        assert nxt[p] == min((q for q in mates if q > p), default=n)
+        assert own[p] == max((int(idx.pair_lcp(p, q)) for q in mates), default=0)
+
+
 def test_first_feasible_start_is_the_first_fitting_start():
     rng = np.random.default_rng(3)
     seqs = random_forest(rng, 30, vocab=3, max_len=10)

@@ -9,6 +9,10 @@ microbatches and capacity.
 All move/swap costs are exact and vectorised with Eq. 10: the work x adds to (or removes from) a
 microbatch is |x| minus its largest LCP with the other members, found at their nearest members on
 either side of x's position (read off each microbatch's previous/next-member links, ``group_links``).
+Pairs within H positions read their LCP from a running-minimum table (``near_lcp``), the rest from
+the RMQ. No position can share more with anyone than with a lexicographic neighbour, so a move or
+swap only gains where some position shares less with its own microbatch than with a neighbour
+("slack"); candidates without slack are skipped before any LCP is evaluated (same result).
 """
 from __future__ import annotations
 
@@ -69,14 +73,35 @@ def boundary_refine(index: PrefixIndex, cuts: np.ndarray, capacity: int) -> np.n
 
 def group_links(owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """prev[p] / nxt[p]: the previous / next position of p's own microbatch (-1 / N when there is none)."""
+    prev, nxt, _, _ = _group_pairs(owner)
+    return prev, nxt
+
+
+def _group_pairs(owner: np.ndarray):
+    """(prev, nxt, a, b): the links of ``group_links`` and the consecutive same-microbatch pairs a < b."""
     n = owner.shape[0]
     srt = np.argsort(owner, kind="stable")  # positions by (microbatch, position)
     same = owner[srt[1:]] == owner[srt[:-1]]
+    a, b = srt[:-1][same], srt[1:][same]
     prev = np.full(n, -1, dtype=np.int64)
     nxt = np.full(n, n, dtype=np.int64)
-    prev[srt[1:][same]] = srt[:-1][same]
-    nxt[srt[:-1][same]] = srt[1:][same]
-    return prev, nxt
+    prev[b] = a
+    nxt[a] = b
+    return prev, nxt, a, b
+
+
+def group_state(index: PrefixIndex, owner: np.ndarray, k: int):
+    """(work per microbatch, (prev, nxt) links, own_shared): own_shared[p] is p's largest LCP with another
+    member of its microbatch (at its previous or next member; 0 when alone). One RMQ batch serves all:
+    the consecutive member pairs give both the Eq. 5 work and every member's shared amount."""
+    prev, nxt, a, b = _group_pairs(owner)
+    shared = index.pair_lcp(a, b)
+    work = np.bincount(owner, weights=index.length, minlength=k).astype(np.int64)
+    work -= np.bincount(owner[b], weights=shared, minlength=k).astype(np.int64)
+    own_shared = np.zeros(owner.shape[0], dtype=np.int64)
+    own_shared[b] = shared  # with the previous member
+    own_shared[a] = np.maximum(own_shared[a], shared)  # with the next one (each position is one a, one b)
+    return work, (prev, nxt), own_shared
 
 
 def _lcp_or_zero(index: PrefixIndex, p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -86,35 +111,51 @@ def _lcp_or_zero(index: PrefixIndex, p: np.ndarray, q: np.ndarray) -> np.ndarray
     return np.where(real, index.pair_lcp(p, np.clip(q, 0, n - 1)), 0)
 
 
-def _window_pairs(n: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """All (p, p + off) inside [0, N), p-major then offset order."""
-    p = np.repeat(np.arange(n, dtype=np.int64), offsets.shape[0])
-    q = p + np.tile(offsets, n)
+def near_lcp(index: PrefixIndex) -> np.ndarray:
+    """[N, H + 1] LCP(p, p + o) for o = 0..H (column 0 = |p|; past the end: 0), by running minima of the
+    adjacent LCPs, so pairs within H positions need no RMQ."""
+    n = index.n
+    out = np.zeros((n, H + 1), dtype=np.int64)
+    out[:, 0] = index.length
+    run = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    for o in range(1, min(H, n - 1) + 1):
+        run[: n - o] = np.minimum(run[: n - o], index.lcp[o:])
+        out[: n - o, o] = run[: n - o]
+    return out
+
+
+def _window_pairs(positions: np.ndarray, offsets: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """All (p, p + off) inside [0, N) for p in ``positions`` (ascending), p-major then offset order."""
+    p = np.repeat(positions.astype(np.int64, copy=False), offsets.shape[0])
+    q = p + np.tile(offsets, positions.shape[0])
     keep = (q >= 0) & (q < n)
     return p[keep], q[keep]
 
 
-def _best_move(index, owner, work, links, own_shared, capacity):
+def _best_move(index, owner, work, links, own_shared, capacity, near, slack):
     """Best single move of x (position p) into a microbatch D with a member within H positions.
 
     x shares with D its larger LCP with D's nearest members on either side (Eq. 10). A candidate (p, D)
     is generated from each of those nearest members q that lies in the window; q is nearest on its side
     exactly when D's previous (next) member lies beyond p, and then that member is D's nearest on the
-    other side. Both generators of one (p, D) give the same value, so duplicates are harmless."""
-    n = index.n
+    other side. Both generators of one (p, D) give the same value, so duplicates are harmless.
+    The gain sh - own_shared[p] is at most slack[p] (x shares most with a lexicographic neighbour), so
+    only positions with slack are tried."""
     prev, nxt = links
     counts = np.bincount(owner, minlength=work.shape[0])
     offsets = np.concatenate((np.arange(-H, 0), np.arange(1, H + 1))).astype(np.int64)
-    p, q = _window_pairs(n, offsets)
+    cand = np.flatnonzero((slack > 0) & (counts[owner] > 1))
+    p, q = _window_pairs(cand, offsets, index.n)
     d = owner[q]
     right = q > p
     nearest = np.where(right, prev[q] < p, nxt[q] > p)
-    keep = (d != owner[p]) & (counts[owner[p]] > 1) & nearest
+    keep = (d != owner[p]) & nearest
     p, q, d, right = p[keep], q[keep], d[keep], right[keep]
     if p.shape[0] == 0:
         return None
     other = np.where(right, prev[q], nxt[q])
-    sh = np.maximum(index.pair_lcp(p, q), _lcp_or_zero(index, p, other))
+    lo = np.minimum(p, q)
+    sh = np.maximum(near[lo, np.abs(q - p)], _lcp_or_zero(index, p, other))
     new_d = work[d] + index.length[p] - sh
     gain = sh - own_shared[p]
     ok = (new_d <= capacity) & (gain > 0)
@@ -125,16 +166,18 @@ def _best_move(index, owner, work, links, own_shared, capacity):
     return int(gain[j]), int(p[j]), int(d[j])
 
 
-def _best_swap(index, owner, work, links, own_shared, capacity):
+def _best_swap(index, owner, work, links, own_shared, capacity, slack):
     """Best swap of x (position p, microbatch A) and y (position q, microbatch B), p < q <= p + H.
 
     y's LCP with A without x comes from A's last member before q and first after q (x excluded), found
-    by walking A's links from p; x's LCP with B without y likewise by walking B's links back from q."""
+    by walking A's links from p; x's LCP with B without y likewise by walking B's links back from q.
+    The gain s_ay + s_bx - own_shared[p] - own_shared[q] is at most slack[p] + slack[q], so pairs
+    without slack are skipped."""
     n = index.n
     prev, nxt = links
     length = index.length
-    p, q = _window_pairs(n, np.arange(1, H + 1, dtype=np.int64))
-    keep = owner[p] != owner[q]
+    p, q = _window_pairs(np.arange(n), np.arange(1, H + 1, dtype=np.int64), n)
+    keep = (owner[p] != owner[q]) & ((slack[p] > 0) | (slack[q] > 0))
     p, q = p[keep], q[keep]
     if p.shape[0] == 0:
         return None
@@ -169,19 +212,18 @@ def _best_swap(index, owner, work, links, own_shared, capacity):
 def sparse_repair(index: PrefixIndex, owner: np.ndarray, capacity: int) -> np.ndarray:
     """At most REPAIR_ITERS best strict-improvement moves (else swaps) between near lexicographic neighbours."""
     owner = owner.copy()
-    n = index.n
     k = int(owner.max()) + 1
+    near = near_lcp(index)
+    neighbour = np.maximum(index.lcp, np.append(index.lcp[1:], 0))  # largest LCP with any other position
     for _ in range(REPAIR_ITERS):
-        work = index.owner_work(owner, k)
-        links = group_links(owner)
-        prev, nxt = links
-        own_shared = np.maximum(_lcp_or_zero(index, np.arange(n), prev), _lcp_or_zero(index, np.arange(n), nxt))
-        move = _best_move(index, owner, work, links, own_shared, capacity)
+        work, links, own_shared = group_state(index, owner, k)
+        slack = neighbour - own_shared  # >= 0: what p could gain at most by sharing more
+        move = _best_move(index, owner, work, links, own_shared, capacity, near, slack)
         if move is not None:
             _, p, d = move
             owner[p] = d
             continue
-        swap = _best_swap(index, owner, work, links, own_shared, capacity)
+        swap = _best_swap(index, owner, work, links, own_shared, capacity, slack)
         if swap is None:
             break
         _, p, q = swap
