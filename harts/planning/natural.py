@@ -21,21 +21,47 @@ def best_split(index: PrefixIndex, a: int, b: int) -> int:
 
 
 def natural_partition(index: PrefixIndex, capacity: int) -> np.ndarray:
-    """P0: recursively split only intervals whose work exceeds T, at the best valley (cuts array)."""
-    cuts = []
-    stack = [(0, index.n)]
-    while stack:
-        a, b = stack.pop()
-        if int(index.interval_work(a, b)) <= capacity:
-            cuts.append(a)
-            continue
-        if b - a < 2:  # a single trajectory above capacity: rejected earlier by the planner
-            raise ValueError(f"natural_partition: position {a} alone exceeds capacity {capacity}")
-        t = best_split(index, a, b)
-        stack.append((t, b))
-        stack.append((a, t))
-    cuts.append(index.n)
-    return np.asarray(sorted(cuts), dtype=np.int64)
+    """P0: recursively split only intervals whose work exceeds T, at the best valley (cuts array).
+
+    Each interval's split depends on that interval alone, so the recursion runs level by level: all
+    over-capacity intervals of a level are split at once (``best_splits``), giving the same cuts."""
+    done = [np.asarray([index.n], dtype=np.int64)]
+    a = np.asarray([0], dtype=np.int64)
+    b = np.asarray([index.n], dtype=np.int64)
+    while a.shape[0]:
+        over = index.interval_work(a, b) > capacity
+        done.append(a[~over])
+        a, b = a[over], b[over]
+        if not a.shape[0]:
+            break
+        single = np.flatnonzero(b - a < 2)
+        if single.shape[0]:  # a single trajectory above capacity: rejected earlier by the planner
+            raise ValueError(f"natural_partition: position {int(a[single[0]])} alone exceeds capacity {capacity}")
+        t = best_splits(index, a, b)
+        a, b = np.concatenate((a, t)), np.concatenate((t, b))
+    return np.sort(np.concatenate(done))
+
+
+def best_splits(index: PrefixIndex, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``best_split`` for many disjoint intervals [a_i, b_i) (b_i - a_i >= 2) at once: the same keys,
+    applied one after the other as segmented minima over the split points still tied."""
+    size = b - a - 1  # candidate split points per interval
+    seg = np.repeat(np.arange(a.shape[0]), size)
+    t = np.arange(seg.shape[0], dtype=np.int64) - np.repeat(np.cumsum(size) - size, size) + a[seg] + 1
+    seg, t = _keep_segment_min(seg, t, index.lcp[t])
+    left, right = index.interval_work(a[seg], t), index.interval_work(t, b[seg])
+    seg, t = _keep_segment_min(seg, t, np.maximum(left, right))
+    left, right = index.interval_work(a[seg], t), index.interval_work(t, b[seg])
+    seg, t = _keep_segment_min(seg, t, np.abs(left - right))
+    return t[np.concatenate(([True], seg[1:] != seg[:-1]))]  # remaining ties: the leftmost t
+
+
+def _keep_segment_min(seg: np.ndarray, t: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep, in every segment (contiguous runs of ``seg``), only the entries with its minimum value."""
+    starts = np.flatnonzero(np.concatenate(([True], seg[1:] != seg[:-1])))
+    low = np.minimum.reduceat(value, starts)
+    keep = value == np.repeat(low, np.diff(np.append(starts, seg.shape[0])))
+    return seg[keep], t[keep]
 
 
 def k_range(total_work: int, capacity: int, dp: int, k0: int, n: int) -> list[int]:
