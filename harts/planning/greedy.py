@@ -64,12 +64,11 @@ class Neighbourhoods:
             p = np.repeat(pos, width)
             first = np.repeat(tree_first[tree[pos]], width)
             offset = np.arange(p.shape[0]) - np.repeat(np.cumsum(width) - width, width)
-            flat = index.pair_lcp(p, first + offset).tolist()
+            flat = index.pair_lcp(p, first + offset)
             at = 0
-            rows = self.rows
-            for q, w in zip(pos.tolist(), width.tolist()):
-                rows[q] = flat[at : at + w]
-                at += w
+            for t0, s in zip(tree_first[small].tolist(), size[small].tolist()):  # one [s, s] block per tree
+                self.rows[t0 : t0 + s] = flat[at : at + s * s].reshape(s, s).tolist()
+                at += s * s
 
 
 def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: int,
@@ -143,8 +142,9 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
                 key = (new, sh, -g) if best_fit else (sh, new, -g)
                 if best is None or key > best[0]:
                     best = (key, g, new)
-        # Best microbatch among those sharing only the floor: the heaviest that still fits.
-        i = bisect_right(by_work, (capacity - x + floor) * big + big - 1) - 1
+        # Best microbatch among those sharing only the floor: the heaviest that still fits. Max-shared
+        # needs it only when no microbatch sharing more than the floor fits (shared comes first).
+        i = -1 if best is not None and not best_fit else bisect_right(by_work, (capacity - x + floor) * big + big - 1) - 1
         while i >= 0 and n - by_work[i] % big in seen:
             i -= 1
         if i >= 0:
