@@ -127,7 +127,10 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
         back.append(int(first[back[-1]]))
     key_a = np.full(n + 1, _UNREACHED, dtype=np.int64)  # A(s) (T + 1) B per split point s
     key_a[0] = 0
-    peak_b = np.zeros(n + 1, dtype=np.int64)  # peak(s) B
+    peak_b = np.zeros(n + 1, dtype=np.int64)  # peak(s) B (only read where key_a is reachable)
+    # Two row buffers, swapped every row; a buffer is reset only on the window it held two rows ago.
+    new_key_a, new_peak_b = np.full(n + 1, _UNREACHED, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
+    held = [(0, 0), (1, 0)]  # rows of even / odd k: the (lo, hi) window last written to their buffer
     choice = np.full((k_hi + 1, n + 1), -1, dtype=np.int64)
     found: dict[int, np.ndarray] = {}
     wanted = set(targets)
@@ -135,22 +138,27 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
     for k in range(1, k_hi + 1):
         far = min(n, int(reach[far]))
         lo, hi = max(k, back[k_hi - k]), far
-        new_key_a = np.full(n + 1, _UNREACHED, dtype=np.int64)
-        new_peak_b = np.zeros(n + 1, dtype=np.int64)
+        old_lo, old_hi = held[k % 2]
+        new_key_a[old_lo : old_hi + 1] = _UNREACHED
+        held[k % 2] = (lo, hi)
         if lo <= hi:
             c0, c1 = int(offsets[lo]), int(offsets[hi + 1])
             sw = s[c0:c1]
             cand = np.maximum(peak_b[sw] + rank[c0:c1], work_rank[c0:c1])
             cand += key_a[sw]
             best = np.minimum.reduceat(cand, offsets[lo : hi + 1] - c0)
-            ok = best < _UNREACHED
             a_peak, r = np.divmod(best, band)
             a, pk = np.divmod(a_peak, m)
             rows = slice(lo, hi + 1)
-            new_key_a[rows] = np.where(ok, (a + lcp_end[rows]) * (m * band), _UNREACHED)  # A(e) = total - prefix[e] + lcp[e]
-            new_peak_b[rows] = np.where(ok, pk * band, 0)
-            choice[k, rows] = np.where(ok, first[rows] + r, -1)
-        key_a, peak_b = new_key_a, new_peak_b
+            new_key_a[rows] = (a + lcp_end[rows]) * (m * band)  # A(e) = total - prefix[e] + lcp[e]; no overflow
+            new_peak_b[rows] = pk * band
+            choice[k, rows] = first[rows] + r
+            dead = np.flatnonzero(best >= _UNREACHED)
+            if dead.shape[0]:
+                new_key_a[lo + dead] = _UNREACHED
+                choice[k, lo + dead] = -1
+        key_a, new_key_a = new_key_a, key_a
+        peak_b, new_peak_b = new_peak_b, peak_b
         if k in wanted and key_a[n] < _UNREACHED:
             found[k] = _backtrack(choice, k, n)
     return found
