@@ -102,8 +102,9 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
     while start < cap:
         stop = min(cap, start + step)
         diff = a[start:stop] != b[start:stop]
-        if diff.any():
-            return start + int(diff.argmax())
+        i = int(diff.argmax())  # the first True, or 0 when there is none (argmax stops at the first True)
+        if diff[i]:
+            return start + i
         start, step = stop, step * 4
     return cap
 
