@@ -95,82 +95,97 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
     owner = [-1] * n
     work: list[int] = []
     by_work: list[int] = []  # sorted keys; the last one <= a bound is the heaviest fit (lowest id on ties)
+    fit_key = (capacity + floor) * big + big - 1  # minus x * big: the largest key that fits x
     half = capacity // 2  # work > half <=> work above T/2
     heavy = 0
     limit = n if max_heavy is None else max_heavy
+    none: dict[int, int] = {}  # shared, never written: "no microbatch shares more than the floor"
     for p in order:
         x = length[p]
-        seen: dict[int, int] = {}  # id -> largest LCP of x with a member (only ids sharing > floor)
-        t = tree_of[p]
         row = rows[p]
+        mates = placed.get(tree_of[p]) if row is not None else None
+        # seen: id -> largest LCP of x with a member (only ids sharing > floor)
         if x <= floor:
-            pass  # x shares all of itself with everyone
+            seen = none  # x shares all of itself with everyone
         elif row is not None:
-            for c, g in placed.get(t, ()):
+            seen = none if mates is None else {}
+            for c, g in mates or ():
                 v = row[c]
                 if v > seen.get(g, -1):
                     seen[g] = v
-        else:  # large tree: scan outward with a running minimum while it stays above the floor
-            m = x
-            q = p - 1
-            while q >= 0:
-                v = lcp[q + 1]
-                if v < m:
-                    m = v
-                    if m <= floor:
-                        break
-                g = owner[q]
-                if g >= 0 and g not in seen:
-                    seen[g] = m
-                q -= 1
-            m = x
-            q = p + 1
-            while q < n:
-                v = lcp[q]
-                if v < m:
-                    m = v
-                    if m <= floor:
-                        break
-                g = owner[q]
-                if g >= 0 and seen.get(g, -1) < m:
-                    seen[g] = m
-                q += 1
-        best = None  # (key, id, new work)
+        else:
+            seen = _scan_shared(p, x, lcp, owner, floor)
+        best = None  # key of the best candidate so far, then its id and new work
         for g, sh in seen.items():
             new = work[g] + x - sh
             if new <= capacity:
                 key = (new, sh, -g) if best_fit else (sh, new, -g)
-                if best is None or key > best[0]:
-                    best = (key, g, new)
+                if best is None or key > best:
+                    best, g_best, new_best = key, g, new
         # Best microbatch among those sharing only the floor: the heaviest that still fits. Max-shared
         # needs it only when no microbatch sharing more than the floor fits (shared comes first).
-        i = -1 if best is not None and not best_fit else bisect_right(by_work, (capacity - x + floor) * big + big - 1) - 1
-        while i >= 0 and n - by_work[i] % big in seen:
-            i -= 1
-        if i >= 0:
-            w, g = by_work[i] // big, n - by_work[i] % big
-            new = w + x - floor
-            key = (new, floor, -g) if best_fit else (floor, new, -g)
-            if best is None or key > best[0]:
-                best = (key, g, new)
+        if best is None or best_fit:
+            i = bisect_right(by_work, fit_key - x * big) - 1
+            while i >= 0 and n - by_work[i] % big in seen:
+                i -= 1
+            if i >= 0:
+                g = n - by_work[i] % big
+                new = by_work[i] // big + x - floor
+                key = (new, floor, -g) if best_fit else (floor, new, -g)
+                if best is None or key > best:
+                    best, g_best, new_best = key, g, new
         if best is None:
-            g = len(work)
+            g_best = len(work)
             work.append(x)
-            insort(by_work, x * big + n - g)
+            insort(by_work, x * big + n - g_best)
             heavy += x > half
         else:
-            _, g, new = best
-            old = work[g]
-            del by_work[bisect_left(by_work, old * big + n - g)]
-            work[g] = new
-            insort(by_work, new * big + n - g)
-            heavy += old <= half < new
+            old = work[g_best]
+            del by_work[bisect_left(by_work, old * big + n - g_best)]
+            work[g_best] = new_best
+            insort(by_work, new_best * big + n - g_best)
+            heavy += old <= half < new_best
         if heavy > limit:
             return None
-        owner[p] = g
+        owner[p] = g_best
         if row is not None:
-            placed.setdefault(t, []).append((p - start_of[p], g))
+            if mates is None:
+                placed[tree_of[p]] = [(p - start_of[p], g_best)]
+            else:
+                mates.append((p - start_of[p], g_best))
     return np.asarray(owner, dtype=np.int64)
+
+
+def _scan_shared(p: int, x: int, lcp: list[int], owner: list[int], floor: int) -> dict[int, int]:
+    """Large trees (no precomputed rows): {id: largest LCP of x with a placed member} for the ids sharing
+    more than the floor, scanning outward from p with a running minimum while it stays above the floor."""
+    n = len(owner)
+    seen: dict[int, int] = {}
+    m = x
+    q = p - 1
+    while q >= 0:
+        v = lcp[q + 1]
+        if v < m:
+            m = v
+            if m <= floor:
+                break
+        g = owner[q]
+        if g >= 0 and g not in seen:
+            seen[g] = m
+        q -= 1
+    m = x
+    q = p + 1
+    while q < n:
+        v = lcp[q]
+        if v < m:
+            m = v
+            if m <= floor:
+                break
+        g = owner[q]
+        if g >= 0 and seen.get(g, -1) < m:
+            seen[g] = m
+        q += 1
+    return seen
 
 
 # ------------------------------------------------------------------------------ post-processing
