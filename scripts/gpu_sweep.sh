@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
 #   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1|train2 [...]
-# with carry [".whl", ".triton_cache"]. Every step has its own timeout and tees its log into $OUT/sweep.log
+# with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
-# autotune results, fla caches them on disk) comes back as one archive.
+# autotune results, fla caches them on disk) comes back as xz pieces;
+# here, `cat $files_at/triton_cache.tar.xz.* > .triton_cache.tar.xz` before the next call.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT" .triton_cache
+# The cache travels packed (carry is capped at 64 MiB; unpacked it is several times that).
+[ -f .triton_cache.tar.xz ] && tar -C .triton_cache -xJf .triton_cache.tar.xz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed" >&2; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
@@ -14,8 +17,13 @@ export PYTORCH_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
 
+# The whole call must leave time to pack the cache: SWEEP_BUDGET (s, default 540) caps every step.
+SWEEP_END=$(( $(date +%s) + ${SWEEP_BUDGET:-540} - 30 ))
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  local left=$(( SWEEP_END - $(date +%s) ))
+  (( left < secs )) && secs=$left
+  (( secs < 10 )) && { echo "== $name skipped (no time left)" | tee -a "$OUT/sweep.log"; return; }
   echo "== $name ($(date +%T), limit ${secs}s)" | tee -a "$OUT/sweep.log"
   timeout "$secs" "$@" 2>&1 | tee -a "$OUT/sweep.log"
   echo "== $name rc=${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/sweep.log"
@@ -23,7 +31,7 @@ step() {  # step NAME SECONDS CMD...
 
 for what in "$@"; do
   case $what in
-    warm) step warm 300 python3 -m pytest -m gpu -x -q -p no:cacheprovider tests/test_ops_kda.py \
+    warm) step warm 300 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=0 tests/test_ops_kda.py \
             tests/test_kernels_kda_round.py tests/test_kernels_logprobs.py tests/test_runtime_gpu.py ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
@@ -46,4 +54,5 @@ done
 for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base; do
   [ -f "$d/metrics.jsonl" ] && cat "$d/metrics.jsonl" | sed "s#^#$(basename $d) #" >> "$OUT/train_metrics.txt"
 done
-tar -C .triton_cache -cJf "$OUT/triton_cache.tar.xz" . && ls -l "$OUT/triton_cache.tar.xz"
+# xz on all cores, in pieces under the 16 MiB a returned file may have.
+tar -C .triton_cache -cf - . | xz -T0 -6 | split -b 15M -d - "$OUT/triton_cache.tar.xz." && ls -l "$OUT"/triton_cache.tar.xz.*

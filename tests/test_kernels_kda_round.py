@@ -285,10 +285,11 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "B": 0.005, "dq": 0.008, "dk": 0.008, "dv": 
            "dh0": 0.008, "dA_log": 0.02, "ddt_bias": 0.02}
 
 
-# GPU cases share shapes where they can: fla 0.6.0 compiles every autotune config per (H, HV, K, dtype),
-# about 1-2 minutes of device time per new shape. GVA is covered by the interpreter cases.
+# GPU cases use ling3-tiny's head shapes (H = HV = 16, K = V = 128, bf16) only: fla 0.6.0 compiles every
+# autotune config per (H, HV, K, dtype), 1-2 minutes of device time per new shape family, and the
+# benchmarks compile exactly this one. K = 64 and GVA are covered by the interpreter cases.
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,H,HV,gate", [(128, 2, 2, False), (128, 2, 2, True), (64, 2, 2, False)])
+@pytest.mark.parametrize("K,H,HV,gate", [(128, 16, 16, False), (128, 16, 16, True)])
 def test_gpu_bf16_vs_fp32_reference(K, H, HV, gate):
     lens = [150, 64, 200, 17, 128]
     BT = 64
@@ -311,7 +312,7 @@ def test_gpu_bf16_vs_fp32_reference(K, H, HV, gate):
 
 @pytest.mark.gpu
 def test_gpu_wrong_placement_fails():
-    ins, cu, h0 = make_inputs([150, 64, 200], H=2, HV=2, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    ins, cu, h0 = make_inputs([150, 64, 200], H=16, HV=16, K=128, V=128, dtype=torch.bfloat16, device="cuda")
     seq, chunk = [0, 0, 1, 2, 2, 2], [1, 2, 1, 0, 3, 1]  # the boundaries of fla-kda-internals.md section 3
     out, grads = run_with_grads(_fast(_inject_at_top=True), ins, cu, h0, seq, chunk)
     out_r, grads_r = run_with_grads(_ref(), {n: x.float() for n, x in ins.items()}, cu, h0, seq, chunk)
@@ -325,7 +326,7 @@ def test_gpu_wrong_placement_fails():
 def test_gpu_no_requests_matches_fla(dtype):
     from fla.ops.kda import chunk_kda
 
-    ins, cu, h0 = make_inputs([150, 64, 200, 1000], H=2, HV=2, K=128, V=128, dtype=dtype, device="cuda")
+    ins, cu, h0 = make_inputs([150, 64, 200, 1000], H=16, HV=16, K=128, V=128, dtype=dtype, device="cuda")
     out, grads = run_with_grads(_fast(), ins, cu, h0, None, None)
 
     def fla_fn(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_seq, state_chunk):
@@ -345,7 +346,7 @@ def test_gpu_no_requests_matches_fla(dtype):
 @pytest.mark.gpu
 def test_gpu_tree_two_rounds_equal_flat():
     # bf16 both ways: the only difference is where bf16 rounding of h happens (different chunk grids)
-    flat, tree = _tree_case(_fast(chunk_size=64), 64, torch.bfloat16, device="cuda", H=2, HV=2, K=128, V=128)
+    flat, tree = _tree_case(_fast(chunk_size=64), 64, torch.bfloat16, device="cuda", H=16, HV=16, K=128, V=128)
     errs = [rel_rmse(b, a) for a, b in zip(flat, tree)]
     print("tree vs flat rel-RMSE (oP, o1, o2, dq, dk, dv, dg, dbeta):", [f"{e:.1e}" for e in errs])
     assert max(errs) < 2e-2, errs
