@@ -91,7 +91,11 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
     lcp = index.lcp.tolist()
     floor = index.floor
     rows, tree_of, start_of = hoods.rows, hoods.tree, hoods.start
-    placed: dict[int, list[tuple[int, int]]] = {}  # tree -> [(column, id)] of its placed positions
+    # x's largest LCP with a microbatch is at its member nearest to x. When ``order`` visits every tree
+    # monotonically, that is the microbatch's latest placed member of the tree: placed[tree] is then
+    # {id: column of its latest member}, else [(column, id)] of every placed member.
+    monotone = placed_monotonically(hoods, order)
+    placed: dict = {}
     owner = [-1] * n
     work: list[int] = []
     by_work: list[int] = []  # sorted keys; the last one <= a bound is the heaviest fit (lowest id on ties)
@@ -109,10 +113,14 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
             seen = none  # x shares all of itself with everyone
         elif row is not None:
             seen = none if mates is None else {}
-            for c, g in mates or ():
-                v = row[c]
-                if v > seen.get(g, -1):
-                    seen[g] = v
+            if monotone:
+                for g, c in (mates or none).items():
+                    seen[g] = row[c]
+            else:
+                for c, g in mates or ():
+                    v = row[c]
+                    if v > seen.get(g, -1):
+                        seen[g] = v
         else:
             seen = _scan_shared(p, x, lcp, owner, floor)
         best = None  # key of the best candidate so far, then its id and new work
@@ -149,11 +157,27 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
             return None
         owner[p] = g_best
         if row is not None:
-            if mates is None:
+            if monotone:
+                if mates is None:
+                    placed[tree_of[p]] = {g_best: p - start_of[p]}
+                else:
+                    mates[g_best] = p - start_of[p]
+            elif mates is None:
                 placed[tree_of[p]] = [(p - start_of[p], g_best)]
             else:
                 mates.append((p - start_of[p], g_best))
     return np.asarray(owner, dtype=np.int64)
+
+
+def placed_monotonically(hoods: Neighbourhoods, order: list[int]) -> bool:
+    """True when ``order`` visits the positions of every tree in increasing or in decreasing order."""
+    pos = np.asarray(order, dtype=np.int64)
+    tree = np.asarray(hoods.tree, dtype=np.int64)[pos]
+    by_tree = np.argsort(tree, kind="stable")  # grouped by tree, in visiting order
+    step = np.sign(np.diff(pos[by_tree]))
+    inside = np.diff(tree[by_tree]) == 0  # consecutive visits of one tree
+    both = inside[1:] & inside[:-1]
+    return bool(np.all(step[1:][both] == step[:-1][both]))
 
 
 def _scan_shared(p: int, x: int, lcp: list[int], owner: list[int], floor: int) -> dict[int, int]:
