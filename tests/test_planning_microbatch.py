@@ -372,9 +372,16 @@ def test_greedy_equals_naive_reference(params, extra, rows_max):
     capacity = max(len(s) for s in seqs) + extra
     idx = build_prefix_index([np.asarray(s) for s in seqs])
     srt = [seqs[i] for i in idx.order]
+    # Besides the four orders: trees in random order, each visited ascending or descending (monotone,
+    # the latest-member shortcut applies) and a random permutation (generally not monotone).
+    rng = np.random.default_rng(seed)
+    trees = np.split(np.arange(n), np.flatnonzero(idx.lcp[1:] <= idx.floor) + 1)
+    monotone = [p for t in rng.permutation(len(trees)) for p in (trees[t] if rng.random() < 0.5 else trees[t][::-1]).tolist()]
+    orders = [*processing_orders(idx).values(), monotone, rng.permutation(n).tolist()]
     with mock.patch.object(gr, "TREE_ROWS_MAX", rows_max):
         hoods = gr.Neighbourhoods(idx)
-        for order in processing_orders(idx).values():
+        assert gr.placed_monotonically(hoods, monotone)
+        for order in orders:
             for policy in ("best_fit", "max_shared"):
                 got = greedy_place(idx, order, policy, capacity, hoods)
                 assert got.tolist() == naive_greedy(srt, order, policy, capacity)
@@ -413,6 +420,21 @@ def test_best_greedy_pruning_keeps_the_unpruned_choice(params, extra, dp):
     assert (got is None) == (best is None)
     if best is not None:
         assert got.tolist() == relabel(best[1]).tolist()
+
+
+def test_placed_monotonically():
+    """True exactly when every tree (run of positions sharing more than the floor) is visited in one
+    direction; trees may come in any order and directions may differ between trees."""
+    from harts.planning.greedy import Neighbourhoods, placed_monotonically
+
+    seqs = [[1, 2, 3], [1, 2, 4], [1, 2, 5], [7, 1], [7, 2], [9]]  # trees: positions 0-2, 3-4, 5
+    idx = build_prefix_index([np.asarray(s) for s in seqs])
+    hoods = Neighbourhoods(idx)
+    assert placed_monotonically(hoods, [0, 1, 2, 3, 4, 5])
+    assert placed_monotonically(hoods, [4, 3, 5, 2, 1, 0])
+    assert placed_monotonically(hoods, [0, 4, 1, 3, 5, 2])  # interleaved trees, each one direction
+    assert not placed_monotonically(hoods, [0, 2, 1, 3, 4, 5])  # tree 0-2 zigzags
+    assert not placed_monotonically(hoods, [1, 0, 2, 3, 4, 5])
 
 
 def test_greedy_eq10_insertion_cost_brute_force():
