@@ -111,18 +111,20 @@ def greedy_place(index: PrefixIndex, order: list[int], policy: str, capacity: in
         # seen: id -> largest LCP of x with a member (only ids sharing > floor)
         if x <= floor:
             seen = none  # x shares all of itself with everyone
-        elif row is not None:
-            seen = none if mates is None else {}
-            if monotone:
-                for g, c in (mates or none).items():
-                    seen[g] = row[c]
-            else:
-                for c, g in mates or ():
-                    v = row[c]
-                    if v > seen.get(g, -1):
-                        seen[g] = v
-        else:
+        elif row is None:
             seen = _scan_shared(p, x, lcp, owner, floor)
+        elif mates is None:
+            seen = none  # no tree mate placed yet
+        elif monotone:
+            seen = {}
+            for g, c in mates.items():
+                seen[g] = row[c]
+        else:
+            seen = {}
+            for c, g in mates:
+                v = row[c]
+                if v > seen.get(g, -1):
+                    seen[g] = v
         best = None  # key of the best candidate so far, then its id and new work
         for g, sh in seen.items():
             new = work[g] + x - sh
