@@ -117,7 +117,7 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
     m = capacity + 1
     offsets, s, rank, work = band_cells(index, first)
     work_rank = work * band + rank  # max(peak, W) B + rank == max(peak B + rank, W B + rank)
-    lcp_end = np.append(index.lcp, 0)  # [N+1]; e = N is never a split point
+    lcp_key = np.append(index.lcp, 0) * (m * band)  # [N+1] lcp[e] (T + 1) B; e = N is never a split point
 
     # Windows: (k, e) is worth computing only if e is reachable with k parts (e <= reach_k, e >= k) and
     # N is reachable from e within the k_hi - k parts left (e >= back_{k_hi - k}); first[] gives both.
@@ -150,13 +150,13 @@ def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], firs
             a_peak, r = np.divmod(best, band)
             a, pk = np.divmod(a_peak, m)
             rows = slice(lo, hi + 1)
-            new_key_a[rows] = (a + lcp_end[rows]) * (m * band)  # A(e) = total - prefix[e] + lcp[e]; no overflow
+            new_key_a[rows] = a * (m * band) + lcp_key[rows]  # A(e) = total - prefix[e] + lcp[e]; no overflow
             new_peak_b[rows] = pk * band
             choice[k, rows] = first[rows] + r
-            dead = np.flatnonzero(best >= _UNREACHED)
-            if dead.shape[0]:
-                new_key_a[lo + dead] = _UNREACHED
-                choice[k, lo + dead] = -1
+            if best.max() >= _UNREACHED:  # unreachable ends inside the window
+                dead = lo + np.flatnonzero(best >= _UNREACHED)
+                new_key_a[dead] = _UNREACHED
+                choice[k, dead] = -1
         key_a, new_key_a = new_key_a, key_a
         peak_b, new_peak_b = new_peak_b, peak_b
         if k in wanted and key_a[n] < _UNREACHED:
