@@ -109,7 +109,7 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
     return cap
 
 
-def _pivot_blocks(arrays: list[np.ndarray], members: list[int], depth: int) -> list[tuple[int, int, list[int]]]:
+def _pivot_blocks(arrays: list[np.ndarray], lengths: list[int], members: list[int], depth: int) -> list[tuple[int, int, list[int]]]:
     """Split ``members`` (ascending original index, sharing their first ``depth`` tokens) around the
     first one, the pivot, into lexicographically ordered blocks (level, next token, members).
 
@@ -120,17 +120,24 @@ def _pivot_blocks(arrays: list[np.ndarray], members: list[int], depth: int) -> l
     a class shares l + 1 tokens (l tokens if x is END: then its members are identical)."""
     pivot_id = members[0]
     pivot = arrays[pivot_id]
-    plen = pivot.shape[0]
+    plen = lengths[pivot_id]
     classes: dict[tuple[int, int], list[int]] = {}
     same = [pivot_id]
     for m in members[1:]:
         a = arrays[m]
-        cap = min(a.shape[0], plen)
-        l = _first_mismatch(a, pivot, depth, cap)
-        if l == a.shape[0] == plen:
+        alen = lengths[m]
+        l = _first_mismatch(a, pivot, depth, alen if alen < plen else plen)
+        if l < alen:
+            key = (l, int(a[l]))
+        elif alen == plen:
             same.append(m)
             continue
-        classes.setdefault((l, int(a[l]) if l < a.shape[0] else END), []).append(m)
+        else:
+            key = (l, END)
+        if key in classes:
+            classes[key].append(m)
+        else:
+            classes[key] = [m]
     below, above = [], []
     for (l, x), ms in classes.items():
         (below if x < (int(pivot[l]) if l < plen else END) else above).append((l, x, ms))
@@ -139,7 +146,7 @@ def _pivot_blocks(arrays: list[np.ndarray], members: list[int], depth: int) -> l
     return below + [(plen, END, same)] + above
 
 
-def _sort_group(arrays: list[np.ndarray], members: list[int], depth: int, order: list[int], lcp: list[int], pos: int) -> None:
+def _sort_group(arrays: list[np.ndarray], lengths: list[int], members: list[int], depth: int, order: list[int], lcp: list[int], pos: int) -> None:
     """Write the lexicographic order of ``members`` (sharing ``depth`` tokens) to order[pos:] and their
     adjacent LCPs to lcp[pos + 1:], by repeated pivot partitioning (an explicit stack, no recursion).
     Every token a member shares with another is read once, when it is compared against a pivot."""
@@ -150,7 +157,7 @@ def _sort_group(arrays: list[np.ndarray], members: list[int], depth: int, order:
             order[pos] = members[0]
             continue
         prev = None
-        for level, x, ms in _pivot_blocks(arrays, members, depth):
+        for level, x, ms in _pivot_blocks(arrays, lengths, members, depth):
             if prev is not None:
                 lcp[pos] = min(prev, level)
             if x == END or len(ms) == 1:  # identical sequences (or a single one): stable by index
@@ -194,10 +201,12 @@ def build_prefix_index(arrays: list[np.ndarray]) -> PrefixIndex:
     starts = np.concatenate(([0], boundary + 1, [n])).tolist()
     order = by_head.tolist()
     lcp = lcp_head.tolist()
+    length_list = lengths.tolist()
     for g0, g1 in zip(starts[:-1], starts[1:]):
         if g1 - g0 > 1:  # members share their whole head (all of it when one is shorter than HEAD)
             members = order[g0:g1]  # ascending original index (stable ties)
-            _sort_group(arrays, members, int(min(lengths[members].min(), HEAD)), order, lcp, g0)
+            depth = min(min(length_list[m] for m in members), HEAD)
+            _sort_group(arrays, length_list, members, depth, order, lcp, g0)
     order_arr = np.asarray(order, dtype=np.int64)
     return index_from_lcp(order_arr, lengths[order_arr], np.asarray(lcp, dtype=np.int64))
 
