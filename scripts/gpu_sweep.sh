@@ -36,7 +36,7 @@ for what in "$@"; do
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
     compact) step compact 240 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
-            --repeats 1 --out "$OUT" ;;
+            --repeats 1 --truth float32 --out "$OUT" ;;
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
             --out "$OUT" ;;

@@ -20,7 +20,7 @@ def _fork_trajs(B, rng, vocab):
             rng.integers(0, vocab, 150).tolist()]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bf16 first: its kernels are the benchmarks'
 def test_compact_matches_trajectory_wise_on_gpu(dtype):
     # ling3-tiny head shapes (K = V = 128, chunk 64) so the compiled and autotuned kernels are shared
     cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128, num_attention_heads=16, hidden_size=256)

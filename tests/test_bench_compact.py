@@ -1,0 +1,20 @@
+"""The compact benchmark runs end to end on CPU and its fidelity block measures what it says: in fp32
+both paths agree with a float64 run of the same weights, and the floor control is the baseline itself."""
+import json
+
+from harts.bench import compact
+
+
+def test_compact_bench_cpu_fp32_against_float64_truth(tmp_path):
+    rc = compact.main(["--preset", "ling3-tiny-debug", "--workload", "tiny", "--device", "cpu", "--dtype", "float32",
+                       "--scale", "1", "--capacity", "4096", "--repeats", "0", "--truth", "float64",
+                       "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "compact.json").read_text())
+    fid = res["fidelity"]
+    assert set(fid) == {"harts_vs_baseline", "baseline_vs_baseline_floor", "harts_vs_float64_truth",
+                        "baseline_vs_float64_truth"}
+    for name, f in fid.items():
+        assert f["tokens"] == fid["harts_vs_baseline"]["tokens"] > 0, name
+        assert f["cosine_min"] > 0.99999 and f["max_abs_dlogprob"] < 1e-3, (name, f)
+    assert res["compact_rows"] < res["raw_tokens"]
