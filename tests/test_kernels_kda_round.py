@@ -232,6 +232,24 @@ def test_triton_interpreter_boundaries_h0_gva():
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
+def test_host_copy_of_cu_seqlens_is_checked_and_changes_nothing():
+    """``cu_seqlens_cpu`` (what the runtime passes to avoid a stream sync per call) must describe the same
+    packing: one of the wrong shape (or not ending at T) is an error naming it; a correct one gives
+    bit-identical results. Values are not compared with the device tensor: that would be the sync."""
+    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=2, K=32, V=16)
+    seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
+    a = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    b = run_with_grads(_fast(chunk_size=INTERP_BT, cu_seqlens_cpu=cu.clone()), ins, cu, h0, seq, chunk)
+    for d_a, d_b in zip(a, b):
+        for n in d_a:
+            assert torch.equal(d_a[n], d_b[n]), n
+    for fn in (_fast, _ref):
+        with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+            fn(chunk_size=INTERP_BT, cu_seqlens_cpu=cu[:-1].clone())(
+                ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], cu, state_seq=seq, state_chunk=chunk)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
 def test_triton_interpreter_gate_in_kernel_l2norm_no_h0():
     ins, cu, _ = make_inputs(INTERP_LENS, H=2, HV=2, K=32, V=16, raw_gate=True, seed=5)
     gen = torch.Generator().manual_seed(9)

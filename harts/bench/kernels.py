@@ -48,7 +48,8 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
     for lens in layouts:
         assert sum(lens) == T
         torch.manual_seed(0)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.long, device=dev)
+        cu_cpu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.long)
+        cu = cu_cpu.to(dev)  # the runtime passes both (host copy: no stream sync in the argument checks)
         q = torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16).requires_grad_()
         k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1).bfloat16().requires_grad_()
         v = torch.randn(1, T, H, V, device=dev, dtype=torch.bfloat16).requires_grad_()
@@ -73,7 +74,7 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         def run_round(with_req):
             def f():
                 o, _, B = chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq if with_req else None,
-                                          state_chunk=chunk if with_req else None)
+                                          state_chunk=chunk if with_req else None, cu_seqlens_cpu=cu_cpu)
                 torch.autograd.backward([o] + ([B] if with_req else []), [do] + ([dB] if with_req else []))
                 for x in leaves:
                     x.grad = None
@@ -85,7 +86,7 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
 
         def run_round_fwd():
             with torch.no_grad():
-                chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq, state_chunk=chunk)
+                chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq, state_chunk=chunk, cu_seqlens_cpu=cu_cpu)
         t_fla = _time_ms(run_fla, reps=reps)
         t_none = _time_ms(run_round(False), reps=reps)
         t_req = _time_ms(run_round(True), reps=reps)

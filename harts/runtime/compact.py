@@ -66,7 +66,7 @@ def kda_rounds(q, k, v, f, beta, A_log, dt_bias, batch: CompactBatch, cfg) -> to
             state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.to(state_dtype),
             dt_bias=dt_bias.to(state_dtype), safe_gate=True, lower_bound=cfg.kda_lower_bound,
-            chunk_size=cfg.kda_chunk_size)
+            chunk_size=cfg.kda_chunk_size, cu_seqlens_cpu=r.cu_seqlens_cpu)
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)

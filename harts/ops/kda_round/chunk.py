@@ -33,32 +33,40 @@ log = logging.getLogger(__name__)
 SUPPORTED_CHUNK_SIZES = (32, 64)  # fla-core 0.6.0's intra-chunk kernels; the reference takes any size
 
 
-def build_state_slot(cu_seqlens, chunk_offsets, seq, chunk):
-    """int32 [NT_total + N] map from boundary id chunk_offsets[n] + n + c to request index (-1 = none)."""
-    N = cu_seqlens.numel() - 1
-    slot = torch.full((int(chunk_offsets[-1]) + N,), -1, dtype=torch.int32, device=cu_seqlens.device)
+def build_state_slot(lens, chunk_size, seq, chunk):
+    """int32 [NT_total + N] host map from boundary id chunk_offsets[n] + n + c to request index (-1 = none)."""
+    nt = [-(-ln // chunk_size) for ln in lens]
+    first = [0] * len(lens)
+    for n in range(1, len(lens)):
+        first[n] = first[n - 1] + nt[n - 1] + 1  # chunk_offsets[n] + n
+    slot = torch.full((sum(nt) + len(lens),), -1, dtype=torch.int32)
     if seq:
-        seq_M = torch.tensor(seq, dtype=torch.long, device=cu_seqlens.device)
-        chunk_M = torch.tensor(chunk, dtype=torch.long, device=cu_seqlens.device)
-        bid_M = chunk_offsets[seq_M] + seq_M + chunk_M
-        slot[bid_M] = torch.arange(len(seq), dtype=torch.int32, device=cu_seqlens.device)
+        slot[torch.tensor([first[n] + c for n, c in zip(seq, chunk)])] = torch.arange(len(seq), dtype=torch.int32)
     return slot
+
+
+def _host_indices(cu_seqlens, cu_seqlens_cpu, chunk_size):
+    """fla's chunk indices/offsets, computed from the host copy and copied up (no device sync)."""
+    if cu_seqlens_cpu is None:
+        return prepare_chunk_indices(cu_seqlens, chunk_size), prepare_chunk_offsets(cu_seqlens, chunk_size)
+    dev = cu_seqlens.device
+    cu = cu_seqlens_cpu.to(torch.long)
+    return (prepare_chunk_indices(cu, chunk_size).to(dev, non_blocking=True),
+            prepare_chunk_offsets(cu, chunk_size).to(dev, non_blocking=True))
 
 
 class ChunkKDARoundFunction(torch.autograd.Function):
     @staticmethod
     @input_guard
     @autocast_custom_fwd
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_slot, num_states, scale,
-                output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
-                chunk_size, inject_at_top):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                state_slot, num_states, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                safe_gate, lower_bound, chunk_size, inject_at_top):
         ctx.set_materialize_grads(False)
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
             q, q_rstd = l2norm_fwd(q)
             k, k_rstd = l2norm_fwd(k)
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
         num_chunks = chunk_indices.shape[0]
         if use_gate_in_kernel:
             g_cum = kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
@@ -120,7 +128,7 @@ class ChunkKDARoundFunction(torch.autograd.Function):
             dq = l2norm_bwd(q, q_rstd, dq)
             dk = l2norm_bwd(k, k_rstd, dk)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta), dA_log, ddt_bias, dh0,
-                None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def chunk_kda_round(
@@ -143,6 +151,7 @@ def chunk_kda_round(
     safe_gate: bool = False,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     _inject_at_top: bool = False,
 ):
     """Chunked KDA over packed sequences that also returns requested chunk-boundary states.
@@ -156,11 +165,14 @@ def chunk_kda_round(
     Returns ``(o [1,T,HV,V] in q's dtype, final_state fp32 [N,HV,K,V] | None,
     boundary_states fp32 [M,HV,K,V] | None)``. All three are differentiable; a consumer feeds
     ``boundary_states[idx]`` as the ``initial_state`` of a later round and autograd sums the
-    gradients of shared boundaries. ``_inject_at_top`` is a deliberately wrong backward used only by
-    the negative-control test.
+    gradients of shared boundaries. ``cu_seqlens_cpu``, a host copy of ``cu_seqlens``, keeps the
+    argument checks and index building off the device: without it each call synchronises the stream
+    once to read the lengths. ``_inject_at_top`` is a deliberately wrong backward used only by the
+    negative-control test.
     """
-    _, seq, chunk = check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk,
-                                       chunk_size, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+    lens, seq, chunk = check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk,
+                                          chunk_size, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                                          cu_seqlens_cpu=cu_seqlens_cpu)
     if chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_kda_round (Triton) supports chunk_size in {SUPPORTED_CHUNK_SIZES} (fla-core 0.6.0's "
                          f"intra-chunk kernels), got {chunk_size}; use chunk_kda_round_reference for other sizes")
@@ -175,11 +187,12 @@ def chunk_kda_round(
         A_log = dt_bias = None  # fla ignores them without the in-kernel gate; so do we, visibly
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    state_slot = None
-    if seq:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-        state_slot = build_state_slot(cu_seqlens, chunk_offsets, seq, chunk)
+    if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
+        cu_seqlens_cpu = cu_seqlens
+    chunk_indices, chunk_offsets = _host_indices(cu_seqlens, cu_seqlens_cpu, chunk_size)
+    state_slot = build_state_slot(lens, chunk_size, seq, chunk).to(q.device, non_blocking=True) if seq else None
     o, final_state, boundary_states = ChunkKDARoundFunction.apply(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_slot, len(seq), scale, output_final_state,
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound, chunk_size, _inject_at_top)
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
+        len(seq), scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
+        chunk_size, _inject_at_top)
     return o, final_state, boundary_states

@@ -20,10 +20,13 @@ L2NORM_EPS = 1e-6  # fla.modules.norm.l2norm default
 
 
 def check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk, chunk_size,
-                       use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False):
+                       use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, safe_gate=False,
+                       cu_seqlens_cpu=None):
     """Validate a round call and return (lens [N] python ints, seq [M], chunk [M]) as host lists.
 
-    Errors name the offending argument or request so callers can find a bad plan quickly.
+    Errors name the offending argument or request so callers can find a bad plan quickly. The lengths
+    are read from ``cu_seqlens_cpu`` when given (a host copy of ``cu_seqlens``): reading a device
+    tensor would synchronise the stream on every call.
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be [1, T, H, K] (varlen, batch 1), got {tuple(q.shape)}")
@@ -45,7 +48,11 @@ def check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, s
         raise ValueError("cu_seqlens must be a 1-D tensor [N+1] of packed sequence offsets")
     if cu_seqlens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"cu_seqlens must be an integer (long) tensor, got {cu_seqlens.dtype}")
-    cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu.device.type != "cpu" or tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
+            raise ValueError(f"cu_seqlens_cpu must be a host tensor shaped like cu_seqlens {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+    cu = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
     if cu[0] != 0 or cu[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]}..{cu[-1]}")
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -118,6 +125,7 @@ def chunk_kda_round_reference(
     safe_gate: bool = False,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ):
     """Same contract as ``chunk_kda_round``; exact per-token recurrence, any chunk_size, float64-capable.
 
@@ -126,7 +134,8 @@ def chunk_kda_round_reference(
     ``safe_gate`` only selects a kernel in fla; here it is validated and otherwise has no effect.
     """
     lens, seq, chunk = check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk,
-                                          chunk_size, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+                                          chunk_size, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                                          cu_seqlens_cpu=cu_seqlens_cpu)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
