@@ -61,3 +61,7 @@ def test_benchmark_cli_small(tmp_path, capsys):
     rep = json.loads(out.read_text())
     row = rep["results"]["dp2"]["rows"][0]
     assert set(row) >= {"harts", "ortools", "natural", "raw_ffd"}
+    for name in ("harts", "ortools", "natural", "raw_ffd"):  # same timing rule for every planner
+        runs = row[name]["runs"]
+        assert 1 <= len(runs) <= rep["repeat"] and row[name]["seconds"] == min(runs)
+        assert len(runs) == rep["repeat"] or sum(runs) >= rep["repeat_budget"]
