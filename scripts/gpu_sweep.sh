@@ -43,11 +43,15 @@ for what in "$@"; do
     train1) step train1_harts 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
               --job.dump_folder=/tmp/train1_harts
             step train1_base 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
-              --harts.enabled=false --job.dump_folder=/tmp/train1_base ;;
+              --harts.enabled=false --job.dump_folder=/tmp/train1_base
+            step train1_cmp 30 python3 -m harts.bench.train_speedup --harts /tmp/train1_harts/metrics.jsonl \
+              --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" ;;
     train2) step train2_harts 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
               --training.steps=20 --job.dump_folder=/tmp/train2_harts
             step train2_base 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
-              --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base ;;
+              --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base
+            step train2_cmp 30 python3 -m harts.bench.train_speedup --harts /tmp/train2_harts/metrics.jsonl \
+              --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done

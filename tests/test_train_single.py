@@ -139,3 +139,30 @@ def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
     p = make(**{**common, "training.steps": 1, "rl.objective": "ppo", "rl.old_logprobs": "recompute"}).train()
     g = make(**{**common, "training.steps": 1, "rl.objective": "grpo"}).train()
     assert p[0]["clip_frac"] == 0 and _close(p[0]["grad_norm"], g[0]["grad_norm"], 1e-12)
+
+
+def test_train_speedup_reads_both_runs(make, tmp_path):
+    """fbgrad_s is logged inside step_s, and harts.bench.train_speedup compares a HARTS and a baseline run of
+    the same fixed step (and refuses runs that trained different rollouts)."""
+    import json
+
+    from harts.bench import train_speedup
+
+    recs = {}
+    for enabled in (True, False):
+        recs[enabled] = make(**{"training.steps": 3, "harts.enabled": enabled, "data.fixed_step": True,
+                                "metrics.log_freq": 1, "job.dump_folder": str(tmp_path / f"run{enabled}")}).train()
+    for r in recs[True] + recs[False]:
+        assert 0 < r["fbgrad_s"] <= r["step_s"]
+    out = tmp_path / "cmp"
+    assert train_speedup.main(["--harts", str(tmp_path / "runTrue" / "metrics.jsonl"), "--baseline",
+                               str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "train_speedup.json").read_text())
+    h = recs[True][1:]
+    assert res["harts"]["steps"] == [2, 3]
+    assert abs(res["compression"] - sum(r["raw_tokens"] for r in h) / sum(r["compact_rows"] for r in h)) < 1e-12
+    want = (sum(r["fbgrad_s"] for r in recs[False][1:]) / sum(r["fbgrad_s"] for r in h))
+    assert abs(res["speedup_fbgrad"] - want) < 1e-9 * want
+    with pytest.raises(ValueError, match="expected a HARTS run and a baseline run"):
+        train_speedup.main(["--harts", str(tmp_path / "runFalse" / "metrics.jsonl"), "--baseline",
+                            str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out)])
