@@ -35,9 +35,9 @@ from harts.planning.schedule import assign_slots, objective, slot_imbalances, st
 
 N0 = 512  # exact-search threshold
 MAX_ANCHORS = 3
-# Default mode above N0: the exact DP is added when it is cheap. Its cost is at most K (N+1) B cells (~1 ns
-# each measured here: a full swe-step step is ~1.4e7 cells, ~12 ms), so 1e8 cells bounds it near 0.1 s;
-# its [N+1, B] int64 arrays (16 MB each at the row budget, about eight alive at once) bound the memory.
+# Default mode above N0: the exact DP is added when it is cheap. Its cost is at most K (N+1) B cells (the
+# ragged DP visits only the feasible ones, ~1/3 of them on swe-step: a full step counts <= 1.4e7 cells and
+# takes 3.5-8 ms), so 1e8 cells bounds it well under 0.1 s; (N+1) B bounds its per-row cell arrays (memory).
 EXACT_CELL_BUDGET = 100_000_000
 EXACT_ROW_BUDGET = 1 << 21
 
@@ -262,7 +262,7 @@ def plan_microbatches(trajectories, *, dp_degree: int, capacity: int, exact_thre
 
     ``exact_threshold``: None (default) plans like the paper with N0 = 512 and, above N0, also offers the
     exact contiguous DP's partitions (Eq. 9) as candidates whenever the banded DP is within budget (about
-    15 ms at N ~ 1,900); J is minimised over all candidates, so this is never worse than the paper's rule.
+    10 ms at N ~ 1,900); J is minimised over all candidates, so this is never worse than the paper's rule.
     An int N0 reproduces the paper's rule literally with that threshold (512 = the paper; a huge value =
     exact DP instead of the sampled-K evolution at every N)."""
     if isinstance(dp_degree, (int, np.integer)) and not isinstance(dp_degree, bool) and dp_degree < 1:
