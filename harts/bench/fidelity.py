@@ -19,6 +19,7 @@ makes on the way to the position's row; 5 means >= 5), plus the scalar loss diff
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -67,13 +68,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench_fidelity")
     args = ap.parse_args(argv)
 
-    from harts.data.synthetic import generate
+    from harts.data.synthetic import PRESETS, generate
+    from harts.models.ling import LingConfig
     from harts.planning import plan_microbatches
     from harts.runtime import hidden_states, pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    step = generate(args.workload, seed=args.seed, scale=args.scale, metadata=False)
+    # token ids drawn from the model's vocabulary (the debug preset's is smaller than the workload's)
+    spec = dataclasses.replace(PRESETS[args.workload], vocab_size=LingConfig.preset(args.preset).vocab_size)
+    step = generate(spec, seed=args.seed, scale=args.scale, metadata=False)
     plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
     mb = max(range(len(plan.microbatches)), key=lambda j: plan.work[j])
     trajs = [step[i] for i in plan.microbatches[mb]]

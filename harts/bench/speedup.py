@@ -18,6 +18,7 @@ Writes ``speedup.json`` and ``speedup.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -84,14 +85,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench_speedup")
     args = ap.parse_args(argv)
 
-    from harts.data.synthetic import generate
+    from harts.data.synthetic import PRESETS, generate
+    from harts.models.ling import LingConfig
     from harts.planning import plan_microbatches
     from harts.runtime import pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     os.makedirs(args.out, exist_ok=True)
-    step = generate(args.workload, seed=args.seed, scale=args.scale, metadata=False)
+    # token ids drawn from the model's vocabulary (the debug preset's is smaller than the workload's)
+    spec = dataclasses.replace(PRESETS[args.workload], vocab_size=LingConfig.preset(args.preset).vocab_size)
+    step = generate(spec, seed=args.seed, scale=args.scale, metadata=False)
     t0 = time.perf_counter()
     plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
     t_mb = time.perf_counter() - t0
