@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1|train2 [...]
+#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1[h|b]|train2[h|b]|cp [...]
+# (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
 # autotune results, fla caches them on disk) comes back as xz pieces;
@@ -14,8 +15,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "wheel install failed" >&2; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
 export PYTORCH_ALLOC_CONF=expandable_segments:True
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+# (at most 8 files come back: the machine facts go into the log, not a file of their own)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$OUT/sweep.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/sweep.log"
 
 # The whole call must leave time to pack the cache: SWEEP_BUDGET (s, default 540) caps every step.
 SWEEP_END=$(( $(date +%s) + ${SWEEP_BUDGET:-540} - 30 ))
@@ -40,23 +42,34 @@ for what in "$@"; do
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
             --out "$OUT" ;;
-    train1) step train1_harts 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
-              --job.dump_folder=/tmp/train1_harts
-            step train1_base 280 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
-              --harts.enabled=false --job.dump_folder=/tmp/train1_base
-            step train1_cmp 30 python3 -m harts.bench.train_speedup --harts /tmp/train1_harts/metrics.jsonl \
-              --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" ;;
-    train2) step train2_harts 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
-              --training.steps=20 --job.dump_folder=/tmp/train2_harts
-            step train2_base 280 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
-              --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base
-            step train2_cmp 30 python3 -m harts.bench.train_speedup --harts /tmp/train2_harts/metrics.jsonl \
-              --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" ;;
+    train1|train1h) step train1_harts 330 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
+              --job.dump_folder=/tmp/train1_harts ;;&
+    train1|train1b) step train1_base 540 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
+              --harts.enabled=false --job.dump_folder=/tmp/train1_base ;;&
+    train1|train1b) [ -f /tmp/train1_harts/metrics.jsonl ] && step train1_cmp 30 python3 -m harts.bench.train_speedup \
+              --harts /tmp/train1_harts/metrics.jsonl --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" ;;
+    train1h) ;;
+    train2|train2h) step train2_harts 330 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
+              --training.steps=20 --job.dump_folder=/tmp/train2_harts ;;&
+    train2|train2b) step train2_base 540 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
+              --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base ;;&
+    train2|train2b) [ -f /tmp/train2_harts/metrics.jsonl ] && step train2_cmp 30 python3 -m harts.bench.train_speedup \
+              --harts /tmp/train2_harts/metrics.jsonl --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" ;;
+    train2h) ;;
+    cp) step cp2 300 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \
+              --job.dump_folder=/tmp/cp2
+        step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=6 \
+              --job.dump_folder=/tmp/cp1 ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done
-for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base; do
-  [ -f "$d/metrics.jsonl" ] && cat "$d/metrics.jsonl" | sed "s#^#$(basename $d) #" >> "$OUT/train_metrics.txt"
+# Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
+for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1; do
+  [ -f "$d/metrics.jsonl" ] || continue
+  n=$(basename $d)
+  cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
+  t=$(ls "$d"/profile/step*/rank0_trace.json 2>/dev/null | head -1)
+  [ -n "$t" ] && timeout 90 python3 -m harts.bench.trace_summary "$t" --json "$OUT/$n.profile.json" | tee -a "$OUT/sweep.log"
 done
 # xz on all cores, in pieces under the 16 MiB a returned file may have.
 tar -C .triton_cache -cf - . | xz -T0 -6 | split -b 15M -d - "$OUT/triton_cache.tar.xz." && ls -l "$OUT"/triton_cache.tar.xz.*

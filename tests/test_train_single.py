@@ -5,6 +5,7 @@ baseline is planned and packed differently (its own microbatches, no sharing), s
 the step's objective does not depend on the split. Activation checkpointing changes nothing; NaN/Inf
 stop the step naming it; the expert bias follows the multiplicity-weighted counts and is no parameter.
 """
+import json
 import math
 
 import pytest
@@ -105,6 +106,11 @@ def test_compile_and_profiler(make, tmp_path):
     assert _close(a[0]["loss"], b[0]["loss"], 1e-12) and _close(a[0]["grad_norm"], b[0]["grad_norm"], 1e-12)
     trace = (tmp_path / "prof" / "profile" / "step1" / "rank0_trace.json").read_text()
     assert '"traceEvents"' in trace and "harts.microbatch." in trace and "harts.backward." in trace
+    from harts.bench.trace_summary import summarize
+
+    summ = summarize(json.loads(trace))
+    assert summ["source"] == "cpu_ops_inclusive" and summ["total_s"] > 0
+    assert summ["ranges_s"]["harts.microbatch"] > 0 and summ["ranges_s"]["harts.backward"] > 0
 
 
 def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
