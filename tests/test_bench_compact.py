@@ -18,3 +18,6 @@ def test_compact_bench_cpu_fp32_against_float64_truth(tmp_path):
         assert f["tokens"] == fid["harts_vs_baseline"]["tokens"] > 0, name
         assert f["cosine_min"] > 0.99999 and f["max_abs_dlogprob"] < 1e-3, (name, f)
     assert res["compact_rows"] < res["raw_tokens"]
+    rt = res["routing"]  # fp32 vs the same math: no expert flips at all
+    assert rt["moe_layers"] > 0 and max(rt["topk_differs_per_layer"]) == 0
+    assert rt["positions_routed_identically_everywhere"] == 1.0

@@ -50,7 +50,7 @@ def build_model(preset: str, device, dtype, seed: int = 0, recompute: bool = Tru
     return model.cast_(dtype)
 
 
-def _logit_agreement(ha_ND, hb_ND, w_VD, tgt_N, block: int = 2048) -> dict:
+def _logit_agreement(ha_ND, hb_ND, w_VD, tgt_N, block: int = 2048, per_token: bool = False):
     """Per-token cosine of full-vocabulary logits and |delta log-prob| of the target, in blocks (the
     logits in w's dtype)."""
     cos, dlp = [], []
@@ -61,9 +61,39 @@ def _logit_agreement(ha_ND, hb_ND, w_VD, tgt_N, block: int = 2048) -> dict:
         t = tgt_N[s:s + block, None]
         dlp.append((za.log_softmax(-1).gather(1, t) - zb.log_softmax(-1).gather(1, t)).abs().double().cpu())
     c, d = torch.cat(cos), torch.cat(dlp)
-    return {"tokens": int(c.numel()), "mean_cosine": c.mean().item(), "cosine_p1": c.quantile(0.01).item(),
-            "cosine_p50": c.median().item(), "cosine_min": c.min().item(), "max_abs_dlogprob": d.max().item(),
-            "mean_abs_dlogprob": d.mean().item()}
+    out = {"tokens": int(c.numel()), "mean_cosine": c.mean().item(), "cosine_p1": c.quantile(0.01).item(),
+           "cosine_p50": c.median().item(), "cosine_min": c.min().item(), "max_abs_dlogprob": d.max().item(),
+           "mean_abs_dlogprob": d.mean().item()}
+    return (out, c) if per_token else out
+
+
+def _routing(model, run, rows_of):
+    """Top-k expert sets [positions, K] of every MoE layer while ``run()`` executes, at the rows
+    ``rows_of(call)`` of each call (one call per batch, in order). The router is re-evaluated on the
+    layer's input in a pre-hook (the same function the layer calls), so nothing in the model changes."""
+    from harts.ops.moe import route
+
+    layers = model.moe_layers()
+    seen = [[] for _ in layers]
+    calls = [0] * len(layers)
+
+    def hook(i):
+        def pre(mod, args):
+            c = mod.cfg
+            idx = route(args[0], mod.gate.weight, mod.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+                        top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
+                        norm_topk_prob=c.norm_topk_prob)[2]
+            seen[i].append(idx[rows_of(calls[i])].to(torch.int16))
+            calls[i] += 1
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(layers)]
+    try:
+        result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return result, [torch.cat(s) for s in seen]
 
 
 def loss_fn(lp, adv):
@@ -158,16 +188,30 @@ def main(argv=None) -> int:
         from harts.runtime import hidden_states
 
         W = model.lm_head.weight
-        h_harts = hidden_states(model, hb)[hb.logprob_rows]
-        h_base = torch.cat([hidden_states(model, b)[b.logprob_rows] for b in subs])
+        h_harts, r_harts = _routing(model, lambda: hidden_states(model, hb)[hb.logprob_rows],
+                                    lambda call: hb.logprob_rows)
+        h_base, r_base = _routing(model, lambda: torch.cat([hidden_states(model, b)[b.logprob_rows] for b in subs]),
+                                  lambda call: subs[call].logprob_rows)
         order = list(range(len(trajs)))[::-1]
         alt = [pack([trajs[i]], chunk_size=B, prefix_sharing=False).to(dev) for i in order]
         h_alt_parts = [hidden_states(model, b)[b.logprob_rows] for b in alt]
         # back to the original trajectory order (logprob rows are per trajectory, in input order)
         h_alt = torch.cat([h_alt_parts[order.index(i)] for i in range(len(trajs))])
         tgt = torch.cat([b.logprob_targets for b in subs])
-        res["fidelity"] = {name: _logit_agreement(ha, hbb, W, tgt) for name, ha, hbb in
-                           (("harts_vs_baseline", h_harts, h_base), ("baseline_vs_baseline_floor", h_alt, h_base))}
+        res["fidelity"] = {"baseline_vs_baseline_floor": _logit_agreement(h_alt, h_base, W, tgt)}
+        res["fidelity"]["harts_vs_baseline"], cos_hb = _logit_agreement(h_harts, h_base, W, tgt, per_token=True)
+        # Does rounding flip experts? Per MoE layer, the share of positions whose top-k set differs between
+        # the two paths; and the logit cosine of positions routed identically in every layer vs the rest.
+        same_LN = torch.stack([(a == b).all(-1) for a, b in zip(r_harts, r_base)]).cpu()
+        all_same = same_LN.all(0)
+        res["routing"] = {
+            "moe_layers": int(same_LN.shape[0]),
+            "topk_differs_per_layer": (1 - same_LN.double().mean(1)).tolist(),
+            "positions_routed_identically_everywhere": all_same.double().mean().item(),
+            "mean_cosine_identical_routing": cos_hb[all_same].mean().item() if all_same.any() else None,
+            "mean_cosine_some_flip": cos_hb[~all_same].mean().item() if (~all_same).any() else None,
+        }
+        del r_harts, r_base
         res["mean_token_cosine"] = res["fidelity"]["harts_vs_baseline"]["mean_cosine"]
         res["max_abs_dlogprob"] = res["fidelity"]["harts_vs_baseline"]["max_abs_dlogprob"]
         if args.truth != "none":
@@ -183,6 +227,12 @@ def main(argv=None) -> int:
             res["fidelity"][f"harts_vs_{args.truth}_truth"] = _logit_agreement(h_harts, h_true, Wt, tgt)
             res["fidelity"][f"baseline_vs_{args.truth}_truth"] = _logit_agreement(h_base, h_true, Wt, tgt)
             del mt, h_true
+        rt = res["routing"]
+        print(f"routing: top-k set differs at {100 * max(rt['topk_differs_per_layer']):.2f}% of positions in the worst "
+              f"MoE layer (first {100 * rt['topk_differs_per_layer'][0]:.3f}%, last "
+              f"{100 * rt['topk_differs_per_layer'][-1]:.2f}%); {100 * rt['positions_routed_identically_everywhere']:.1f}% "
+              f"of positions routed identically in every layer, mean cosine there "
+              f"{rt['mean_cosine_identical_routing']}, elsewhere {rt['mean_cosine_some_flip']}", flush=True)
         for name, f in res["fidelity"].items():
             print(f"{name:27s} mean cosine {f['mean_cosine']:.6f}  cosine P1 {f['cosine_p1']:.6f} "
                   f"P50 {f['cosine_p50']:.6f}  min {f['cosine_min']:.6f}  max |dlogp| {f['max_abs_dlogprob']:.4f}",
