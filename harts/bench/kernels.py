@@ -94,10 +94,34 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         t_req_f = _time_ms(run_round_fwd, reps=reps)
         rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
                          round_no_req_fwd_bwd_ms=t_none, round_fwd_bwd_ms=t_req, ratio=t_req / t_fla,
-                         ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f))
+                         ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
+                         kernels_fla=_kernel_times(run_fla), kernels_round=_kernel_times(run_round(True))))
         del q, k, v, g, beta, do, dB
         torch.cuda.empty_cache()
     return rows
+
+
+def _kernel_times(fn, top: int = 12) -> dict:
+    """One profiled call: device time per kernel (ms, the largest ``top``), their sum, and the wall time of
+    the same call, so wall - kernel sum shows host gaps (syncs, launch overhead) rather than slow kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+    ks = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            ks[e.key[:90]] = ks.get(e.key[:90], 0.0) + us / 1e3
+    total = sum(ks.values())
+    return {"wall_ms": a.elapsed_time(b), "kernel_sum_ms": total,
+            "top": dict(sorted(ks.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3):
@@ -154,12 +178,18 @@ def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, re
 def _table(rows, title):
     if not rows:
         return
-    keys = list(rows[0])
+    keys = [k for k, v in rows[0].items() if not isinstance(v, dict)]
     print(f"\n## {title}\n")
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        print("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, dict) and "top" in v:
+                print(f"\n{r.get('layout', '')} {k}: wall {v['wall_ms']:.3f} ms, kernels {v['kernel_sum_ms']:.3f} ms")
+                for name, ms in v["top"].items():
+                    print(f"    {ms:8.3f}  {name}")
 
 
 def main(argv=None):
