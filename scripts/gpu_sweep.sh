@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1[h|b]|train2[h|b]|cp [...]
+#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -60,11 +60,18 @@ for what in "$@"; do
               --job.dump_folder=/tmp/cp2
         step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=6 \
               --job.dump_folder=/tmp/cp1 ;;
+    layouts2)  # issue 10 at reduced degree on 2 GPUs: the 8-GPU layouts' TP2+SP+EP and PP2 parts, pure bf16
+      R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      step tp2_sp_ep2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 \
+        --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2 --job.dump_folder=/tmp/tp2_sp_ep2
+      step pp2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 \
+        --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 \
+        --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/pp2 ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1; do
+for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2; do
   [ -f "$d/metrics.jsonl" ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
