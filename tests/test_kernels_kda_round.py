@@ -243,10 +243,13 @@ def test_host_copy_of_cu_seqlens_is_checked_and_changes_nothing():
     for d_a, d_b in zip(a, b):
         for n in d_a:
             assert torch.equal(d_a[n], d_b[n]), n
+    stale = cu.clone()
+    stale[-1] -= 1
     for fn in (_fast, _ref):
-        with pytest.raises(ValueError, match="cu_seqlens_cpu"):
-            fn(chunk_size=INTERP_BT, cu_seqlens_cpu=cu[:-1].clone())(
-                ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], cu, state_seq=seq, state_chunk=chunk)
+        for bad in (cu[:-1].clone(), stale):
+            with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+                fn(chunk_size=INTERP_BT, cu_seqlens_cpu=bad)(
+                    ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], cu, state_seq=seq, state_chunk=chunk)
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")

@@ -53,12 +53,13 @@ def check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, s
             raise ValueError(f"cu_seqlens_cpu must be a host tensor shaped like cu_seqlens {tuple(cu_seqlens.shape)}, "
                              f"got {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
     cu = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
+    name = "cu_seqlens" if cu_seqlens_cpu is None else "cu_seqlens_cpu (the host copy of cu_seqlens)"
     if cu[0] != 0 or cu[-1] != T:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]}..{cu[-1]}")
+        raise ValueError(f"{name} must start at 0 and end at T={T}, got {cu[0]}..{cu[-1]}")
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     for n, ln in enumerate(lens):
         if ln < 0:
-            raise ValueError(f"cu_seqlens is decreasing at sequence {n}: {cu[n]} -> {cu[n + 1]}")
+            raise ValueError(f"{name} is decreasing at sequence {n}: {cu[n]} -> {cu[n + 1]}")
     N = len(lens)
     if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, v.shape[3]):
         raise ValueError(f"initial_state must be [N, HV, K, V]={[N, HV, K, v.shape[3]]}, "
