@@ -178,6 +178,17 @@ def main(argv=None) -> int:
               f"peak {res[name]['peak_mem_gb']}", flush=True)
     model.zero_grad(set_to_none=True)
     res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
+    # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
+    from harts.bench.flops import batch_forward_flops
+
+    f_h = batch_forward_flops(model, hb)
+    f_b = {k: sum(batch_forward_flops(model, b)[k] for b in subs) for k in f_h}
+    res["forward_flops"] = {"harts": f_h, "baseline": f_b}
+    res["flop_compression"] = f_b["total"] / f_h["total"]
+    print(f"forward FLOPs: baseline {f_b['total']:.3e} (attention {f_b['attention'] / f_b['total']:.1%}), HARTS "
+          f"{f_h['total']:.3e} (attention {f_h['attention'] / f_h['total']:.1%}); FLOP compression "
+          f"{res['flop_compression']:.2f}x vs row compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; speedup / "
+          f"FLOP compression {res['speedup'] / res['flop_compression']:.3f}", flush=True)
 
     # Fidelity: full-vocabulary logits of every nonterminal semantic position, both paths. The control
     # ("floor") runs the trajectory-wise baseline a second time, one trajectory per sub-batch in reverse

@@ -117,7 +117,11 @@ def main(argv=None) -> int:
 
     res = {"args": vars(args), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs)}
+    from harts.bench.flops import active_matmul_params, batch_forward_flops
+
+    act = active_matmul_params(model)
     raw = compact = replay = kv = 0
+    flops_h = flops_b = 0.0
     t_calls = t_h = t_b = 0.0
     for trajs in mbs:
         t0 = time.perf_counter()
@@ -137,6 +141,7 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             res["harts_peak_gb"] = max(res["harts_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()
+        flops_h += batch_forward_flops(model, hb, act)["total"]
         raw += hb.stats["raw_tokens"]
         compact += hb.num_rows
         replay += hb.stats["replay_tokens"]
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
             loss_of(model.logprobs(bb)).backward()
         sync()
         t_b += time.perf_counter() - t0
+        flops_b += sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
+                                           act)["total"] for idx in _subbatches(trajs, args.capacity))
         res.setdefault("baseline_peak_gb", 0.0)
         if dev.type == "cuda":
             res["baseline_peak_gb"] = max(res["baseline_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
@@ -168,6 +175,12 @@ def main(argv=None) -> int:
         "mfu_harts_useful": 3 * fpr * compact / t_h / (args.peak_tflops * 1e12),
     })
     res["fbgrad_over_compression"] = res["speedup_fbgrad"] / comp
+    # FLOP compression (harts.bench.flops): what a HARTS running every op at the baseline's efficiency would
+    # reach; speedup / FLOP compression is then the implementation's share of the gap to row compression.
+    res.update({"forward_flops_harts": flops_h, "forward_flops_baseline": flops_b,
+                "flop_compression": flops_b / flops_h, "fbgrad_over_flop_compression": res["speedup_fbgrad"] / (flops_b / flops_h),
+                "mfu_baseline_flops": 3 * flops_b / t_b / (args.peak_tflops * 1e12),
+                "mfu_harts_flops": 3 * flops_h / t_h / (args.peak_tflops * 1e12)})
     res["core_over_compression"] = res["speedup_core"] / comp
     # Where the time goes: one microbatch of each path under the profiler.
     trajs = mbs[0]
@@ -191,6 +204,9 @@ def main(argv=None) -> int:
           f"MLA KV expansion {kv / compact:.2f}x")
     print(f"F/B/Grad: baseline {t_b:.2f}s  HARTS {t_h:.2f}s  speedup {res['speedup_fbgrad']:.3f}x "
           f"({res['fbgrad_over_compression']:.3f} of compression)")
+    print(f"FLOPs:    compression {res['flop_compression']:.3f}x (row compression {comp:.3f}x); F/B/Grad speedup is "
+          f"{res['fbgrad_over_flop_compression']:.3f} of it; MFU by counted FLOPs: baseline {res['mfu_baseline_flops']:.3f}  "
+          f"HARTS {res['mfu_harts_flops']:.3f}")
     print(f"Core:     planner {t_plan:.3f}s  speedup {res['speedup_core']:.3f}x ({res['core_over_compression']:.3f} of compression)")
     print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
           f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
