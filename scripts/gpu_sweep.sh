@@ -37,7 +37,7 @@ for what in "$@"; do
             tests/test_kernels_kda_round.py tests/test_kernels_logprobs.py tests/test_runtime_gpu.py ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
-    compact) step compact 240 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
+    compact) step compact 420 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
             --repeats 1 --truth float32 --out "$OUT" ;;
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
