@@ -96,6 +96,11 @@ def _routing(model, run, rows_of):
     return result, [torch.cat(s) for s in seen]
 
 
+def _dump(res: dict, out: str) -> None:
+    with open(os.path.join(out, "compact.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
 def loss_fn(lp, adv):
     return -(adv * lp).mean()
 
@@ -178,6 +183,7 @@ def main(argv=None) -> int:
               f"peak {res[name]['peak_mem_gb']}", flush=True)
     model.zero_grad(set_to_none=True)
     res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
+    _dump(res, args.out)  # written again as the fidelity parts finish: a cut-off run keeps what it measured
     # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
     from harts.bench.flops import batch_forward_flops
 
@@ -225,9 +231,14 @@ def main(argv=None) -> int:
         del r_harts, r_base
         res["mean_token_cosine"] = res["fidelity"]["harts_vs_baseline"]["mean_cosine"]
         res["max_abs_dlogprob"] = res["fidelity"]["harts_vs_baseline"]["max_abs_dlogprob"]
+        _dump(res, args.out)
         if args.truth != "none":
             # Which path is closer to exact arithmetic? Same (rounded) weights in higher precision.
             tdt = getattr(torch, args.truth)
+            f = res["fidelity"]["harts_vs_baseline"]
+            print(f"harts vs baseline mean cosine {f['mean_cosine']:.6f} (floor "
+                  f"{res['fidelity']['baseline_vs_baseline_floor']['mean_cosine']:.6f}); {args.truth} truth run "
+                  "(reference KDA/conv kernels) ...", flush=True)
             model.zero_grad(set_to_none=True)
             mt = build_model(args.preset, dev, tdt, args.seed, kda_backend="reference", conv_backend="reference")
             for pt, pb in zip(list(mt.parameters()) + list(mt.buffers()),
@@ -251,8 +262,7 @@ def main(argv=None) -> int:
     max_dlp = res["max_abs_dlogprob"]
     print(f"speedup {res['speedup']:.2f}x at compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; "
           f"mean token cosine {res['mean_token_cosine']:.6f}; max |dlogp| {max_dlp:.4f}", flush=True)
-    with open(os.path.join(args.out, "compact.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    _dump(res, args.out)
     return 0
 
 
