@@ -68,25 +68,15 @@ def trajectory_lengths(total: int, spec: str, seed: int) -> list[int]:
 
 
 def forward_flops_per_step(cfg: LingConfig, model: LingForCausalLM, lens: list[int]) -> dict[str, float]:
+    """Forward FLOPs of one packed step of whole trajectories (harts.bench.flops, one causal view each)."""
+    from harts.bench.flops import active_matmul_params, forward_flops
+
+    act = active_matmul_params(model)
     T = sum(lens)
-    active_matmul = 0
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or "word_embeddings" in name or "conv1d" in name:
-            continue
-        n = p.numel()
-        if ".mlp.experts." in name:
-            n = n // cfg.num_experts * cfg.num_experts_per_tok
-        active_matmul += n
-    n_mla = sum(cfg.layer_type(i) == "mla" for i in range(cfg.num_hidden_layers))
-    n_kda = cfg.num_hidden_layers - n_mla
-    H = cfg.num_attention_heads
-    pairs = sum(L * (L + 1) / 2 for L in lens)
-    attn = n_mla * 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * pairs
-    C, K, V = cfg.kda_chunk_size, cfg.head_dim, cfg.head_dim
-    kda = n_kda * T * H * (4 * C * K + 3 * C * V + 6 * K * V)
-    conv = n_kda * T * 3 * 2 * H * cfg.head_dim * cfg.short_conv_kernel_size
-    return {"matmul": 2.0 * active_matmul * T, "attention": attn, "kda": kda, "conv": conv,
-            "active_matmul_params": active_matmul}
+    out = forward_flops(model, rows=T, kda_positions=T, views=[(L, L) for L in lens], active_params=act)
+    out.pop("total")
+    out["active_matmul_params"] = act
+    return out
 
 
 def build_model(cfg: LingConfig, device: str) -> LingForCausalLM:
