@@ -42,7 +42,27 @@ def test_compact_matches_trajectory_wise_on_gpu(dtype):
         cos = torch.nn.functional.cosine_similarity(zh, zb, dim=-1).mean().item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (lp_h - lp_b).abs().max().item() < tol * 10
-    assert cos > (0.999999 if dtype == torch.float32 else 0.9997), cos
+    if dtype == torch.float32:
+        assert cos > 0.999999, cos
+    else:
+        # bf16: the two paths round differently (other matmul shapes, other KDA chunk grids), so their
+        # agreement is bounded by rounding. The real property: HARTS is no further from exact arithmetic
+        # than the baseline. Truth = the baseline in fp32 with the same (bf16-rounded) weights, reference
+        # kernels (no new Triton compiles).
+        truth = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128,
+                                                  num_attention_heads=16, hidden_size=256, backend="reference"))
+        truth = truth.cuda().cast_(torch.float32)
+        with torch.no_grad():
+            for pt, pb in zip(list(truth.parameters()) + list(truth.buffers()),
+                              list(model.parameters()) + list(model.buffers())):
+                pt.copy_(pb)
+            zt = hidden_states(truth, bb)[bb.logprob_rows] @ truth.lm_head.weight.T
+        err_h = 1 - torch.nn.functional.cosine_similarity(zh, zt, dim=-1).mean().item()
+        err_b = 1 - torch.nn.functional.cosine_similarity(zb, zt, dim=-1).mean().item()
+        print(f"bf16: HARTS vs baseline cosine {cos:.6f}; 1 - cosine to fp32 truth: HARTS {err_h:.2e}, "
+              f"baseline {err_b:.2e}")
+        assert err_h <= 2 * err_b + 1e-6, (err_h, err_b)
+        assert cos > 0.999, cos
     for n, p in model.named_parameters():
         if p.grad is None:
             continue
