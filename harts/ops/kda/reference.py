@@ -15,6 +15,7 @@ triangular solve is exact up to rounding. Computation is in float32 or wider (fl
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
 def kda_gate_reference(f_THK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_P: torch.Tensor,
@@ -49,6 +50,26 @@ def _check(q, k, v, f, beta, A_log, dt_bias, cu_seqlens, initial_state):
     return cu
 
 
+def _chunk_step(S, q_LHK, k_LHK, v_LHV, beta_LH, g_LHK):
+    """One chunk of the WY form: outputs [L, H, V] and the state after the chunk, from the state before."""
+    L = q_LHK.shape[0]
+    qc, kc = q_LHK.transpose(0, 1), k_LHK.transpose(0, 1)  # [H, L, K]
+    vc, bc = v_LHV.transpose(0, 1), beta_LH.transpose(0, 1)  # [H, L, V], [H, L]
+    gc = g_LHK.transpose(0, 1).cumsum(1)  # [H, L, K]
+    causal = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
+    diff = (gc[:, :, None, :] - gc[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+    decay = diff.exp()  # [H, L(i), L(j), K], zero above the diagonal
+    A_qk = torch.einsum("hid,hijd,hjd->hij", qc, decay, kc)
+    A_kk = torch.einsum("hid,hijd,hjd->hij", kc, decay, kc).tril(-1) * bc[:, :, None]
+    eye = torch.eye(L, dtype=qc.dtype, device=qc.device)
+    rhs = bc[:, :, None] * (vc - (kc * gc.exp()) @ S)
+    W = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    o = ((qc * gc.exp()) @ S + A_qk @ W).transpose(0, 1)
+    g_last = gc[:, -1:, :]  # [H, 1, K]
+    S = g_last.transpose(1, 2).exp() * S + (kc * (g_last - gc).exp()).transpose(1, 2) @ W
+    return o, S
+
+
 def kda_chunk_reference(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens, *,
                         lower_bound: float = -5.0, chunk_size: int = 64, initial_state_NHKV=None,
                         output_final_state: bool = False, scale: float | None = None):
@@ -67,21 +88,14 @@ def kda_chunk_reference(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P,
              else q.new_zeros(H, K, V))
         for t0 in range(cu[n], cu[n + 1], chunk_size):
             t1 = min(t0 + chunk_size, cu[n + 1])
-            L = t1 - t0
-            qc, kc = q[t0:t1].transpose(0, 1), k[t0:t1].transpose(0, 1)  # [H, L, K]
-            vc, bc = v[t0:t1].transpose(0, 1), beta[t0:t1].transpose(0, 1)  # [H, L, V], [H, L]
-            gc = g[t0:t1].transpose(0, 1).cumsum(1)  # [H, L, K]
-            causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-            diff = (gc[:, :, None, :] - gc[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
-            decay = diff.exp()  # [H, L(i), L(j), K], zero above the diagonal
-            A_qk = torch.einsum("hid,hijd,hjd->hij", qc, decay, kc)
-            A_kk = torch.einsum("hid,hijd,hjd->hij", kc, decay, kc).tril(-1) * bc[:, :, None]
-            eye = torch.eye(L, dtype=dt, device=q.device)
-            rhs = bc[:, :, None] * (vc - (kc * gc.exp()) @ S)
-            W = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
-            outs.append(((qc * gc.exp()) @ S + A_qk @ W).transpose(0, 1))
-            g_last = gc[:, -1:, :]  # [H, 1, K]
-            S = g_last.transpose(1, 2).exp() * S + (kc * (g_last - gc).exp()).transpose(1, 2) @ W
+            args = (S, q[t0:t1], k[t0:t1], v[t0:t1], beta[t0:t1], g[t0:t1])
+            # Checkpointed under autograd: the [H, L, L, K] decay tensor of every chunk would otherwise stay
+            # in the graph (GBs at K = 128); the backward recomputes the same operations.
+            if torch.is_grad_enabled():
+                o_c, S = torch.utils.checkpoint.checkpoint(_chunk_step, *args, use_reentrant=False)
+            else:
+                o_c, S = _chunk_step(*args)
+            outs.append(o_c)
         finals.append(S)
     o = torch.cat(outs, 0) if outs else v.new_zeros(0, H, V)
     final = torch.stack(finals, 0) if output_final_state else None

@@ -14,6 +14,7 @@ Legend (shape suffixes are spelled out in the signatures, fla's conventions):
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # fla.modules.norm.l2norm default
@@ -106,6 +107,19 @@ def kda_gate_reference(g, A_log=None, dt_bias=None, lower_bound=None):
     return -A_log.to(g.dtype).view(HV, 1).exp() * F.softplus(g)
 
 
+def _token_steps(S, q_NLHK, k_NLHK, v_NLHV, a_NLHK, b_NLH):
+    """The delta-rule recurrence over L consecutive tokens of every sequence: S_t = a_t S_{t-1} +
+    beta_t k_t (v_t - k_t^T a_t S_{t-1})^T, o_t = q_t^T S_t. Returns (S after the last token, o [N, L, HV, V])."""
+    outs = []
+    for t in range(q_NLHK.shape[1]):
+        kt = k_NLHK[:, t]
+        S = S * a_NLHK[:, t, :, :, None]
+        err_NHV = v_NLHV[:, t] - torch.einsum('nhk,nhkv->nhv', kt, S)
+        S = S + torch.einsum('nhk,nhv->nhkv', b_NLH[:, t, :, None] * kt, err_NHV)
+        outs.append(torch.einsum('nhk,nhkv->nhv', q_NLHK[:, t], S))
+    return S, torch.stack(outs, dim=1)
+
+
 def chunk_kda_round_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,19 +186,24 @@ def chunk_kda_round_reference(
     else:
         S = torch.zeros(N, HV, K, V, dtype=acc, device=q.device)
     snaps = []  # snaps[c] = S before local token c*BT (for every sequence at once)
-    o_steps = []
-    for t in range(Tmax):
-        if t % BT == 0:
-            snaps.append(S)
-        kt, qt = k_NLHK[:, t], q_NLHK[:, t]
-        S = S * a_NLHK[:, t, :, :, None]
-        err_NHV = v_NLHV[:, t] - torch.einsum('nhk,nhkv->nhv', kt, S)
-        S = S + torch.einsum('nhk,nhv->nhkv', b_NLH[:, t, :, None] * kt, err_NHV)
-        o_steps.append(torch.einsum('nhk,nhkv->nhv', qt, S))
+    o_chunks = []
+    # Under autograd each chunk's token steps are recomputed in backward (checkpointed): the graph then
+    # holds one [N, HV, K, V] state per chunk instead of one per token (GBs at K = V = 128), and the
+    # recomputation repeats the same operations, so values and gradients are unchanged.
+    ckpt = torch.is_grad_enabled()
+    for t0 in range(0, Tmax, BT):
+        snaps.append(S)
+        sl = slice(t0, min(t0 + BT, Tmax))
+        args = (S, q_NLHK[:, sl], k_NLHK[:, sl], v_NLHV[:, sl], a_NLHK[:, sl], b_NLH[:, sl])
+        if ckpt:
+            S, o_c = torch.utils.checkpoint.checkpoint(_token_steps, *args, use_reentrant=False)
+        else:
+            S, o_c = _token_steps(*args)
+        o_chunks.append(o_c)
     snaps.append(S)  # index ceil(Tmax/BT): the end state of every sequence
 
     if Tmax > 0:
-        o_NLHV = torch.stack(o_steps, dim=1)
+        o_NLHV = torch.cat(o_chunks, dim=1)
         o_THV = o_NLHV[valid_NL]
     else:
         o_THV = v_THV.new_zeros(0, HV, V)
