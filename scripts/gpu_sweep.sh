@@ -80,5 +80,9 @@ for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /
   t=$(ls "$d"/profile/step*/rank0_trace.json 2>/dev/null | head -1)
   [ -n "$t" ] && timeout 90 python3 -m harts.bench.trace_summary "$t" --json "$OUT/$n.profile.json" | tee -a "$OUT/sweep.log"
 done
+# Only the binaries and metadata are read back on a cache hit (triton's get_group skips missing children,
+# CompiledKernel keeps asm[binary_ext]); the IR files are ~80 % of the cache: drop them before packing.
+find .triton_cache -type f \( -name '*.llir' -o -name '*.ttir' -o -name '*.ttgir' -o -name '*.source' \
+  -o -name '*.ptx' \) -delete
 # xz on all cores, in pieces under the 16 MiB a returned file may have.
 tar -C .triton_cache -cf - . | xz -T0 -6 | split -b 15M -d - "$OUT/triton_cache.tar.xz." && ls -l "$OUT"/triton_cache.tar.xz.*
