@@ -15,16 +15,14 @@ import pytest
 
 from harts.train.config import load_config
 from harts.train.trainer import Trainer
-from tests.test_train_distributed import BASE, STEPS, _same, records, torchrun
+from tests.test_train_distributed import BASE, _same, one_process_reference, records, torchrun
+from tests.train_toml import write_ppo_steps
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     d = tmp_path_factory.mktemp("cp")
-    cfg = d / "base.toml"
-    cfg.write_text(BASE)
-    one = d / "one"
-    Trainer(load_config(str(cfg), **{"job.dump_folder": str(one), "checkpoint.enable": False})).train()
+    cfg, one = one_process_reference(d)
     return d, cfg, one
 
 
@@ -51,23 +49,7 @@ def test_ppo_with_kl_cp2_equals_one_process(tmp_path):
     """PPO-clip + k3 KL with old/ref log-probs from JSONL (two files cycled) at cp = 2: each CP rank
     evaluates the objective on its own positions only (l(log p = 0) != 0 here, so zero-masking the
     partial log-probs would be wrong), and the losses, clip fraction and KL add up over the group."""
-    import json
-
-    import numpy as np
-
-    from harts.data.synthetic import generate
-
-    paths = []
-    for k in range(2):
-        rng = np.random.default_rng(k)
-        with open(tmp_path / f"step{k}.jsonl", "w") as f:
-            for t in generate("tiny", seed=20 + k).trajectories:
-                L = min(len(t), 40)
-                f.write(json.dumps({"tokens": t.tokens[:L].tolist(), "loss_mask": t.loss_mask[:L].tolist(),
-                                    "advantage": float(rng.normal()), "group_id": int(t.group_id),
-                                    "old_logprobs": (np.log(1 / 512) + 0.5 * rng.normal(size=L)).tolist(),
-                                    "ref_logprobs": (np.log(1 / 512) + 0.3 * rng.normal(size=L)).tolist()}) + "\n")
-        paths.append(f'"{tmp_path / f"step{k}.jsonl"}"')
+    paths = [f'"{p}"' for p in write_ppo_steps(tmp_path, seed=20)]
     cfg = tmp_path / "ppo.toml"
     cfg.write_text(BASE.replace('reward = "learnable"', f'reward = "data"\nsource = "jsonl"\npath = [{", ".join(paths)}]'))
     over = {"rl.objective": "ppo", "rl.advantages": "data", "rl.kl_coef": 0.1, "training.steps": 3}

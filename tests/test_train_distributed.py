@@ -55,13 +55,19 @@ def weights(out: Path) -> dict:
     return load_file(str(out / "ckpt" / "hf" / "model-00001-of-00001.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dist")
+def one_process_reference(d: Path):
+    """Write the base config into ``d`` and train it in this process: the run every layout must equal."""
     cfg = d / "base.toml"
     cfg.write_text(BASE)
     one = d / "one"
     Trainer(load_config(str(cfg), **{"job.dump_folder": str(one), "checkpoint.enable": False})).train()
+    return cfg, one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    cfg, one = one_process_reference(d)
     torchrun(cfg, d / "fsdp", "--checkpoint.enable")
     return d, cfg, one
 

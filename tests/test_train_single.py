@@ -13,7 +13,7 @@ import torch
 
 from harts.train.config import load_config
 from harts.train.trainer import NonFiniteError, Trainer
-from tests.train_toml import COMMON
+from tests.train_toml import COMMON, write_ppo_steps
 
 BASE = COMMON + """[metrics]
 log_freq = 100
@@ -117,23 +117,7 @@ def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
     """PPO-clip + k3 KL on a JSONL step carrying old/ref log-probs and data advantages (two files cycled):
     HARTS and baseline agree, the clip is active, and 'recompute' old log-probs make the first update's
     ratio 1 (so PPO's loss then equals GRPO's on the same advantages)."""
-    import json
-
-    import numpy as np
-
-    from harts.data.synthetic import generate
-
-    paths = []
-    for k in range(2):
-        rng = np.random.default_rng(k)
-        with open(tmp_path / f"step{k}.jsonl", "w") as f:
-            for t in generate("tiny", seed=10 + k).trajectories:
-                L = min(len(t), 40)
-                f.write(json.dumps({"tokens": t.tokens[:L].tolist(), "loss_mask": t.loss_mask[:L].tolist(),
-                                    "advantage": float(rng.normal()), "group_id": int(t.group_id),
-                                    "old_logprobs": (np.log(1 / 512) + 0.5 * rng.normal(size=L)).tolist(),
-                                    "ref_logprobs": (np.log(1 / 512) + 0.3 * rng.normal(size=L)).tolist()}) + "\n")
-        paths.append(str(tmp_path / f"step{k}.jsonl"))
+    paths = [str(p) for p in write_ppo_steps(tmp_path, seed=10)]
     common = {"training.steps": 3, "data.source": "jsonl", "data.path": paths, "data.reward": "data",
               "rl.advantages": "data", "rl.kl_coef": 0.1}
     h = make(**common, **{"rl.objective": "ppo"}).train()

@@ -13,41 +13,18 @@ Writes ``compact.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
 
 import torch
 
+from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
+
 
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _subbatches(trajs, capacity):
-    out, cur, n = [], [], 0
-    for i, t in enumerate(trajs):
-        if cur and n + len(t) > capacity:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += len(t)
-    out.append(cur)
-    return out
-
-
-def build_model(preset: str, device, dtype, seed: int = 0, recompute: bool = True, **overrides):
-    from harts.models.ling import LingConfig, LingForCausalLM
-
-    cfg = LingConfig.preset(preset, recompute=recompute, **overrides)
-    with torch.device("meta"):
-        model = LingForCausalLM(cfg)
-    model = model.to_empty(device=device)
-    torch.manual_seed(seed)
-    model.init_weights(seed)
-    return model.cast_(dtype)
 
 
 def _logit_agreement(ha_ND, hb_ND, w_VD, tgt_N, block: int = 2048, per_token: bool = False):
@@ -107,13 +84,7 @@ def loss_fn(lp, adv):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.compact", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="ling3-tiny")
-    ap.add_argument("--workload", default="swe-step")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=0.1)
-    ap.add_argument("--capacity", type=int, default=65536)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_workload_args(ap, scale=0.1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--truth", choices=("none", "float32", "float64"), default="none",
                     help="also run the baseline in this precision (same weights, reference KDA/conv kernels: no "
@@ -121,21 +92,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench_compact")
     args = ap.parse_args(argv)
 
-    from harts.data.synthetic import PRESETS, generate
-    from harts.models.ling import LingConfig
     from harts.planning import plan_microbatches
     from harts.runtime import pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    # token ids drawn from the model's vocabulary (the debug preset's is smaller than the workload's)
-    spec = dataclasses.replace(PRESETS[args.workload], vocab_size=LingConfig.preset(args.preset).vocab_size)
-    step = generate(spec, seed=args.seed, scale=args.scale, metadata=False)
+    step = workload_step(args)
     t0 = time.perf_counter()
     plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
     t_mb = time.perf_counter() - t0
-    mb = max(range(len(plan.microbatches)), key=lambda j: plan.work[j])  # the fullest microbatch
-    trajs = [step[i] for i in plan.microbatches[mb]]
+    trajs = fullest_microbatch(step, plan)
     model = build_model(args.preset, dev, dtype, args.seed)
     B = model.config.kda_chunk_size
     t0 = time.perf_counter()
@@ -143,8 +109,8 @@ def main(argv=None) -> int:
     t_pack = time.perf_counter() - t0
     hb = hb.to(dev)
     subs = [pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev)
-            for idx in _subbatches(trajs, args.capacity)]
-    print(f"microbatch {mb}: {len(trajs)} trajectories, raw {hb.stats['raw_tokens']:,}, compact "
+            for idx in subbatches(trajs, args.capacity)]
+    print(f"fullest microbatch: {len(trajs)} trajectories, raw {hb.stats['raw_tokens']:,}, compact "
           f"{hb.num_rows:,} (x{hb.stats['raw_tokens'] / hb.num_rows:.2f}), KDA calls {hb.stats['kda_calls']}, "
           f"replay {hb.stats['replay_tokens']:,}, MLA KV rows {hb.stats['mla_kv_rows']:,}; baseline "
           f"{len(subs)} sub-batches; planning {t_mb:.2f}s + pack {t_pack:.2f}s", flush=True)

@@ -19,14 +19,13 @@ makes on the way to the position's row; 5 means >= 5), plus the scalar loss diff
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
 import numpy as np
 import torch
 
-from harts.bench.compact import _subbatches, build_model
+from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
 
 
 def handoff_depth_of_rows(batch) -> np.ndarray:
@@ -56,31 +55,19 @@ def _metrics(zx, za, tgt):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.fidelity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="ling3-tiny")
+    add_workload_args(ap, scale=0.05)
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint folder (default: seeded init)")
-    ap.add_argument("--workload", default="swe-step")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=0.05)
-    ap.add_argument("--capacity", type=int, default=65536)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--block", type=int, default=1024, help="positions per logits block")
     ap.add_argument("--out", default="out/bench_fidelity")
     args = ap.parse_args(argv)
 
-    from harts.data.synthetic import PRESETS, generate
-    from harts.models.ling import LingConfig
     from harts.planning import plan_microbatches
     from harts.runtime import hidden_states, pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    # token ids drawn from the model's vocabulary (the debug preset's is smaller than the workload's)
-    spec = dataclasses.replace(PRESETS[args.workload], vocab_size=LingConfig.preset(args.preset).vocab_size)
-    step = generate(spec, seed=args.seed, scale=args.scale, metadata=False)
-    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
-    mb = max(range(len(plan.microbatches)), key=lambda j: plan.work[j])
-    trajs = [step[i] for i in plan.microbatches[mb]]
+    step = workload_step(args)
+    trajs = fullest_microbatch(step, plan_microbatches(step, dp_degree=1, capacity=args.capacity))
     model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
     if args.checkpoint:
         from harts.models.ling.checkpoint import load_hf_checkpoint
@@ -89,7 +76,7 @@ def main(argv=None) -> int:
     B = model.config.kda_chunk_size
     harts_r = pack(trajs, chunk_size=B).to(dev)
     harts_n = pack(trajs, chunk_size=B, replay=False).to(dev)
-    groups = _subbatches(trajs, args.capacity)
+    groups = subbatches(trajs, args.capacity)
     depth_rows = torch.as_tensor(handoff_depth_of_rows(harts_r))
     W = model.lm_head.weight
 

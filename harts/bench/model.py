@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import time
 import traceback
@@ -27,31 +26,10 @@ from pathlib import Path
 
 import torch
 
+from harts.bench.common import build_model, family
 from harts.models.ling import LingConfig, LingForCausalLM
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)
-
-FAMILIES = [  # (family, substrings of kernel names, lower-case); first match wins
-    ("attention (flash varlen)", ("flash", "fmha", "attention", "attn")),
-    ("kda core (fla chunk_kda)", ("kda", "chunk_gated_delta", "chunk_gla", "delta_h", "wy_", "recompute_w_u",
-                                  "l2norm", "chunk_local_cumsum", "solve_tril", "intra")),
-    ("short conv (fla)", ("causal_conv1d", "conv")),
-    ("moe grouped gemm", ("grouped",)),
-    ("dense gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "splitk")),
-    ("softmax/logsumexp", ("softmax", "logsumexp")),
-    ("sort/topk/index (routing)", ("sort", "topk", "radix", "scatter", "gather", "index", "bincount", "cumsum")),
-    ("reduce", ("reduce",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cast")),
-]
-
-
-def family_of(name: str) -> str:
-    n = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in n for k in keys):
-            return fam
-    return "other"
-
 
 def trajectory_lengths(total: int, spec: str, seed: int) -> list[int]:
     kind, lo, hi = spec.split(":")
@@ -79,15 +57,6 @@ def forward_flops_per_step(cfg: LingConfig, model: LingForCausalLM, lens: list[i
     return out
 
 
-def build_model(cfg: LingConfig, device: str) -> LingForCausalLM:
-    with torch.device("meta"):
-        model = LingForCausalLM(cfg)
-    model.to_empty(device=device)
-    model.cast_(torch.bfloat16)
-    model.init_weights(seed=0)
-    return model
-
-
 def train_step(model, ids, pos, cu, max_len, z_coef=2.9e-6):
     h = model(ids, pos, cu, max_seqlen=max_len)
     tgt = torch.roll(ids, -1)  # the last token of each trajectory predicts garbage; fine for a benchmark
@@ -103,7 +72,7 @@ def run(args, overrides: dict) -> dict:
     lens = trajectory_lengths(args.tokens, args.lens, args.seed)
     T = sum(lens)
     torch.manual_seed(args.seed)
-    model = build_model(cfg, dev)
+    model = build_model(cfg, dev, torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (T,), device=dev)
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
@@ -160,7 +129,7 @@ def run(args, overrides: dict) -> dict:
                 us = getattr(e, "self_cuda_time_total", 0.0)
             if us <= 0:
                 continue
-            fams[family_of(e.key)] = fams.get(family_of(e.key), 0.0) + us / 1e3
+            fams[family(e.key)] = fams.get(family(e.key), 0.0) + us / 1e3
             kernels.append((e.key[:120], us / 1e3, e.count))
         total = sum(fams.values()) or 1.0
         res["profile_ms_by_family"] = dict(sorted(fams.items(), key=lambda kv: -kv[1]))

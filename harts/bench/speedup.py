@@ -18,7 +18,6 @@ Writes ``speedup.json`` and ``speedup.png``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -26,29 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from harts.bench.compact import _subbatches, build_model
-
-FAMILIES = (  # first match wins; names of CUDA kernels and aten ops
-    ("kda_state_scan", ("kda_round", "chunk_gated_delta_rule_fwd_kernel_h", "chunk_gated_delta_rule_bwd_kernel_dhu")),
-    ("kda_other", ("kda", "chunk_", "wy_", "recompute_w_u", "l2norm", "gla")),
-    ("attention", ("flash", "fmha", "attention", "varlen")),
-    ("moe_grouped_gemm", ("grouped", "_grouped_mm")),
-    ("logprobs", ("logprobs",)),
-    ("gather_scatter", ("index_select", "index_copy", "index_add", "gather", "scatter", "indexing")),
-    ("conv", ("conv",)),
-    ("gemm", ("gemm", "matmul", "mm", "cutlass", "sm90", "nvjet")),
-    ("communication", ("nccl", "all_to_all", "allreduce", "reduce_scatter", "all_gather")),
-    ("elementwise_norm", ("elementwise", "reduce", "norm", "sigmoid", "silu", "mul", "add", "copy", "cat")),
-)
-
-
-def family(name: str) -> str:
-    n = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in n for k in keys):
-            return fam
-    return "other"
-
+from harts.bench.common import add_workload_args, build_model, family, subbatches, workload_step
 
 def flops_per_row(model) -> float:
     """Forward matmul FLOPs per row: 2 x active parameters (routed experts counted top-k, LM head included)."""
@@ -73,29 +50,19 @@ def profile_families(fn, device) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.speedup", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="ling3-tiny")
-    ap.add_argument("--workload", default="swe-step")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=0.2)
-    ap.add_argument("--capacity", type=int, default=65536)
+    add_workload_args(ap, scale=0.2)
     ap.add_argument("--microbatches", type=int, default=16, help="how many planned microbatches to time")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     ap.add_argument("--out", default="out/bench_speedup")
     args = ap.parse_args(argv)
 
-    from harts.data.synthetic import PRESETS, generate
-    from harts.models.ling import LingConfig
     from harts.planning import plan_microbatches
     from harts.runtime import pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     os.makedirs(args.out, exist_ok=True)
-    # token ids drawn from the model's vocabulary (the debug preset's is smaller than the workload's)
-    spec = dataclasses.replace(PRESETS[args.workload], vocab_size=LingConfig.preset(args.preset).vocab_size)
-    step = generate(spec, seed=args.seed, scale=args.scale, metadata=False)
+    step = workload_step(args)
     t0 = time.perf_counter()
     plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
     t_mb = time.perf_counter() - t0
@@ -110,7 +77,7 @@ def main(argv=None) -> int:
     # Warm-up (kernel compilation / autotuning) on the smallest microbatch, both paths, not timed.
     small = min(mbs, key=lambda m: sum(len(t) for t in m))
     for ps in (True, False):
-        for idx in ([list(range(len(small)))] if ps else _subbatches(small, args.capacity)):
+        for idx in ([list(range(len(small)))] if ps else subbatches(small, args.capacity)):
             b = pack([small[i] for i in idx], chunk_size=B, prefix_sharing=ps).to(dev)
             loss_of(model.logprobs(b)).backward()
     model.zero_grad(set_to_none=True)
@@ -149,13 +116,13 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
-        for idx in _subbatches(trajs, args.capacity):
+        for idx in subbatches(trajs, args.capacity):
             bb = pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev, non_blocking=True)
             loss_of(model.logprobs(bb)).backward()
         sync()
         t_b += time.perf_counter() - t0
         flops_b += sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
-                                           act)["total"] for idx in _subbatches(trajs, args.capacity))
+                                           act)["total"] for idx in subbatches(trajs, args.capacity))
         res.setdefault("baseline_peak_gb", 0.0)
         if dev.type == "cuda":
             res["baseline_peak_gb"] = max(res["baseline_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
@@ -189,7 +156,7 @@ def main(argv=None) -> int:
     model.zero_grad(set_to_none=True)
 
     def base():
-        for idx in _subbatches(trajs, args.capacity):
+        for idx in subbatches(trajs, args.capacity):
             bb = pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev)
             loss_of(model.logprobs(bb)).backward()
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from harts.bench.speedup import family
+from harts.bench.common import family
 
 
 def summarize(trace: dict) -> dict:
