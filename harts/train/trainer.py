@@ -264,7 +264,6 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     step_s = time.perf_counter() - t0
-                out["fbgrad_s"] = out.pop("fbgrad_end") - t0
                 self.state.step = step
                 rec = self._record(data, out, step_s, wait)
                 self.history.append(rec)
@@ -316,6 +315,7 @@ class Trainer:
         return coef, (self.state.moe_f if rl.aux_loss_coef else None)
 
     def train_step(self, data: StepData) -> dict:
+        t_start = time.perf_counter()
         cfg, model, step = self.cfg, self.model, data.step
         if cfg.harts.check_plan and self.distributed:
             self._check_plan(data)
@@ -370,7 +370,7 @@ class Trainer:
         # F/B/Grad ends here (paper Table 4: ready plan to gradients, optimizer excluded); one sync per step
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        fbgrad_end = time.perf_counter()
+        fbgrad_s = time.perf_counter() - t_start
         if self.dims.tp > 1 or self.dims.pp > 1:
             grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm,
                                                   pp_group=self.pp_group)
@@ -390,7 +390,7 @@ class Trainer:
             self.state.moe_f = counts * (c.num_experts / (c.num_experts_per_tok * data.normalizer.raw_tokens))
         s = sums.tolist()
         out = {"loss": s[0] + s[4], "policy_loss": s[1], "kl": s[2], "clip_frac": s[3], "router_loss": s[4],
-               "grad_norm": float(grad_norm), "counts": counts, "fbgrad_end": fbgrad_end}
+               "grad_norm": float(grad_norm), "counts": counts, "fbgrad_s": fbgrad_s}
         if cfg.data.reward == "learnable" and s[7] > 0 and s[9] > 0:
             out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
         return out
@@ -487,7 +487,7 @@ class Trainer:
                "grad_norm": out["grad_norm"], "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
                "raw_tokens": st["raw_tokens"], "compact_rows": st["compact_rows"],
                "compression": st["raw_tokens"] / max(st["compact_rows"], 1), "microbatches": st["microbatches"],
-               "trajectories": st["trajectories"], "step_s": step_s, "fbgrad_s": out.get("fbgrad_s"),
+               "trajectories": st["trajectories"], "step_s": step_s, "fbgrad_s": out["fbgrad_s"],
                "data_wait_s": wait_s,
                "raw_tok_s": st["raw_tokens"] / step_s, "compact_tok_s": st["compact_rows"] / step_s,
                "plan_s": st["plan_s"], "pack_s": st["pack_s"], "load_s": st["load_s"],

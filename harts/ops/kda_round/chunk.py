@@ -33,26 +33,22 @@ log = logging.getLogger(__name__)
 SUPPORTED_CHUNK_SIZES = (32, 64)  # fla-core 0.6.0's intra-chunk kernels; the reference takes any size
 
 
-def build_state_slot(lens, chunk_size, seq, chunk):
-    """int32 [NT_total + N] host map from boundary id chunk_offsets[n] + n + c to request index (-1 = none)."""
-    nt = [-(-ln // chunk_size) for ln in lens]
-    first = [0] * len(lens)
-    for n in range(1, len(lens)):
-        first[n] = first[n - 1] + nt[n - 1] + 1  # chunk_offsets[n] + n
-    slot = torch.full((sum(nt) + len(lens),), -1, dtype=torch.int32)
+def round_indices(lens, chunk_size, seq, chunk, device):
+    """fla's chunk indices and offsets and our boundary slot map, built on the host from the sequence
+    lengths and copied up without blocking (reading them from the device would sync the stream).
+
+    state_slot: int32 [NT_total + N], boundary id chunk_offsets[n] + n + c -> request index (-1 = none),
+    or None without requests."""
+    cu = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
+    chunk_indices = prepare_chunk_indices(cu, chunk_size)
+    chunk_offsets = prepare_chunk_offsets(cu, chunk_size)
+    state_slot = None
     if seq:
-        slot[torch.tensor([first[n] + c for n, c in zip(seq, chunk)])] = torch.arange(len(seq), dtype=torch.int32)
-    return slot
-
-
-def _host_indices(cu_seqlens, cu_seqlens_cpu, chunk_size):
-    """fla's chunk indices/offsets, computed from the host copy and copied up (no device sync)."""
-    if cu_seqlens_cpu is None:
-        return prepare_chunk_indices(cu_seqlens, chunk_size), prepare_chunk_offsets(cu_seqlens, chunk_size)
-    dev = cu_seqlens.device
-    cu = cu_seqlens_cpu.to(torch.long)
-    return (prepare_chunk_indices(cu, chunk_size).to(dev, non_blocking=True),
-            prepare_chunk_offsets(cu, chunk_size).to(dev, non_blocking=True))
+        state_slot = torch.full((int(chunk_offsets[-1]) + len(lens),), -1, dtype=torch.int32)
+        seq_M, chunk_M = torch.tensor(seq), torch.tensor(chunk)
+        state_slot[chunk_offsets[seq_M] + seq_M + chunk_M] = torch.arange(len(seq), dtype=torch.int32)
+        state_slot = state_slot.to(device, non_blocking=True)
+    return chunk_indices.to(device, non_blocking=True), chunk_offsets.to(device, non_blocking=True), state_slot
 
 
 class ChunkKDARoundFunction(torch.autograd.Function):
@@ -187,10 +183,7 @@ def chunk_kda_round(
         A_log = dt_bias = None  # fla ignores them without the in-kernel gate; so do we, visibly
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
-        cu_seqlens_cpu = cu_seqlens
-    chunk_indices, chunk_offsets = _host_indices(cu_seqlens, cu_seqlens_cpu, chunk_size)
-    state_slot = build_state_slot(lens, chunk_size, seq, chunk).to(q.device, non_blocking=True) if seq else None
+    chunk_indices, chunk_offsets, state_slot = round_indices(lens, chunk_size, seq, chunk, q.device)
     o, final_state, boundary_states = ChunkKDARoundFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
         len(seq), scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
