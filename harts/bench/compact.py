@@ -175,11 +175,8 @@ def main(argv=None) -> int:
                                     lambda call: hb.logprob_rows)
         h_base, r_base = _routing(model, lambda: torch.cat([hidden_states(model, b)[b.logprob_rows] for b in subs]),
                                   lambda call: subs[call].logprob_rows)
-        order = list(range(len(trajs)))[::-1]
-        alt = [pack([trajs[i]], chunk_size=B, prefix_sharing=False).to(dev) for i in order]
-        h_alt_parts = [hidden_states(model, b)[b.logprob_rows] for b in alt]
-        # back to the original trajectory order (logprob rows are per trajectory, in input order)
-        h_alt = torch.cat([h_alt_parts[order.index(i)] for i in range(len(trajs))])
+        alt = [pack([t], chunk_size=B, prefix_sharing=False).to(dev) for t in reversed(trajs)]
+        h_alt = torch.cat([hidden_states(model, b)[b.logprob_rows] for b in alt][::-1])  # back to trajectory order
         tgt = torch.cat([b.logprob_targets for b in subs])
         res["fidelity"] = {"baseline_vs_baseline_floor": _logit_agreement(h_alt, h_base, W, tgt)}
         res["fidelity"]["harts_vs_baseline"], cos_hb = _logit_agreement(h_harts, h_base, W, tgt, per_token=True)

@@ -44,7 +44,6 @@ def summarize(recs: list[dict], skip: int, path: str) -> dict:
     missing = [k for k in ("step_s", "raw_tokens", "compact_rows", "harts") if k not in kept[0]]
     if missing:
         raise ValueError(f"{path}: records lack {missing}; is this a train.py metrics.jsonl?")
-    fb = [r["fbgrad_s"] for r in kept if r.get("fbgrad_s") is not None]
 
     def mean(k):
         vals = [r[k] for r in kept if r.get(k) is not None]
@@ -53,7 +52,7 @@ def summarize(recs: list[dict], skip: int, path: str) -> dict:
     return {"path": path, "harts": bool(kept[0]["harts"]), "steps": [r["step"] for r in kept],
             "world": kept[0].get("world"), "dp": kept[0].get("dp"), "ep": kept[0].get("ep"),
             "step_s": mean("step_s"), "step_s_min": min(r["step_s"] for r in kept),
-            "fbgrad_s": statistics.fmean(fb) if fb else None, "raw_tokens": mean("raw_tokens"),
+            "fbgrad_s": mean("fbgrad_s"), "raw_tokens": mean("raw_tokens"),
             "compact_rows": mean("compact_rows"), "peak_mem_gib": max(r.get("peak_mem_gib") or 0.0 for r in kept),
             "mfu": mean("mfu"), "microbatches": mean("microbatches"), "loss": [r.get("loss") for r in kept]}
 
