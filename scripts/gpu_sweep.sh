@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -37,10 +37,12 @@ for what in "$@"; do
     warm) step warm 300 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=0 tests/test_ops_attention.py \
             tests/test_ops_moe.py tests/test_ops_conv.py tests/test_model_ling.py tests/test_runtime_gpu.py \
             tests/test_ops_kda.py tests/test_kernels_kda_round.py tests/test_kernels_logprobs.py ;;
-    kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" ;;
+    kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" --trace /tmp/kda_traces ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
     compact) step compact 420 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
             --repeats 1 --truth float32 --out "$OUT" ;;
+    compactfid) step compactfid 300 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
+            --no-timing --truth float32 --out "$OUT" ;;
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
     speedup) step speedup 400 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
             --out "$OUT" ;;

@@ -232,6 +232,17 @@ def test_triton_interpreter_boundaries_h0_gva():
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
+def test_triton_interpreter_several_state_row_tiles():
+    """K = 96: the scans hold the state as two 64-row tiles, the second partly masked."""
+    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=1, K=96, V=16, seed=7)
+    seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
+    out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    errs, bad = _compare(out, grads, out_r, grads_r, 1e-5, 1e-4)
+    assert not bad, errs
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
 def test_host_copy_of_cu_seqlens_is_checked_and_changes_nothing():
     """``cu_seqlens_cpu`` (what the runtime passes to avoid a stream sync per call) must describe the same
     packing: one of the wrong shape (or not ending at T) is an error naming it; a correct one gives

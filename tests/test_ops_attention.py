@@ -31,6 +31,17 @@ def test_reference_matches_brute_force(lq, lk):
     torch.testing.assert_close(o, brute_force(q, k, v, cq.tolist(), ck.tolist(), 0.3), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("lq,lk", [([5, 9, 1], [5, 9, 1]), ([3, 9, 2], [7, 9, 6])])
+def test_reference_query_blocks_match_brute_force(lq, lk, monkeypatch):
+    """Long sequences run in query blocks (bounded score memory); force tiny blocks here."""
+    import harts.ops.attention.reference as ref
+
+    monkeypatch.setattr(ref, "_SCORE_ELEMS", 2 * 3 * 9)  # 2 queries per block at Lk = 9, 3 heads
+    q, k, v, cq, ck = _packed(lq, lk)
+    o = varlen_attention_reference(q, k, v, cq, ck, 0.3)
+    torch.testing.assert_close(o, brute_force(q, k, v, cq.tolist(), ck.tolist(), 0.3), rtol=1e-12, atol=1e-12)
+
+
 def test_more_queries_than_keys_is_an_error():
     q, k, v, cq, ck = _packed([4, 3], [4, 2])
     with pytest.raises(ValueError, match="sequence 1"):

@@ -78,6 +78,39 @@ def _dump(res: dict, out: str) -> None:
         json.dump(res, f, indent=1, default=str)
 
 
+def _timing(res, model, hb, subs, run_harts, run_base, args, dev):
+    """Forward+backward time and peak memory of both paths, and the FLOPs the method permits."""
+    for name, fn in (("harts", run_harts), ("baseline", run_base)):
+        times = []
+        for _ in range(args.repeats + 1):  # first run warms up kernels (autotune)
+            model.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        res[name] = {"fwd_bwd_s": min(times[1:]) if len(times) > 1 else times[0], "all_s": times,
+                     "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
+        print(f"{name:9s} fwd+bwd {res[name]['fwd_bwd_s']:.3f}s (runs {[round(t, 3) for t in times]}), "
+              f"peak {res[name]['peak_mem_gb']}", flush=True)
+    model.zero_grad(set_to_none=True)
+    res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
+    _dump(res, args.out)
+    # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
+    from harts.bench.flops import batch_forward_flops
+
+    f_h = batch_forward_flops(model, hb)
+    f_b = {k: sum(batch_forward_flops(model, b)[k] for b in subs) for k in f_h}
+    res["forward_flops"] = {"harts": f_h, "baseline": f_b}
+    res["flop_compression"] = f_b["total"] / f_h["total"]
+    print(f"forward FLOPs: baseline {f_b['total']:.3e} (attention {f_b['attention'] / f_b['total']:.1%}), HARTS "
+          f"{f_h['total']:.3e} (attention {f_h['attention'] / f_h['total']:.1%}); FLOP compression "
+          f"{res['flop_compression']:.2f}x vs row compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; speedup / "
+          f"FLOP compression {res['speedup'] / res['flop_compression']:.3f}", flush=True)
+
+
 def loss_fn(lp, adv):
     return -(adv * lp).mean()
 
@@ -89,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--truth", choices=("none", "float32", "float64"), default="none",
                     help="also run the baseline in this precision (same weights, reference KDA/conv kernels: no "
                          "new Triton compiles) and report both bf16 paths against it")
+    ap.add_argument("--no-timing", dest="timing", action="store_false",
+                    help="skip the forward+backward timing (and FLOP count): fidelity parts only")
     ap.add_argument("--out", default="out/bench_compact")
     args = ap.parse_args(argv)
 
@@ -132,35 +167,9 @@ def main(argv=None) -> int:
     res = {"args": vars(args), "raw_tokens": hb.stats["raw_tokens"], "compact_rows": hb.num_rows,
            "stats": hb.stats, "plan_s": t_mb, "pack_s": t_pack, "device": torch.cuda.get_device_name()
            if dev.type == "cuda" else "cpu", "torch": torch.__version__}
-    for name, fn in (("harts", run_harts), ("baseline", run_base)):
-        times = []
-        for _ in range(args.repeats + 1):  # first run warms up kernels (autotune)
-            model.zero_grad(set_to_none=True)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        res[name] = {"fwd_bwd_s": min(times[1:]) if len(times) > 1 else times[0], "all_s": times,
-                     "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
-        print(f"{name:9s} fwd+bwd {res[name]['fwd_bwd_s']:.3f}s (runs {[round(t, 3) for t in times]}), "
-              f"peak {res[name]['peak_mem_gb']}", flush=True)
-    model.zero_grad(set_to_none=True)
-    res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
+    if args.timing:
+        _timing(res, model, hb, subs, run_harts, run_base, args, dev)
     _dump(res, args.out)  # written again as the fidelity parts finish: a cut-off run keeps what it measured
-    # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
-    from harts.bench.flops import batch_forward_flops
-
-    f_h = batch_forward_flops(model, hb)
-    f_b = {k: sum(batch_forward_flops(model, b)[k] for b in subs) for k in f_h}
-    res["forward_flops"] = {"harts": f_h, "baseline": f_b}
-    res["flop_compression"] = f_b["total"] / f_h["total"]
-    print(f"forward FLOPs: baseline {f_b['total']:.3e} (attention {f_b['attention'] / f_b['total']:.1%}), HARTS "
-          f"{f_h['total']:.3e} (attention {f_h['attention'] / f_h['total']:.1%}); FLOP compression "
-          f"{res['flop_compression']:.2f}x vs row compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; speedup / "
-          f"FLOP compression {res['speedup'] / res['flop_compression']:.3f}", flush=True)
 
     # Fidelity: full-vocabulary logits of every nonterminal semantic position, both paths. The control
     # ("floor") runs the trajectory-wise baseline a second time, one trajectory per sub-batch in reverse
@@ -223,7 +232,8 @@ def main(argv=None) -> int:
                   f"P50 {f['cosine_p50']:.6f}  min {f['cosine_min']:.6f}  max |dlogp| {f['max_abs_dlogprob']:.4f}",
                   flush=True)
     max_dlp = res["max_abs_dlogprob"]
-    print(f"speedup {res['speedup']:.2f}x at compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; "
+    speed = f"speedup {res['speedup']:.2f}x" if "speedup" in res else "no timing"
+    print(f"{speed} at compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; "
           f"mean token cosine {res['mean_token_cosine']:.6f}; max |dlogp| {max_dlp:.4f}", flush=True)
     _dump(res, args.out)
     return 0

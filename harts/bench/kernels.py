@@ -38,7 +38,7 @@ def _time_ms(fn, warmup=2, reps=5):
     return times[len(times) // 2]
 
 
-def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5):
+def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5, trace_dir=None):
     from fla.ops.kda import chunk_kda
 
     from harts.ops.kda_round import chunk_kda_round
@@ -95,20 +95,28 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
                          round_no_req_fwd_bwd_ms=t_none, round_fwd_bwd_ms=t_req, ratio=t_req / t_fla,
                          ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
-                         kernels_fla=_kernel_times(run_fla), kernels_round=_kernel_times(run_round(True))))
+                         kernels_fla=_kernel_times(run_fla, trace=_tr(trace_dir, "fla", lens)),
+                         kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens))))
         del q, k, v, g, beta, do, dB
         torch.cuda.empty_cache()
     return rows
 
 
-def _kernel_times(fn, top: int = 12) -> dict:
+def _tr(trace_dir, what, lens):
+    return os.path.join(trace_dir, f"trace_kda_{what}_{len(lens)}x{lens[0]}.json") if trace_dir else None
+
+
+def _kernel_times(fn, top: int = 12, trace: str | None = None) -> dict:
     """One profiled call: device time per kernel (ms, the largest ``top``), their sum, and the wall time of
-    the same call, so wall - kernel sum shows host gaps (syncs, launch overhead) rather than slow kernels."""
+    the same call, so wall - kernel sum shows host gaps (syncs, launch overhead) rather than slow kernels.
+    With ``trace`` the host side is recorded too, a chrome trace is written there, and the largest device
+    idle gaps are listed with the kernel after each and the host ops that were running during it."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts) as prof:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -117,11 +125,33 @@ def _kernel_times(fn, top: int = 12) -> dict:
     ks = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-        if us > 0:
+        if us > 0 and e.device_type.name == "CUDA":
             ks[e.key[:90]] = ks.get(e.key[:90], 0.0) + us / 1e3
     total = sum(ks.values())
-    return {"wall_ms": a.elapsed_time(b), "kernel_sum_ms": total,
-            "top": dict(sorted(ks.items(), key=lambda kv: -kv[1])[:top])}
+    out = {"wall_ms": a.elapsed_time(b), "kernel_sum_ms": total,
+           "top": dict(sorted(ks.items(), key=lambda kv: -kv[1])[:top])}
+    if trace:
+        prof.export_chrome_trace(trace)
+        out["gaps"] = _device_gaps(trace)
+    return out
+
+
+def _device_gaps(trace: str, top: int = 8) -> list[dict]:
+    """Largest idle intervals between consecutive device kernels/copies of a chrome trace, each with the
+    next kernel and the innermost host ops overlapping the gap (what the host was doing meanwhile)."""
+    with open(trace) as f:
+        ev = json.load(f)["traceEvents"]
+    dev = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    host = [e for e in ev if e.get("cat") in ("cpu_op", "python_function", "cuda_runtime") and "dur" in e]
+    gaps = []
+    for p, n in zip(dev, dev[1:]):
+        g0, g1 = p["ts"] + p["dur"], n["ts"]
+        if g1 - g0 > 20:
+            busy = sorted((h for h in host if h["ts"] < g1 and h["ts"] + h["dur"] > g0), key=lambda h: h["dur"])
+            gaps.append({"gap_us": g1 - g0, "before": p["name"][:60], "next": n["name"][:60],
+                         "host": [h["name"][:60] for h in busy[:4]]})
+    return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
 
 
 def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3):
@@ -190,6 +220,8 @@ def _table(rows, title):
                 print(f"\n{r.get('layout', '')} {k}: wall {v['wall_ms']:.3f} ms, kernels {v['kernel_sum_ms']:.3f} ms")
                 for name, ms in v["top"].items():
                     print(f"    {ms:8.3f}  {name}")
+                for g in v.get("gaps", []):
+                    print(f"    gap {g['gap_us']:8.1f} us before {g['next']} (after {g['before']}); host: {g['host']}")
 
 
 def main(argv=None):
@@ -197,6 +229,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--only", choices=["kda", "logprobs"], default=None)
+    ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
+                    "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("harts.bench.kernels needs a CUDA GPU")
@@ -204,9 +238,11 @@ def main(argv=None):
     import triton
     res["triton"] = triton.__version__
     t0 = time.time()
+    if a.trace:
+        os.makedirs(a.trace, exist_ok=True)
     if a.only in (None, "kda"):
         kw = dict(T=8192, layouts=((8192,), (2048,) * 4)) if a.quick else {}
-        res["kda"] = bench_kda(**kw)
+        res["kda"] = bench_kda(**kw, trace_dir=a.trace)
         _table(res["kda"], "chunk_kda_round vs fla chunk_kda (bf16, fwd+bwd, ms; ratio = round / fla)")
     if a.only in (None, "logprobs"):
         kw = dict(C=4096, V=32768) if a.quick else {}

@@ -8,9 +8,12 @@ import torch
 import torch.nn.functional as F
 
 
-def bottom_right_causal_mask(lq: int, lk: int, device=None) -> torch.Tensor:
-    """[lq, lk] bool, True = attend: query i sees keys j <= i + (lk - lq)."""
-    i = torch.arange(lq, device=device)[:, None]
+_SCORE_ELEMS = 1 << 28  # per query block: 1 GiB of fp32 scores
+
+
+def bottom_right_causal_mask(lq: int, lk: int, device=None, rows: slice | None = None) -> torch.Tensor:
+    """[lq, lk] bool (or the ``rows`` of it), True = attend: query i sees keys j <= i + (lk - lq)."""
+    i = torch.arange(lq, device=device)[rows if rows is not None else slice(None), None]
     j = torch.arange(lk, device=device)[None, :]
     return j <= i + (lk - lq)
 
@@ -50,11 +53,15 @@ def varlen_attention_reference(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale:
         lq, lk = q.shape[1], k.shape[1]
         if lq == 0:
             continue
-        if lq == lk:
+        # Query blocks bound the [H, block, Lk] score tensor (SDPA's math path materialises it: a 64K-token
+        # fp32 sequence would need ~40 GiB at once); each block keeps its slice of the same mask.
+        block = max(1, min(lq, _SCORE_ELEMS // max(1, lk * q.shape[0])))
+        if block >= lq and lq == lk:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            mask = bottom_right_causal_mask(lq, lk, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = torch.cat([F.scaled_dot_product_attention(
+                q[:, s:s + block], k, v, attn_mask=bottom_right_causal_mask(lq, lk, q.device, slice(s, s + block)),
+                scale=scale) for s in range(0, lq, block)], 1)
         outs.append(o.transpose(0, 1))
     if not outs:
         return q_TqHD.new_zeros(0, q_TqHD.shape[1], v_TkHDv.shape[2])

@@ -47,8 +47,11 @@ def round_indices(lens, chunk_size, seq, chunk, device):
         state_slot = torch.full((int(chunk_offsets[-1]) + len(lens),), -1, dtype=torch.int32)
         seq_M, chunk_M = torch.tensor(seq), torch.tensor(chunk)
         state_slot[chunk_offsets[seq_M] + seq_M + chunk_M] = torch.arange(len(seq), dtype=torch.int32)
-        state_slot = state_slot.to(device, non_blocking=True)
-    return chunk_indices.to(device, non_blocking=True), chunk_offsets.to(device, non_blocking=True), state_slot
+    up = [chunk_indices, chunk_offsets] + ([state_slot] if seq else [])
+    if torch.device(device).type == "cuda":  # from pageable memory a "non_blocking" copy still blocks the host
+        up = [x.pin_memory() for x in up]
+    up = [x.to(device, non_blocking=True) for x in up]
+    return up[0], up[1], (up[2] if seq else None)
 
 
 class ChunkKDARoundFunction(torch.autograd.Function):
