@@ -40,9 +40,15 @@ def _configs():
 
 
 @triton.jit
-def _tile_kv(p, o_k, m_k, o_v, m_v, V):
-    """Pointers and mask of rows ``o_k`` of a [K, V] state at ``p``."""
-    return p + o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+def _store_kv(p, o_k, m_k, o_v, m_v, V, b):
+    """Store tile ``b`` into rows ``o_k`` of a [K, V] state at ``p`` (in ``p``'s dtype)."""
+    tl.store(p + o_k[:, None] * V + o_v[None, :], b.to(p.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _load_kv(p, o_k, m_k, o_v, m_v, V):
+    """Rows ``o_k`` of a [K, V] state at ``p``, as fp32."""
+    return tl.load(p + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -100,33 +106,25 @@ def kda_round_fwd_kernel_h(
     if K > 192:
         b_h4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        p0 = h0 + i_nh.to(tl.int64) * K * V
-        p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-        b_h1 += tl.load(p, mask=m, other=0.)
+        p_h0 = h0 + i_nh.to(tl.int64) * K * V
+        b_h1 += _load_kv(p_h0, o_k1, m_k1, o_v, m_v, V)
         if K > 64:
-            p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-            b_h2 += tl.load(p, mask=m, other=0.)
+            b_h2 += _load_kv(p_h0, o_k2, m_k2, o_v, m_v, V)
         if K > 128:
-            p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-            b_h3 += tl.load(p, mask=m, other=0.)
+            b_h3 += _load_kv(p_h0, o_k3, m_k3, o_v, m_v, V)
         if K > 192:
-            p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-            b_h4 += tl.load(p, mask=m, other=0.)
+            b_h4 += _load_kv(p_h0, o_k4, m_k4, o_v, m_v, V)
     s_nx = tl.load(state_slot + bid) if SAVE_BOUNDARY else 0
 
     for i_t in range(0, NT):
         # S_start(i_t): the chunk's h (input dtype) and, if requested, the fp32 boundary state
-        p, m = _tile_kv(h, o_k1, m_k1, o_v, m_v, V)
-        tl.store(p, b_h1.to(p.dtype.element_ty), mask=m)
+        _store_kv(h, o_k1, m_k1, o_v, m_v, V, b_h1)
         if K > 64:
-            p, m = _tile_kv(h, o_k2, m_k2, o_v, m_v, V)
-            tl.store(p, b_h2.to(p.dtype.element_ty), mask=m)
+            _store_kv(h, o_k2, m_k2, o_v, m_v, V, b_h2)
         if K > 128:
-            p, m = _tile_kv(h, o_k3, m_k3, o_v, m_v, V)
-            tl.store(p, b_h3.to(p.dtype.element_ty), mask=m)
+            _store_kv(h, o_k3, m_k3, o_v, m_v, V, b_h3)
         if K > 192:
-            p, m = _tile_kv(h, o_k4, m_k4, o_v, m_v, V)
-            tl.store(p, b_h4.to(p.dtype.element_ty), mask=m)
+            _store_kv(h, o_k4, m_k4, o_v, m_v, V, b_h4)
         h += HV * K * V  # pointer walk: 64-bit, no cast of the loop variable
         if SAVE_BOUNDARY:
             # the slot of this chunk was fetched one iteration ahead, off the scan's critical path;
@@ -134,18 +132,14 @@ def kda_round_fwd_kernel_h(
             s_j = s_nx
             s_nx = tl.load(state_slot + bid + i_t + 1)
             if s_j >= 0:
-                pb = hb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                p, m = _tile_kv(pb, o_k1, m_k1, o_v, m_v, V)
-                tl.store(p, b_h1, mask=m)
+                p_hb = hb + (s_j.to(tl.int64) * HV + i_h) * K * V
+                _store_kv(p_hb, o_k1, m_k1, o_v, m_v, V, b_h1)
                 if K > 64:
-                    p, m = _tile_kv(pb, o_k2, m_k2, o_v, m_v, V)
-                    tl.store(p, b_h2, mask=m)
+                    _store_kv(p_hb, o_k2, m_k2, o_v, m_v, V, b_h2)
                 if K > 128:
-                    p, m = _tile_kv(pb, o_k3, m_k3, o_v, m_v, V)
-                    tl.store(p, b_h3, mask=m)
+                    _store_kv(p_hb, o_k3, m_k3, o_v, m_v, V, b_h3)
                 if K > 192:
-                    p, m = _tile_kv(pb, o_k4, m_k4, o_v, m_v, V)
-                    tl.store(p, b_h4, mask=m)
+                    _store_kv(p_hb, o_k4, m_k4, o_v, m_v, V, b_h4)
 
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
@@ -182,32 +176,24 @@ def kda_round_fwd_kernel_h(
 
     # the end state: final state and/or the request of chunk NT
     if STORE_FINAL_STATE:
-        p0 = ht + i_nh.to(tl.int64) * K * V
-        p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-        tl.store(p, b_h1, mask=m)
+        p_ht = ht + i_nh.to(tl.int64) * K * V
+        _store_kv(p_ht, o_k1, m_k1, o_v, m_v, V, b_h1)
         if K > 64:
-            p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-            tl.store(p, b_h2, mask=m)
+            _store_kv(p_ht, o_k2, m_k2, o_v, m_v, V, b_h2)
         if K > 128:
-            p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-            tl.store(p, b_h3, mask=m)
+            _store_kv(p_ht, o_k3, m_k3, o_v, m_v, V, b_h3)
         if K > 192:
-            p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-            tl.store(p, b_h4, mask=m)
+            _store_kv(p_ht, o_k4, m_k4, o_v, m_v, V, b_h4)
     if SAVE_BOUNDARY:
         if s_nx >= 0:
-            pb = hb + (s_nx.to(tl.int64) * HV + i_h) * K * V
-            p, m = _tile_kv(pb, o_k1, m_k1, o_v, m_v, V)
-            tl.store(p, b_h1, mask=m)
+            p_hbe = hb + (s_nx.to(tl.int64) * HV + i_h) * K * V
+            _store_kv(p_hbe, o_k1, m_k1, o_v, m_v, V, b_h1)
             if K > 64:
-                p, m = _tile_kv(pb, o_k2, m_k2, o_v, m_v, V)
-                tl.store(p, b_h2, mask=m)
+                _store_kv(p_hbe, o_k2, m_k2, o_v, m_v, V, b_h2)
             if K > 128:
-                p, m = _tile_kv(pb, o_k3, m_k3, o_v, m_v, V)
-                tl.store(p, b_h3, mask=m)
+                _store_kv(p_hbe, o_k3, m_k3, o_v, m_v, V, b_h3)
             if K > 192:
-                p, m = _tile_kv(pb, o_k4, m_k4, o_v, m_v, V)
-                tl.store(p, b_h4, mask=m)
+                _store_kv(p_hbe, o_k4, m_k4, o_v, m_v, V, b_h4)
 
 
 @triton.jit
@@ -265,34 +251,26 @@ def kda_round_bwd_kernel_dh(
     if K > 192:
         b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
-        p0 = dht + i_nh.to(tl.int64) * K * V
-        p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-        b_dh1 += tl.load(p, mask=m, other=0.)
+        p_dht = dht + i_nh.to(tl.int64) * K * V
+        b_dh1 += _load_kv(p_dht, o_k1, m_k1, o_v, m_v, V)
         if K > 64:
-            p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-            b_dh2 += tl.load(p, mask=m, other=0.)
+            b_dh2 += _load_kv(p_dht, o_k2, m_k2, o_v, m_v, V)
         if K > 128:
-            p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-            b_dh3 += tl.load(p, mask=m, other=0.)
+            b_dh3 += _load_kv(p_dht, o_k3, m_k3, o_v, m_v, V)
         if K > 192:
-            p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-            b_dh4 += tl.load(p, mask=m, other=0.)
+            b_dh4 += _load_kv(p_dht, o_k4, m_k4, o_v, m_v, V)
     s_nx = 0
     if USE_BOUNDARY_GRADIENT:
         s_j = tl.load(state_slot + bid + NT)
         if s_j >= 0:
-            p0 = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-            p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-            b_dh1 += tl.load(p, mask=m, other=0.)
+            p_dhbe = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
+            b_dh1 += _load_kv(p_dhbe, o_k1, m_k1, o_v, m_v, V)
             if K > 64:
-                p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-                b_dh2 += tl.load(p, mask=m, other=0.)
+                b_dh2 += _load_kv(p_dhbe, o_k2, m_k2, o_v, m_v, V)
             if K > 128:
-                p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-                b_dh3 += tl.load(p, mask=m, other=0.)
+                b_dh3 += _load_kv(p_dhbe, o_k3, m_k3, o_v, m_v, V)
             if K > 192:
-                p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-                b_dh4 += tl.load(p, mask=m, other=0.)
+                b_dh4 += _load_kv(p_dhbe, o_k4, m_k4, o_v, m_v, V)
         s_nx = tl.load(state_slot + bid + tl.maximum(NT - 1, 0))
 
     for i_r in range(0, NT):
@@ -302,30 +280,22 @@ def kda_round_bwd_kernel_dh(
             s_nx = tl.load(state_slot + bid + tl.maximum(i_t - 1, 0))  # next chunk's slot, one ahead
             if INJECT_AT_TOP:  # deliberately wrong placement (gradient of S_end), negative-control test only
                 if s_j >= 0:
-                    p0 = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                    p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-                    b_dh1 += tl.load(p, mask=m, other=0.)
+                    p_dhbt = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
+                    b_dh1 += _load_kv(p_dhbt, o_k1, m_k1, o_v, m_v, V)
                     if K > 64:
-                        p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-                        b_dh2 += tl.load(p, mask=m, other=0.)
+                        b_dh2 += _load_kv(p_dhbt, o_k2, m_k2, o_v, m_v, V)
                     if K > 128:
-                        p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-                        b_dh3 += tl.load(p, mask=m, other=0.)
+                        b_dh3 += _load_kv(p_dhbt, o_k3, m_k3, o_v, m_v, V)
                     if K > 192:
-                        p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-                        b_dh4 += tl.load(p, mask=m, other=0.)
+                        b_dh4 += _load_kv(p_dhbt, o_k4, m_k4, o_v, m_v, V)
         p_dh = dh + i_t.to(tl.int64) * HV * K * V
-        p, m = _tile_kv(p_dh, o_k1, m_k1, o_v, m_v, V)
-        tl.store(p, b_dh1.to(p.dtype.element_ty), mask=m)
+        _store_kv(p_dh, o_k1, m_k1, o_v, m_v, V, b_dh1)
         if K > 64:
-            p, m = _tile_kv(p_dh, o_k2, m_k2, o_v, m_v, V)
-            tl.store(p, b_dh2.to(p.dtype.element_ty), mask=m)
+            _store_kv(p_dh, o_k2, m_k2, o_v, m_v, V, b_dh2)
         if K > 128:
-            p, m = _tile_kv(p_dh, o_k3, m_k3, o_v, m_v, V)
-            tl.store(p, b_dh3.to(p.dtype.element_ty), mask=m)
+            _store_kv(p_dh, o_k3, m_k3, o_v, m_v, V, b_dh3)
         if K > 192:
-            p, m = _tile_kv(p_dh, o_k4, m_k4, o_v, m_v, V)
-            tl.store(p, b_dh4.to(p.dtype.element_ty), mask=m)
+            _store_kv(p_dh, o_k4, m_k4, o_v, m_v, V, b_dh4)
 
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
@@ -360,32 +330,24 @@ def kda_round_bwd_kernel_dh(
                 # b_dh is now exactly dL/dS_start(i_t): add the request's gradient (scalar branch,
                 # so unrequested chunks load nothing)
                 if s_j >= 0:
-                    p0 = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                    p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-                    b_dh1 += tl.load(p, mask=m, other=0.)
+                    p_dhbb = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
+                    b_dh1 += _load_kv(p_dhbb, o_k1, m_k1, o_v, m_v, V)
                     if K > 64:
-                        p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-                        b_dh2 += tl.load(p, mask=m, other=0.)
+                        b_dh2 += _load_kv(p_dhbb, o_k2, m_k2, o_v, m_v, V)
                     if K > 128:
-                        p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-                        b_dh3 += tl.load(p, mask=m, other=0.)
+                        b_dh3 += _load_kv(p_dhbb, o_k3, m_k3, o_v, m_v, V)
                     if K > 192:
-                        p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-                        b_dh4 += tl.load(p, mask=m, other=0.)
+                        b_dh4 += _load_kv(p_dhbb, o_k4, m_k4, o_v, m_v, V)
 
     if USE_INITIAL_STATE:
-        p0 = dh0 + i_nh.to(tl.int64) * K * V
-        p, m = _tile_kv(p0, o_k1, m_k1, o_v, m_v, V)
-        tl.store(p, b_dh1, mask=m)
+        p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
+        _store_kv(p_dh0, o_k1, m_k1, o_v, m_v, V, b_dh1)
         if K > 64:
-            p, m = _tile_kv(p0, o_k2, m_k2, o_v, m_v, V)
-            tl.store(p, b_dh2, mask=m)
+            _store_kv(p_dh0, o_k2, m_k2, o_v, m_v, V, b_dh2)
         if K > 128:
-            p, m = _tile_kv(p0, o_k3, m_k3, o_v, m_v, V)
-            tl.store(p, b_dh3, mask=m)
+            _store_kv(p_dh0, o_k3, m_k3, o_v, m_v, V, b_dh3)
         if K > 192:
-            p, m = _tile_kv(p0, o_k4, m_k4, o_v, m_v, V)
-            tl.store(p, b_dh4, mask=m)
+            _store_kv(p_dh0, o_k4, m_k4, o_v, m_v, V, b_dh4)
 
 
 def kda_round_fwd_h(kg, w, u, gk, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks,

@@ -174,11 +174,17 @@ def test_fast_backends_match_reference_full_model_gpu():
 
     h1, g1 = step(fast)
     h2, g2 = step(fast)
-    assert torch.equal(h1, h2) and all(torch.equal(g1[n], g2[n]) for n in g1)
+    assert torch.equal(h1, h2), "fast forward is not run-to-run deterministic"
+    # The backward is not bitwise deterministic on the GPU: the varlen flash attention backward accumulates
+    # dq with atomics (and fla's KDA backward may too). Run-to-run differences must stay at rounding level;
+    # the message names every parameter whose gradient changed.
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    changed = {n: rel(g1[n], g2[n]) for n in g1 if not torch.equal(g1[n], g2[n])}
+    print("gradients that differ run to run (relative):", changed)
+    assert all(e < 1e-2 for e in changed.values()), changed
     ref = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", backend="reference", **dims)).cuda()
     ref.load_state_dict({k: v.float() for k, v in fast.state_dict().items()})
     hr, gr = step(ref)
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     assert rel(h1, hr) < 3e-2
     for n in ("lm_head.weight", "model.layers.0.attention.q_proj.weight", "model.layers.3.attention.kv_b_proj.weight",
               "model.layers.5.mlp.experts.gate_proj", "model.word_embeddings.weight"):

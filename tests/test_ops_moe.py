@@ -106,5 +106,13 @@ def test_grouped_mm_bf16_gpu_deterministic():
         (gx,) = torch.autograd.grad(y.float().square().sum(), xx)
         runs.append((y, gx))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    ref = moe_experts_reference(*(t.float() if t.is_floating_point() else t for t in (x, idx, w, wg, wu, wd)))
-    torch.testing.assert_close(runs[0][0].float(), ref, rtol=3e-2, atol=3e-2)
+    # Elementwise tolerances do not fit bf16 here: outputs are sums of 128 products of O(100) bf16-rounded
+    # activations, so single elements that nearly cancel carry absolute errors of O(10). Compare (a) with
+    # the reference loop in bf16 on the same device (same rounding points, other GEMM kernels) and (b) with
+    # the fp32 reference, by relative RMS error; a wrong group/offset would give O(1).
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    ref_bf16 = moe_experts_reference(x, idx, w, wg, wu, wd)
+    ref_fp32 = moe_experts_reference(*(t.float() if t.is_floating_point() else t for t in (x, idx, w, wg, wu, wd)))
+    e_bf16, e_fp32, e_floor = rel(runs[0][0], ref_bf16), rel(runs[0][0], ref_fp32), rel(ref_bf16, ref_fp32)
+    print(f"grouped_mm vs bf16 loop {e_bf16:.2e}, vs fp32 loop {e_fp32:.2e} (bf16 loop vs fp32 loop {e_floor:.2e})")
+    assert e_bf16 < 1e-2 and e_fp32 < 2 * e_floor + 1e-3, (e_bf16, e_fp32, e_floor)
