@@ -13,11 +13,11 @@ These replace the two sequential kernels of fla-core 0.6.0's chunked KDA (the fo
   it reaches dh[c-1], dv2 of chunk c-1 and everything earlier, and dh0 for c == 0; the end-state
   gradient is added before the loop like dht.
 
-Requests are looked up through ``state_slot`` [NT_total + N] (int64, -1 = not requested), indexed
+Requests are looked up through ``state_slot`` [NT_total + N] (int32, -1 = not requested), indexed
 by the boundary id ``chunk_offsets[n] + n + c``. All other KDA kernels are fla's.
 The state is held as up to four [64, BV] fp32 row tiles (K <= 256), the register layout of fla's
 blockdim64 scans; boundary stores and gradient loads sit behind scalar branches, so unrequested chunks
-pay one prefetched integer load. Interpreter-safe: one autotune config under TRITON_INTERPRET=1, no casts
+pay one prefetched int32 load. Interpreter-safe: one autotune config under TRITON_INTERPRET=1, no casts
 of loop variables, no Python min/max on runtime values.
 
 Legend: T packed tokens, N sequences, HV heads (k/w/q are already expanded to HV by fla's
@@ -30,10 +30,6 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Backward: load a requested chunk's gradient tile at the top of its iteration (masked, held in registers
-# across the chunk's products) instead of behind a branch at the bottom (no extra registers, but the
-# load latency sits on the serial chain). Module-level so the kernels benchmark can time both.
-BWD_PREFETCH = True
 
 
 def _configs():
@@ -213,13 +209,13 @@ def _dh_update(b_dh, p_gl, o_k, m_k, qg, w, o_t, m_t, stride, b_do, b_dv, scale)
     'USE_INITIAL_STATE': lambda a: a['dh0'] is not None,
     'USE_FINAL_STATE_GRADIENT': lambda a: a['dht'] is not None,
 })
-@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'USE_BOUNDARY_GRADIENT', 'PREFETCH_GRADIENT'])
+@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'USE_BOUNDARY_GRADIENT'])
 @triton.jit(do_not_specialize=['T'])
 def kda_round_bwd_kernel_dh(
     qg, k, w, gk, dht, dh0, dhb, state_slot, do, dv, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_BOUNDARY_GRADIENT: tl.constexpr,
-    INJECT_AT_TOP: tl.constexpr, PREFETCH_GRADIENT: tl.constexpr,
+    INJECT_AT_TOP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -292,17 +288,6 @@ def kda_round_bwd_kernel_dh(
                         b_dh3 += _load_kv(p_dhbt, o_k3, m_k3, o_v, m_v, V)
                     if K > 192:
                         b_dh4 += _load_kv(p_dhbt, o_k4, m_k4, o_v, m_v, V)
-            if PREFETCH_GRADIENT:
-                # issue this chunk's gradient-tile loads now (masked off when unrequested: no traffic) so
-                # their latency overlaps the chunk's products; added at the bottom
-                p_dhbp = dhb + (tl.maximum(s_j, 0).to(tl.int64) * HV + i_h) * K * V
-                b_g1 = _load_kv(p_dhbp, o_k1, m_k1 & (s_j >= 0), o_v, m_v, V)
-                if K > 64:
-                    b_g2 = _load_kv(p_dhbp, o_k2, m_k2 & (s_j >= 0), o_v, m_v, V)
-                if K > 128:
-                    b_g3 = _load_kv(p_dhbp, o_k3, m_k3 & (s_j >= 0), o_v, m_v, V)
-                if K > 192:
-                    b_g4 = _load_kv(p_dhbp, o_k4, m_k4 & (s_j >= 0), o_v, m_v, V)
         p_dh = dh + i_t.to(tl.int64) * HV * K * V
         _store_kv(p_dh, o_k1, m_k1, o_v, m_v, V, b_dh1)
         if K > 64:
@@ -341,15 +326,7 @@ def kda_round_bwd_kernel_dh(
         if K > 192:
             b_dh4 = _dh_update(b_dh4, p_gl, o_k4, m_k4, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if USE_BOUNDARY_GRADIENT:
-            if PREFETCH_GRADIENT:  # b_dh is now exactly dL/dS_start(i_t)
-                b_dh1 += b_g1
-                if K > 64:
-                    b_dh2 += b_g2
-                if K > 128:
-                    b_dh3 += b_g3
-                if K > 192:
-                    b_dh4 += b_g4
-            if not PREFETCH_GRADIENT:
+            if not INJECT_AT_TOP:
                 # b_dh is now exactly dL/dS_start(i_t): add the request's gradient (scalar branch,
                 # so unrequested chunks load nothing)
                 if s_j >= 0:
@@ -411,6 +388,6 @@ def kda_round_bwd_dh(qg, kg, w, gk, h0, dht, dhb, state_slot, do, dv, scale, cu_
     kda_round_bwd_kernel_dh[grid](
         qg=qg, k=kg, w=w, gk=gk, dht=dht, dh0=dh0, dhb=dhb, state_slot=state_slot, do=do, dv=dv, dh=dh, dv2=dv2,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=chunk_size,
-        USE_BOUNDARY_GRADIENT=dhb is not None, INJECT_AT_TOP=inject_at_top, PREFETCH_GRADIENT=BWD_PREFETCH and not inject_at_top,
+        USE_BOUNDARY_GRADIENT=dhb is not None, INJECT_AT_TOP=inject_at_top,
     )
     return dh, dh0, dv2

@@ -15,15 +15,14 @@ import pytest
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
-           "ht": "*fp32", "hb": "*fp32", "state_slot": "*i64", "cu_seqlens": "*i64", "chunk_offsets": "*i64", "T": "i32"}
+           "ht": "*fp32", "hb": "*fp32", "state_slot": "*i32", "cu_seqlens": "*i64", "chunk_offsets": "*i64", "T": "i32"}
 BWD_SIG = {"qg": f"*{DT}", "k": f"*{DT}", "w": f"*{DT}", "gk": "*fp32", "dht": "*fp32", "dh0": "*fp32", "dhb": "*fp32",
-           "state_slot": "*i64", "do": f"*{DT}", "dv": f"*{DT}", "dh": f"*{DT}", "dv2": f"*{DT}", "cu_seqlens": "*i64",
+           "state_slot": "*i32", "do": f"*{DT}", "dv": f"*{DT}", "dh": f"*{DT}", "dv2": f"*{DT}", "cu_seqlens": "*i64",
            "chunk_offsets": "*i64", "scale": "fp32", "T": "i32"}
 VARIANTS = [("fwd", dict(SAVE_BOUNDARY=False)), ("fwd", dict(SAVE_BOUNDARY=True)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=False, INJECT_AT_TOP=False, PREFETCH_GRADIENT=False)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False, PREFETCH_GRADIENT=True)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False, PREFETCH_GRADIENT=False)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=True, PREFETCH_GRADIENT=False))]
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=False, INJECT_AT_TOP=False)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=True))]
 
 
 @pytest.mark.parametrize("K", [64, 128])

@@ -222,11 +222,7 @@ INTERP_REQ = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_triton_interpreter_boundaries_h0_gva(prefetch, monkeypatch):
-    import harts.kernels.kda_round as kr
-
-    monkeypatch.setattr(kr, "BWD_PREFETCH", prefetch)  # both placements of the gradient-tile load
+def test_triton_interpreter_boundaries_h0_gva():
     ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=2, K=32, V=16)
     seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
     out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)

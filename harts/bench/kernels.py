@@ -90,18 +90,11 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         t_fla = _time_ms(run_fla, reps=reps)
         t_none = _time_ms(run_round(False), reps=reps)
         t_req = _time_ms(run_round(True), reps=reps)
-        import harts.kernels.kda_round as kr
-
-        prefetch = kr.BWD_PREFETCH
-        kr.BWD_PREFETCH = not prefetch  # the other placement of the backward's gradient-tile load
-        t_req_other = _time_ms(run_round(True), reps=reps)
-        kr.BWD_PREFETCH = prefetch
         t_fla_f = _time_ms(run_fla_fwd, reps=reps)
         t_req_f = _time_ms(run_round_fwd, reps=reps)
         rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
                          round_no_req_fwd_bwd_ms=t_none, round_fwd_bwd_ms=t_req, ratio=t_req / t_fla,
-                         ratio_no_req=t_none / t_fla, bwd_prefetch=prefetch,
-                         ratio_other_bwd_load=t_req_other / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
+                         ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
                          kernels_fla=_kernel_times(run_fla, trace=_tr(trace_dir, "fla", lens)),
                          kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens))))
         del q, k, v, g, beta, do, dB

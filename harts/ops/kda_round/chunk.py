@@ -35,27 +35,23 @@ SUPPORTED_CHUNK_SIZES = (32, 64)  # fla-core 0.6.0's intra-chunk kernels; the re
 
 def round_indices(lens, chunk_size, seq, chunk, device):
     """fla's chunk indices and offsets and our boundary slot map, built on the host from the sequence
-    lengths and sent up as one pinned, non-blocking copy (reading them from the device would sync the
-    stream; a pageable "non_blocking" copy still blocks the host).
+    lengths and copied up without blocking (reading them from the device would sync the stream).
 
-    state_slot: int64 [NT_total + N], boundary id chunk_offsets[n] + n + c -> request index (-1 = none),
+    state_slot: int32 [NT_total + N], boundary id chunk_offsets[n] + n + c -> request index (-1 = none),
     or None without requests."""
     cu = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
     chunk_indices = prepare_chunk_indices(cu, chunk_size)
     chunk_offsets = prepare_chunk_offsets(cu, chunk_size)
-    parts = [chunk_indices.reshape(-1), chunk_offsets]
+    state_slot = None
     if seq:
-        state_slot = torch.full((int(chunk_offsets[-1]) + len(lens),), -1, dtype=torch.long)
+        state_slot = torch.full((int(chunk_offsets[-1]) + len(lens),), -1, dtype=torch.int32)
         seq_M, chunk_M = torch.tensor(seq), torch.tensor(chunk)
-        state_slot[chunk_offsets[seq_M] + seq_M + chunk_M] = torch.arange(len(seq))
-        parts.append(state_slot)
-    flat = torch.cat(parts)
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory()
-    flat = flat.to(device, non_blocking=True)
-    n_ci, n_co = chunk_indices.numel(), chunk_offsets.numel()
-    return (flat[:n_ci].view(-1, 2), flat[n_ci:n_ci + n_co],
-            flat[n_ci + n_co:] if seq else None)
+        state_slot[chunk_offsets[seq_M] + seq_M + chunk_M] = torch.arange(len(seq), dtype=torch.int32)
+    up = [chunk_indices, chunk_offsets] + ([state_slot] if seq else [])
+    if torch.device(device).type == "cuda":  # from pageable memory a "non_blocking" copy still blocks the host
+        up = [x.pin_memory() for x in up]
+    up = [x.to(device, non_blocking=True) for x in up]
+    return up[0], up[1], (up[2] if seq else None)
 
 
 class ChunkKDARoundFunction(torch.autograd.Function):
