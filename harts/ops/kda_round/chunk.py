@@ -11,6 +11,7 @@ boundary states, BT chunk size (fla supports 32 and 64).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -34,12 +35,20 @@ SUPPORTED_CHUNK_SIZES = (32, 64)  # fla-core 0.6.0's intra-chunk kernels; the re
 
 
 def round_indices(lens, chunk_size, seq, chunk, device):
+    """Cached by layout (fla caches its chunk indices the same way, per cu_seqlens tensor): all KDA
+    layers of a microbatch and their recomputation share one round's layout, so the host work and the
+    copies happen once per round instead of once per call. The returned tensors are read-only inputs."""
+    return _round_indices(tuple(lens), chunk_size, tuple(seq), tuple(chunk), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _round_indices(lens, chunk_size, seq, chunk, device):
     """fla's chunk indices and offsets and our boundary slot map, built on the host from the sequence
     lengths and copied up without blocking (reading them from the device would sync the stream).
 
     state_slot: int32 [NT_total + N], boundary id chunk_offsets[n] + n + c -> request index (-1 = none),
     or None without requests."""
-    cu = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
+    cu = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
     chunk_indices = prepare_chunk_indices(cu, chunk_size)
     chunk_offsets = prepare_chunk_offsets(cu, chunk_size)
     state_slot = None

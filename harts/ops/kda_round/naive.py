@@ -13,11 +13,41 @@ Legend (shape suffixes are spelled out in the signatures, fla's conventions):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # fla.modules.norm.l2norm default
+
+
+def _int_list(x) -> list:
+    """Request ids as Python ints (lists stay on the host; tensors are flattened)."""
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        return list(x)
+    return [int(v) for v in torch.as_tensor(x).reshape(-1).tolist()]
+
+
+@functools.lru_cache(maxsize=256)
+def _check_requests(lens: tuple, seq: tuple, chunk: tuple, chunk_size: int) -> None:
+    """Range and uniqueness of boundary requests. Cached: every KDA layer of a microbatch (and its
+    recomputation) repeats the same layout, and this Python loop would otherwise run before each call."""
+    N = len(lens)
+    seen = {}
+    for j, (n, c) in enumerate(zip(seq, chunk)):
+        if not 0 <= n < N:
+            raise ValueError(f"boundary request {j}: sequence {n} is out of range [0, {N})")
+        nt = -(-lens[n] // chunk_size)
+        if not 0 <= c <= nt:
+            raise ValueError(f"boundary request {j}: chunk {c} of sequence {n} is out of range [0, {nt}] "
+                             f"(length {lens[n]}, chunk_size {chunk_size}; chunk {nt} is the end state)")
+        if (n, c) in seen:
+            raise ValueError(f"boundary requests {seen[n, c]} and {j} both ask for (sequence {n}, chunk {c}); "
+                             "request each boundary once and index the result")
+        seen[n, c] = j
 
 
 def check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk, chunk_size,
@@ -76,22 +106,10 @@ def check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, s
             raise ValueError(f"safe_gate with the gate in kernel needs lower_bound in [-5, 0), got {lower_bound}")
     if (state_seq is None) != (state_chunk is None):
         raise ValueError("state_seq and state_chunk must be given together")
-    seq = [] if state_seq is None else [int(x) for x in torch.as_tensor(state_seq).reshape(-1).tolist()]
-    chunk = [] if state_chunk is None else [int(x) for x in torch.as_tensor(state_chunk).reshape(-1).tolist()]
+    seq, chunk = _int_list(state_seq), _int_list(state_chunk)
     if len(seq) != len(chunk):
         raise ValueError(f"state_seq has {len(seq)} entries but state_chunk has {len(chunk)}")
-    seen = {}
-    for j, (n, c) in enumerate(zip(seq, chunk)):
-        if not 0 <= n < N:
-            raise ValueError(f"boundary request {j}: sequence {n} is out of range [0, {N})")
-        nt = -(-lens[n] // chunk_size)
-        if not 0 <= c <= nt:
-            raise ValueError(f"boundary request {j}: chunk {c} of sequence {n} is out of range [0, {nt}] "
-                             f"(length {lens[n]}, chunk_size {chunk_size}; chunk {nt} is the end state)")
-        if (n, c) in seen:
-            raise ValueError(f"boundary requests {seen[n, c]} and {j} both ask for (sequence {n}, chunk {c}); "
-                             "request each boundary once and index the result")
-        seen[n, c] = j
+    _check_requests(tuple(lens), tuple(seq), tuple(chunk), chunk_size)
     return lens, seq, chunk
 
 
