@@ -8,12 +8,12 @@ from harts.bench import compact
 def test_compact_bench_cpu_fp32_against_float64_truth(tmp_path):
     rc = compact.main(["--preset", "ling3-tiny-debug", "--workload", "tiny", "--device", "cpu", "--dtype", "float32",
                        "--scale", "1", "--capacity", "4096", "--repeats", "0", "--truth", "float64",
-                       "--out", str(tmp_path)])
+                       "--truth-subbatches", "1000", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "compact.json").read_text())
     fid = res["fidelity"]
     assert set(fid) == {"harts_vs_baseline", "baseline_vs_baseline_floor", "harts_vs_float64_truth",
-                        "baseline_vs_float64_truth"}
+                        "baseline_vs_float64_truth", "harts_vs_baseline_on_truth_positions"}
     for name, f in fid.items():
         assert f["tokens"] == fid["harts_vs_baseline"]["tokens"] > 0, name
         assert f["cosine_min"] > 0.99999 and f["max_abs_dlogprob"] < 1e-3, (name, f)

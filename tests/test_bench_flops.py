@@ -49,3 +49,18 @@ def test_causal_pairs_rejects_more_queries_than_keys():
     assert causal_pairs(3, 3) == 6 and causal_pairs(2, 5) == 2 * 3 + 3
     with pytest.raises(ValueError, match="Lq=4 > Lk=3"):
         causal_pairs(4, 3)
+
+
+def test_kernel_families_of_h200_kernel_names():
+    """Kernel names as the H200 profile reports them (session 3 model bench) land in the right family."""
+    from harts.bench.common import family
+
+    cutlass_grouped = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
+                       "GemmUniversalINS5_17GroupProblemShapeINS_5tupleIJiiiEEEEENS5_10collective13CollectiveMmaI")
+    assert family(cutlass_grouped) == "moe_grouped_gemm"
+    assert family("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "gemm"
+    assert family("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<192") \
+        == "attention"
+    assert family("kda_round_bwd_kernel_dh").startswith("kda")
+    assert family("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda") == \
+        "elementwise_norm"

@@ -12,7 +12,7 @@ FAMILIES = (
     ("kda_state_scan", ("kda_round", "chunk_gated_delta_rule_fwd_kernel_h", "chunk_gated_delta_rule_bwd_kernel_dhu")),
     ("kda_other", ("kda", "chunk_", "wy_", "recompute_w_u", "l2norm", "gla", "solve_tril", "intra")),
     ("attention", ("flash", "fmha", "attention", "varlen", "attn")),
-    ("moe_grouped_gemm", ("grouped", "_grouped_mm")),
+    ("moe_grouped_gemm", ("grouped", "_grouped_mm", "groupproblem")),  # CUTLASS sm90 grouped GEMM: ...GroupProblemShape...
     ("logprobs", ("logprobs",)),
     ("softmax_logsumexp", ("softmax", "logsumexp")),
     ("gather_scatter_routing", ("index_select", "index_copy", "index_add", "gather", "scatter", "indexing", "index", "sort",
