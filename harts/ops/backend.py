@@ -1,6 +1,6 @@
 """Explicit, logged backend selection for the model's ops.
 
-Every op (attention, kda, conv, moe_experts) has an exact ``reference`` implementation (pure torch,
+Every op (attention, kda, conv, moe_experts, logprobs, norm) has an exact ``reference`` implementation (pure torch,
 float64-capable, runs on CPU) and a ``fast`` one (GPU kernels). ``resolve(op, requested, device, dtype)``
 turns a request into a concrete backend name and logs the choice once per (op, choice, reason), so a run's
 numerics are never changed by a silent fallback:
@@ -22,10 +22,10 @@ __all__ = ["resolve", "attention_fast_impl", "has_fla"]
 
 log = logging.getLogger("harts.ops.backend")
 
-OPS = ("attention", "kda", "conv", "moe_experts", "logprobs")
+OPS = ("attention", "kda", "conv", "moe_experts", "logprobs", "norm")
 # Triton-only ops whose fast path also runs on the CPU under TRITON_INTERPRET=1 (CI tests the kernel code;
 # only when asked for explicitly with "fast": "auto" on CPU stays on the reference).
-_INTERPRETABLE = ("kda", "conv", "logprobs")
+_INTERPRETABLE = ("kda", "conv", "logprobs", "norm")
 _logged: set[tuple] = set()
 
 
@@ -63,7 +63,7 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, request
         return f"device is {device.type}, fast {op} kernels need CUDA"
     if dtype == torch.float64:
         return "float64 is served by the reference path only"
-    if op in ("kda", "conv") and not has_fla():
+    if op in ("kda", "conv", "norm") and not has_fla():
         return "fla (fla-core) + triton not importable"
     if op == "attention":
         if attention_fast_impl() is None:

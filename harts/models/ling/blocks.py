@@ -25,6 +25,7 @@ from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.kda import kda
 from harts.ops.moe import RouterStats, moe_experts, route, router_stats
+from harts.ops.norm import gated_rms_norm, rms_norm
 
 
 def _in_backward() -> bool:
@@ -37,32 +38,30 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """Variance in fp32 (fp64 for fp64 input); the weight multiplies after the cast back, as in HF."""
+    """Variance in fp32 (fp64 for fp64 input); the weight multiplies after the cast back, as in HF
+    (the reference; the fast path is fla's fused kernel, see harts.ops.norm)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str = "auto"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
 class GatedRMSNorm(nn.Module):
     """KDA output norm: rmsnorm(o) * w * sigmoid(gate), all in fp32+, weight shared across heads."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str = "auto"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dt = _compute_dtype(o.dtype)
-        of = o.to(dt)
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(dt) * of * torch.sigmoid(gate.to(dt))).to(o.dtype)
+        return gated_rms_norm(o, gate, self.weight, self.eps, self.backend)
 
 
 def rope_interleaved(x_THR: torch.Tensor, position_ids_T: torch.Tensor, theta: float) -> torch.Tensor:
@@ -96,10 +95,10 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(D, H * self.Dqk, bias=False)
         else:
             self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, cfg.op_backend("norm"))
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.Dqk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.R, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.Dv), bias=False)
         self.g_proj = nn.Linear(D, H, bias=False)
         self.dense = nn.Linear(H * self.Dv, D, bias=False)
@@ -162,7 +161,7 @@ class KDA(nn.Module):
         self.g_proj = nn.Linear(D, P, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(P))
-        self.o_norm = GatedRMSNorm(Kh, cfg.rms_norm_eps)
+        self.o_norm = GatedRMSNorm(Kh, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def project(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -265,9 +264,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.kind = cfg.layer_type(layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.attention = MLA(cfg) if self.kind == "mla" else KDA(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.mlp = MoE(cfg) if cfg.mlp_type(layer_idx) == "moe" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h_TD, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen: int | None = None,

@@ -64,6 +64,7 @@ class LingConfig:
     conv_backend: str | None = None
     moe_backend: str | None = None
     logprobs_backend: str | None = None  # fused Triton compact log-probs vs the chunked torch reference
+    norm_backend: str | None = None  # fla's fused Triton RMSNorm / gated RMSNorm vs torch ops
     logprobs_chunk_size: int = 4096
 
     # ---------------------------------------------------------------- derived
@@ -72,7 +73,7 @@ class LingConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def op_backend(self, op: str) -> str:
-        """Requested backend for op in ('attention', 'kda', 'conv', 'moe', 'logprobs')."""
+        """Requested backend for op in ('attention', 'kda', 'conv', 'moe', 'logprobs', 'norm')."""
         v = getattr(self, f"{op}_backend")
         return self.backend if v is None else v
 
@@ -98,7 +99,8 @@ class LingConfig:
             raise ValueError(f"kda_lower_bound={self.kda_lower_bound} must lie in [-5, 0)")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even (interleaved RoPE pairs)")
-        for name in ("backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend", "logprobs_backend"):
+        for name in ("backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend", "logprobs_backend",
+                     "norm_backend"):
             v = getattr(self, name)
             if v not in ("auto", "reference", "fast") and not (v is None and name != "backend"):
                 raise ValueError(f"{name}={v!r}: expected 'auto', 'reference' or 'fast'")
@@ -142,7 +144,7 @@ class LingConfig:
 
     # ---------------------------------------------------------------- HF config.json
     _HARTS_ONLY = ("recompute", "backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend",
-                   "logprobs_backend", "logprobs_chunk_size", "kda_chunk_size")
+                   "logprobs_backend", "norm_backend", "logprobs_chunk_size", "kda_chunk_size")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The released config.json keys (plus the aliases transformers' BailingHybridConfig reads)."""

@@ -43,7 +43,7 @@ class LingModel(nn.Module):
         # No padding_idx: the official nn.Embedding(padding_idx=<|endoftext|>) would freeze that row's grad.
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
                 *, layout=None):

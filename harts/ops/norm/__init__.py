@@ -1,0 +1,58 @@
+"""RMSNorm and gated RMSNorm with an explicit backend: the torch reference, or fla's fused Triton kernels.
+
+Two cases always take the torch ops, whatever was requested, and are logged once: tracing under
+``torch.compile`` (Inductor fuses the same ops; the trainer compiles the norms) and DTensor operands
+(tensor parallelism hands the norms Replicate weights; the Triton kernels take plain tensors).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from harts.ops.backend import resolve
+from harts.ops.norm.reference import gated_rms_norm_reference, rms_norm_reference
+
+__all__ = ["rms_norm", "gated_rms_norm", "rms_norm_reference", "gated_rms_norm_reference"]
+
+log = logging.getLogger("harts.ops.backend")
+_logged: set[str] = set()
+
+
+def _torch_ops_because(*tensors) -> str | None:
+    if torch.compiler.is_compiling():
+        return "under torch.compile (Inductor fuses the torch ops)"
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return None
+    if any(isinstance(t, DTensor) for t in tensors):
+        return "DTensor operands (tensor parallelism)"
+    return None
+
+
+def _use_fast(backend: str, x: torch.Tensor, *others) -> bool:
+    why = _torch_ops_because(x, *others)
+    if why is not None:
+        if why not in _logged and not torch.compiler.is_compiling():
+            _logged.add(why)
+            log.info("harts backend norm -> torch ops (%s)", why)
+        return False
+    return resolve("norm", backend, x.device, x.dtype) == "fast"
+
+
+def rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
+    if _use_fast(backend, x_TD, w_D):
+        from harts.ops.norm.fast import rms_norm_fast
+
+        return rms_norm_fast(x_TD, w_D, eps)
+    return rms_norm_reference(x_TD, w_D, eps)
+
+
+def gated_rms_norm(x_TD: torch.Tensor, g_TD: torch.Tensor, w_D: torch.Tensor, eps: float,
+                   backend: str = "auto") -> torch.Tensor:
+    if _use_fast(backend, x_TD, g_TD, w_D):
+        from harts.ops.norm.fast import gated_rms_norm_fast
+
+        return gated_rms_norm_fast(x_TD, g_TD, w_D, eps)
+    return gated_rms_norm_reference(x_TD, g_TD, w_D, eps)
