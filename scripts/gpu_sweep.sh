@@ -35,12 +35,13 @@ for what in "$@"; do
   case $what in
     # every GPU test; the ones that failed or have not passed on a GPU yet first (session 3, call 2: attention,
     # conv, ops-KDA and logprobs passed)
-    warm) step warm 300 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=0 tests/test_ops_moe.py \
+    warm) step warm 300 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=0 tests/test_ops_norm.py tests/test_ops_moe.py \
             tests/test_model_ling.py tests/test_kernels_kda_round.py tests/test_runtime_gpu.py tests/test_ops_attention.py \
             tests/test_ops_conv.py tests/test_ops_kda.py tests/test_kernels_logprobs.py ;;
-    # what changed since the last GPU call: KDA-round kernels (both backward variants) and the model test
-    retest) step retest 200 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=0 tests/test_kernels_kda_round.py \
-            tests/test_model_ling.py tests/test_runtime_gpu.py ;;
+    # what changed since session 3's GPU calls: fused norms, MoE combine + gradient checks, the model test
+    # bound, KDA-round host caching (the KDA-round tests last: they passed in session 3 and take ~95 s)
+    retest) step retest 240 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=0 tests/test_ops_norm.py \
+            tests/test_ops_moe.py tests/test_model_ling.py tests/test_runtime_gpu.py tests/test_kernels_kda_round.py ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" --trace /tmp/kda_traces ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
     compact) step compact 420 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
