@@ -38,7 +38,8 @@ def _time_ms(fn, warmup=2, reps=5):
     return times[len(times) // 2]
 
 
-def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5, trace_dir=None):
+def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5, rounds=3,
+              trace_dir=None):
     from fla.ops.kda import chunk_kda
 
     from harts.ops.kda_round import chunk_kda_round
@@ -87,14 +88,20 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         def run_round_fwd():
             with torch.no_grad():
                 chunk_kda_round(q, k, v, g, beta, cu, state_seq=seq, state_chunk=chunk, cu_seqlens_cpu=cu_cpu)
-        t_fla = _time_ms(run_fla, reps=reps)
-        t_none = _time_ms(run_round(False), reps=reps)
-        t_req = _time_ms(run_round(True), reps=reps)
-        t_fla_f = _time_ms(run_fla_fwd, reps=reps)
-        t_req_f = _time_ms(run_round_fwd, reps=reps)
+        # Interleaved rounds (fla, round, round with requests, ... then again): a drifting clock or a
+        # neighbour's load hits every variant alike; each variant's figure is its median over all rounds.
+        variants = {"fla": run_fla, "none": run_round(False), "req": run_round(True), "fla_f": run_fla_fwd,
+                    "req_f": run_round_fwd}
+        samples = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                samples[name].append(_time_ms(fn, reps=reps))
+        med = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+        t_fla, t_none, t_req, t_fla_f, t_req_f = (med[n] for n in ("fla", "none", "req", "fla_f", "req_f"))
         rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
                          round_no_req_fwd_bwd_ms=t_none, round_fwd_bwd_ms=t_req, ratio=t_req / t_fla,
                          ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
+                         samples_ms=samples,
                          kernels_fla=_kernel_times(run_fla, trace=_tr(trace_dir, "fla", lens)),
                          kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens))))
         del q, k, v, g, beta, do, dB
@@ -215,6 +222,9 @@ def _table(rows, title):
     for r in rows:
         print("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
     for r in rows:
+        if "samples_ms" in r:
+            print(f"\n{r['layout']} medians of 5 calls per round, rounds interleaved: " + "; ".join(
+                f"{n} {[round(x, 3) for x in xs]}" for n, xs in r["samples_ms"].items()))
         for k, v in r.items():
             if isinstance(v, dict) and "top" in v:
                 print(f"\n{r.get('layout', '')} {k}: wall {v['wall_ms']:.3f} ms, kernels {v['kernel_sum_ms']:.3f} ms")
