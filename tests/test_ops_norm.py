@@ -50,6 +50,16 @@ def test_fast_matches_reference_interpreter_fp32(gated):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(CUDA, reason="interpreter case")
+def test_fast_on_a_column_slice_interpreter():
+    """MLA normalises a column slice of the kv_a output (row stride > width): the fused path must not read
+    across rows."""
+    full = torch.randn(11, 48 + 16, generator=torch.Generator().manual_seed(4))
+    x, w = full[:, :48], torch.randn(48, generator=torch.Generator().manual_seed(5))
+    assert not x.is_contiguous()
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, "fast"), rms_norm_reference(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 def test_fast_matches_reference_gpu_bf16(gated):
