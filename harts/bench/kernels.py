@@ -103,7 +103,8 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
                          ratio_no_req=t_none / t_fla, fla_fwd_ms=t_fla_f, round_fwd_ms=t_req_f,
                          samples_ms=samples,
                          kernels_fla=_kernel_times(run_fla, trace=_tr(trace_dir, "fla", lens)),
-                         kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens))))
+                         kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens)),
+                         kernels_round_no_req=_kernel_times(run_round(False))))
         del q, k, v, g, beta, do, dB
         torch.cuda.empty_cache()
     return rows
