@@ -63,6 +63,71 @@ def _cols(p, o_t, m_t, o_c, m_c, stride):
     return tl.load(p + o_c[:, None] + o_t[None, :] * stride, mask=m_c[:, None] & m_t[None, :], other=0.)
 
 
+# A [K, V] state block is four [64, BV] fp32 row tiles b1..b4 (the register layout of fla's blockdim64
+# scans). All four always exist; the helpers below touch only the tiles that K reaches (constexpr
+# branches), so the unused ones stay zero constants and compile away.
+@triton.jit
+def _store_state(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr):
+    o_k = tl.arange(0, 64)
+    _store_kv(p, o_k, o_k < K, o_v, m_v, V, b1)
+    if K > 64:
+        _store_kv(p, 64 + o_k, 64 + o_k < K, o_v, m_v, V, b2)
+    if K > 128:
+        _store_kv(p, 128 + o_k, 128 + o_k < K, o_v, m_v, V, b3)
+    if K > 192:
+        _store_kv(p, 192 + o_k, 192 + o_k < K, o_v, m_v, V, b4)
+
+
+@triton.jit
+def _add_state(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr):
+    """The tiles plus the [K, V] fp32 state stored at ``p``."""
+    o_k = tl.arange(0, 64)
+    b1 += _load_kv(p, o_k, o_k < K, o_v, m_v, V)
+    if K > 64:
+        b2 += _load_kv(p, 64 + o_k, 64 + o_k < K, o_v, m_v, V)
+    if K > 128:
+        b3 += _load_kv(p, 128 + o_k, 128 + o_k < K, o_v, m_v, V)
+    if K > 192:
+        b4 += _load_kv(p, 192 + o_k, 192 + o_k < K, o_v, m_v, V)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def _rows_dot_state(p, o_t, m_t, stride, b1, b2, b3, b4, K: tl.constexpr):
+    """x[BT, K] @ S[K, BV] for a token-major x at ``p`` (x's dtype into the dot, fp32 accumulation)."""
+    o_k = tl.arange(0, 64)
+    b_x = _rows(p, o_t, m_t, o_k, o_k < K, stride)
+    acc = tl.dot(b_x, b1.to(b_x.dtype))
+    if K > 64:
+        b_x = _rows(p, o_t, m_t, 64 + o_k, 64 + o_k < K, stride)
+        acc = tl.dot(b_x, b2.to(b_x.dtype), acc)
+    if K > 128:
+        b_x = _rows(p, o_t, m_t, 128 + o_k, 128 + o_k < K, stride)
+        acc = tl.dot(b_x, b3.to(b_x.dtype), acc)
+    if K > 192:
+        b_x = _rows(p, o_t, m_t, 192 + o_k, 192 + o_k < K, stride)
+        acc = tl.dot(b_x, b4.to(b_x.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _fwd_update(b, o_k, K: tl.constexpr, p_gl, k, o_t, m_t, stride, b_v):
+    """Row tile o_k of S_end = diag(2^gk_last) S_start + kg^T v_new."""
+    m_k = o_k < K
+    b *= tl.exp2(tl.load(p_gl + o_k, mask=m_k, other=0.).to(tl.float32))[:, None]
+    return tl.dot(_cols(k, o_t, m_t, o_k, m_k, stride), b_v, b)
+
+
+@triton.jit
+def _bwd_update(b, o_k, K: tl.constexpr, p_gl, qg, w, o_t, m_t, stride, b_do, b_dv, scale):
+    """Row tile o_k of dS_start = diag(2^gl) dS_end + scale qg^T do - w^T dv2."""
+    m_k = o_k < K
+    b *= tl.exp2(tl.load(p_gl + o_k, mask=m_k, other=0.).to(tl.float32))[:, None]
+    b_q = _cols(qg, o_t, m_t, o_k, m_k, stride)
+    b_w = _cols(w, o_t, m_t, o_k, m_k, stride)
+    return b + tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+
+
 @triton.heuristics({
     'USE_INITIAL_STATE': lambda a: a['h0'] is not None,
     'STORE_FINAL_STATE': lambda a: a['ht'] is not None,
@@ -82,13 +147,9 @@ def kda_round_fwd_kernel_h(
     NT = tl.cdiv(T, BT)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     bid = boh + i_n  # boundary id of (n, c = 0)
-
-    # the state is held as up to four [64, BV] fp32 row tiles (K <= 256), as fla's blockdim64 scans
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_k1 = tl.arange(0, 64)
-    o_k2, o_k3, o_k4 = 64 + o_k1, 128 + o_k1, 192 + o_k1
-    m_k1, m_k2, m_k3, m_k4 = o_k1 < K, o_k2 < K, o_k3 < K, o_k4 < K
+    o_k = tl.arange(0, 64)
 
     # per-(sequence, head) bases; token t of the sequence is at +t*HV*{K,V}
     k += (bos * HV + i_h) * K
@@ -99,32 +160,16 @@ def kda_round_fwd_kernel_h(
     h += (boh * HV + i_h) * K * V
 
     b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 64:
-        b_h2 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 128:
-        b_h3 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 192:
-        b_h4 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h3 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        p_h0 = h0 + i_nh.to(tl.int64) * K * V
-        b_h1 += _load_kv(p_h0, o_k1, m_k1, o_v, m_v, V)
-        if K > 64:
-            b_h2 += _load_kv(p_h0, o_k2, m_k2, o_v, m_v, V)
-        if K > 128:
-            b_h3 += _load_kv(p_h0, o_k3, m_k3, o_v, m_v, V)
-        if K > 192:
-            b_h4 += _load_kv(p_h0, o_k4, m_k4, o_v, m_v, V)
+        b_h1, b_h2, b_h3, b_h4 = _add_state(h0 + i_nh.to(tl.int64) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V)
     s_nx = tl.load(state_slot + bid) if SAVE_BOUNDARY else 0
 
     for i_t in range(0, NT):
         # S_start(i_t): the chunk's h (input dtype) and, if requested, the fp32 boundary state
-        _store_kv(h, o_k1, m_k1, o_v, m_v, V, b_h1)
-        if K > 64:
-            _store_kv(h, o_k2, m_k2, o_v, m_v, V, b_h2)
-        if K > 128:
-            _store_kv(h, o_k3, m_k3, o_v, m_v, V, b_h3)
-        if K > 192:
-            _store_kv(h, o_k4, m_k4, o_v, m_v, V, b_h4)
+        _store_state(h, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V)
         h += HV * K * V  # pointer walk: 64-bit, no cast of the loop variable
         if SAVE_BOUNDARY:
             # the slot of this chunk was fetched one iteration ahead, off the scan's critical path;
@@ -132,29 +177,12 @@ def kda_round_fwd_kernel_h(
             s_j = s_nx
             s_nx = tl.load(state_slot + bid + i_t + 1)
             if s_j >= 0:
-                p_hb = hb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                _store_kv(p_hb, o_k1, m_k1, o_v, m_v, V, b_h1)
-                if K > 64:
-                    _store_kv(p_hb, o_k2, m_k2, o_v, m_v, V, b_h2)
-                if K > 128:
-                    _store_kv(p_hb, o_k3, m_k3, o_v, m_v, V, b_h3)
-                if K > 192:
-                    _store_kv(p_hb, o_k4, m_k4, o_v, m_v, V, b_h4)
+                _store_state(hb + (s_j.to(tl.int64) * HV + i_h) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V)
 
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
         # v_new = u - w S_start
-        b_w = _rows(w, o_t, m_t, o_k1, m_k1, HV * K)
-        b_v = tl.dot(b_w, b_h1.to(b_w.dtype))
-        if K > 64:
-            b_w = _rows(w, o_t, m_t, o_k2, m_k2, HV * K)
-            b_v = tl.dot(b_w, b_h2.to(b_w.dtype), b_v)
-        if K > 128:
-            b_w = _rows(w, o_t, m_t, o_k3, m_k3, HV * K)
-            b_v = tl.dot(b_w, b_h3.to(b_w.dtype), b_v)
-        if K > 192:
-            b_w = _rows(w, o_t, m_t, o_k4, m_k4, HV * K)
-            b_v = tl.dot(b_w, b_h4.to(b_w.dtype), b_v)
+        b_v = _rows_dot_state(w, o_t, m_t, HV * K, b_h1, b_h2, b_h3, b_h4, K)
         b_v = _rows(u, o_t, m_t, o_v, m_v, HV * V).to(tl.float32) - b_v
         tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
@@ -162,47 +190,20 @@ def kda_round_fwd_kernel_h(
         # S_end = diag(2^gk_last) S_start + kg^T v_new
         p_gl = gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV * K
         b_v = b_v.to(k.dtype.element_ty)
-        b_h1 *= tl.exp2(tl.load(p_gl + o_k1, mask=m_k1, other=0.).to(tl.float32))[:, None]
-        b_h1 = tl.dot(_cols(k, o_t, m_t, o_k1, m_k1, HV * K), b_v, b_h1)
+        b_h1 = _fwd_update(b_h1, o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
         if K > 64:
-            b_h2 *= tl.exp2(tl.load(p_gl + o_k2, mask=m_k2, other=0.).to(tl.float32))[:, None]
-            b_h2 = tl.dot(_cols(k, o_t, m_t, o_k2, m_k2, HV * K), b_v, b_h2)
+            b_h2 = _fwd_update(b_h2, 64 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
         if K > 128:
-            b_h3 *= tl.exp2(tl.load(p_gl + o_k3, mask=m_k3, other=0.).to(tl.float32))[:, None]
-            b_h3 = tl.dot(_cols(k, o_t, m_t, o_k3, m_k3, HV * K), b_v, b_h3)
+            b_h3 = _fwd_update(b_h3, 128 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
         if K > 192:
-            b_h4 *= tl.exp2(tl.load(p_gl + o_k4, mask=m_k4, other=0.).to(tl.float32))[:, None]
-            b_h4 = tl.dot(_cols(k, o_t, m_t, o_k4, m_k4, HV * K), b_v, b_h4)
+            b_h4 = _fwd_update(b_h4, 192 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
 
     # the end state: final state and/or the request of chunk NT
     if STORE_FINAL_STATE:
-        p_ht = ht + i_nh.to(tl.int64) * K * V
-        _store_kv(p_ht, o_k1, m_k1, o_v, m_v, V, b_h1)
-        if K > 64:
-            _store_kv(p_ht, o_k2, m_k2, o_v, m_v, V, b_h2)
-        if K > 128:
-            _store_kv(p_ht, o_k3, m_k3, o_v, m_v, V, b_h3)
-        if K > 192:
-            _store_kv(p_ht, o_k4, m_k4, o_v, m_v, V, b_h4)
+        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V)
     if SAVE_BOUNDARY:
         if s_nx >= 0:
-            p_hbe = hb + (s_nx.to(tl.int64) * HV + i_h) * K * V
-            _store_kv(p_hbe, o_k1, m_k1, o_v, m_v, V, b_h1)
-            if K > 64:
-                _store_kv(p_hbe, o_k2, m_k2, o_v, m_v, V, b_h2)
-            if K > 128:
-                _store_kv(p_hbe, o_k3, m_k3, o_v, m_v, V, b_h3)
-            if K > 192:
-                _store_kv(p_hbe, o_k4, m_k4, o_v, m_v, V, b_h4)
-
-
-@triton.jit
-def _dh_update(b_dh, p_gl, o_k, m_k, qg, w, o_t, m_t, stride, b_do, b_dv, scale):
-    """One [64, BV] row tile of dS_start = diag(2^gl) dS_end + scale qg^T do - w^T dv2."""
-    b_dh *= tl.exp2(tl.load(p_gl + o_k, mask=m_k, other=0.).to(tl.float32))[:, None]
-    b_q = _cols(qg, o_t, m_t, o_k, m_k, stride)
-    b_w = _cols(w, o_t, m_t, o_k, m_k, stride)
-    return b_dh + tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+            _store_state(hb + (s_nx.to(tl.int64) * HV + i_h) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V)
 
 
 @triton.heuristics({
@@ -225,12 +226,9 @@ def kda_round_bwd_kernel_dh(
     NT = tl.cdiv(T, BT)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     bid = boh + i_n
-
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_k1 = tl.arange(0, 64)
-    o_k2, o_k3, o_k4 = 64 + o_k1, 128 + o_k1, 192 + o_k1
-    m_k1, m_k2, m_k3, m_k4 = o_k1 < K, o_k2 < K, o_k3 < K, o_k4 < K
+    o_k = tl.arange(0, 64)
 
     qg += (bos * HV + i_h) * K
     k += (bos * HV + i_h) * K
@@ -241,36 +239,21 @@ def kda_round_bwd_kernel_dh(
     dv2 += (bos * HV + i_h) * V
     dh += (boh * HV + i_h) * K * V
 
-    # running b_dh = dL/dS_end(current chunk), as [64, BV] row tiles; starts as the end-state gradient
-    # plus the gradient of a request for the end state (chunk NT)
+    # running b_dh = dL/dS_end(current chunk); starts as the end-state gradient plus the gradient of a
+    # request for the end state (chunk NT)
     b_dh1 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 64:
-        b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 128:
-        b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
-    if K > 192:
-        b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
-        p_dht = dht + i_nh.to(tl.int64) * K * V
-        b_dh1 += _load_kv(p_dht, o_k1, m_k1, o_v, m_v, V)
-        if K > 64:
-            b_dh2 += _load_kv(p_dht, o_k2, m_k2, o_v, m_v, V)
-        if K > 128:
-            b_dh3 += _load_kv(p_dht, o_k3, m_k3, o_v, m_v, V)
-        if K > 192:
-            b_dh4 += _load_kv(p_dht, o_k4, m_k4, o_v, m_v, V)
+        b_dh1, b_dh2, b_dh3, b_dh4 = _add_state(dht + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4,
+                                                o_v, m_v, K, V)
     s_nx = 0
     if USE_BOUNDARY_GRADIENT:
         s_j = tl.load(state_slot + bid + NT)
         if s_j >= 0:
-            p_dhbe = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-            b_dh1 += _load_kv(p_dhbe, o_k1, m_k1, o_v, m_v, V)
-            if K > 64:
-                b_dh2 += _load_kv(p_dhbe, o_k2, m_k2, o_v, m_v, V)
-            if K > 128:
-                b_dh3 += _load_kv(p_dhbe, o_k3, m_k3, o_v, m_v, V)
-            if K > 192:
-                b_dh4 += _load_kv(p_dhbe, o_k4, m_k4, o_v, m_v, V)
+            b_dh1, b_dh2, b_dh3, b_dh4 = _add_state(dhb + (s_j.to(tl.int64) * HV + i_h) * K * V,
+                                                    b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
         s_nx = tl.load(state_slot + bid + tl.maximum(NT - 1, 0))
 
     for i_r in range(0, NT):
@@ -280,22 +263,9 @@ def kda_round_bwd_kernel_dh(
             s_nx = tl.load(state_slot + bid + tl.maximum(i_t - 1, 0))  # next chunk's slot, one ahead
             if INJECT_AT_TOP:  # deliberately wrong placement (gradient of S_end), negative-control test only
                 if s_j >= 0:
-                    p_dhbt = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                    b_dh1 += _load_kv(p_dhbt, o_k1, m_k1, o_v, m_v, V)
-                    if K > 64:
-                        b_dh2 += _load_kv(p_dhbt, o_k2, m_k2, o_v, m_v, V)
-                    if K > 128:
-                        b_dh3 += _load_kv(p_dhbt, o_k3, m_k3, o_v, m_v, V)
-                    if K > 192:
-                        b_dh4 += _load_kv(p_dhbt, o_k4, m_k4, o_v, m_v, V)
-        p_dh = dh + i_t.to(tl.int64) * HV * K * V
-        _store_kv(p_dh, o_k1, m_k1, o_v, m_v, V, b_dh1)
-        if K > 64:
-            _store_kv(p_dh, o_k2, m_k2, o_v, m_v, V, b_dh2)
-        if K > 128:
-            _store_kv(p_dh, o_k3, m_k3, o_v, m_v, V, b_dh3)
-        if K > 192:
-            _store_kv(p_dh, o_k4, m_k4, o_v, m_v, V, b_dh4)
+                    b_dh1, b_dh2, b_dh3, b_dh4 = _add_state(dhb + (s_j.to(tl.int64) * HV + i_h) * K * V,
+                                                            b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
+        _store_state(dh + i_t.to(tl.int64) * HV * K * V, b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
 
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
@@ -304,50 +274,27 @@ def kda_round_bwd_kernel_dh(
         b_do = _rows(do, o_t, m_t, o_v, m_v, HV * V)
 
         # dv2 = kg dS_end + dv_local  (gradient of v_new of this chunk)
-        b_k = _rows(k, o_t, m_t, o_k1, m_k1, HV * K)
-        b_dv = tl.dot(b_k, b_dh1.to(b_k.dtype))
-        if K > 64:
-            b_k = _rows(k, o_t, m_t, o_k2, m_k2, HV * K)
-            b_dv = tl.dot(b_k, b_dh2.to(b_k.dtype), b_dv)
-        if K > 128:
-            b_k = _rows(k, o_t, m_t, o_k3, m_k3, HV * K)
-            b_dv = tl.dot(b_k, b_dh3.to(b_k.dtype), b_dv)
-        if K > 192:
-            b_k = _rows(k, o_t, m_t, o_k4, m_k4, HV * K)
-            b_dv = tl.dot(b_k, b_dh4.to(b_k.dtype), b_dv)
+        b_dv = _rows_dot_state(k, o_t, m_t, HV * K, b_dh1, b_dh2, b_dh3, b_dh4, K)
         b_dv += _rows(dv, o_t, m_t, o_v, m_v, HV * V).to(tl.float32)
         tl.store(dv2 + o_t[:, None] * (HV * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
 
-        b_dh1 = _dh_update(b_dh1, p_gl, o_k1, m_k1, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+        b_dh1 = _bwd_update(b_dh1, o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if K > 64:
-            b_dh2 = _dh_update(b_dh2, p_gl, o_k2, m_k2, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            b_dh2 = _bwd_update(b_dh2, 64 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if K > 128:
-            b_dh3 = _dh_update(b_dh3, p_gl, o_k3, m_k3, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            b_dh3 = _bwd_update(b_dh3, 128 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if K > 192:
-            b_dh4 = _dh_update(b_dh4, p_gl, o_k4, m_k4, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            b_dh4 = _bwd_update(b_dh4, 192 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if USE_BOUNDARY_GRADIENT:
             if not INJECT_AT_TOP:
                 # b_dh is now exactly dL/dS_start(i_t): add the request's gradient (scalar branch,
                 # so unrequested chunks load nothing)
                 if s_j >= 0:
-                    p_dhbb = dhb + (s_j.to(tl.int64) * HV + i_h) * K * V
-                    b_dh1 += _load_kv(p_dhbb, o_k1, m_k1, o_v, m_v, V)
-                    if K > 64:
-                        b_dh2 += _load_kv(p_dhbb, o_k2, m_k2, o_v, m_v, V)
-                    if K > 128:
-                        b_dh3 += _load_kv(p_dhbb, o_k3, m_k3, o_v, m_v, V)
-                    if K > 192:
-                        b_dh4 += _load_kv(p_dhbb, o_k4, m_k4, o_v, m_v, V)
+                    b_dh1, b_dh2, b_dh3, b_dh4 = _add_state(dhb + (s_j.to(tl.int64) * HV + i_h) * K * V,
+                                                            b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
 
     if USE_INITIAL_STATE:
-        p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
-        _store_kv(p_dh0, o_k1, m_k1, o_v, m_v, V, b_dh1)
-        if K > 64:
-            _store_kv(p_dh0, o_k2, m_k2, o_v, m_v, V, b_dh2)
-        if K > 128:
-            _store_kv(p_dh0, o_k3, m_k3, o_v, m_v, V, b_dh3)
-        if K > 192:
-            _store_kv(p_dh0, o_k4, m_k4, o_v, m_v, V, b_dh4)
+        _store_state(dh0 + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V)
 
 
 def kda_round_fwd_h(kg, w, u, gk, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks,
