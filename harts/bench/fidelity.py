@@ -19,13 +19,13 @@ makes on the way to the position's row; 5 means >= 5), plus the scalar loss diff
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import numpy as np
 import torch
 
 from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
+from harts.bench.output import write_results
 
 
 def handoff_depth_of_rows(batch) -> np.ndarray:
@@ -144,12 +144,7 @@ def main(argv=None) -> int:
     for k in range(D):
         print(f"{k:>5d} " + " ".join(f"{res['symkl_by_depth'][n][k]:22.3e} {res['abs_dnll_by_depth'][n][k]:24.3e}"
                                      for n in names))
-    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    try:
-        _plot(res, os.path.join(args.out, "fidelity.png"))
-    except ImportError as e:  # matplotlib is a bench extra
-        print(f"no PNG: {e}")
+    write_results(args.out, "fidelity", res, _plot)
     return 0
 
 

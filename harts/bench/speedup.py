@@ -18,7 +18,6 @@ Writes ``speedup.json`` and ``speedup.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections import defaultdict
@@ -26,6 +25,7 @@ from collections import defaultdict
 import torch
 
 from harts.bench.common import add_workload_args, build_model, family, subbatches, workload_step
+from harts.bench.output import write_results
 
 def flops_per_row(model) -> float:
     """Forward matmul FLOPs per row: 2 x active parameters (routed experts counted top-k, LM head included)."""
@@ -180,12 +180,7 @@ def main(argv=None) -> int:
     print(f"\n{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
     for f, v in sorted(res["profile"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
         print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
-    with open(os.path.join(args.out, "speedup.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    try:
-        _plot(res, os.path.join(args.out, "speedup.png"))
-    except ImportError as e:
-        print(f"no PNG: {e}")
+    write_results(args.out, "speedup", res, _plot)
     return 0
 
 

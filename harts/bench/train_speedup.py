@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+
+from harts.bench.output import write_results
 
 
 def load_metrics(path: str) -> list[dict]:
@@ -83,7 +84,6 @@ def main(argv=None) -> int:
     h = summarize(load_metrics(args.harts), args.skip, args.harts)
     b = summarize(load_metrics(args.baseline), args.skip, args.baseline)
     res = {"args": vars(args), "harts": h, "baseline": b, **compare(h, b)}
-    os.makedirs(args.out, exist_ok=True)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"world {h['world']} (dp {h['dp']}, ep {h['ep']}), steps {h['steps'][0]}..{h['steps'][-1]} "
           f"(first {args.skip} skipped), raw tokens/step {h['raw_tokens']:,.0f}, compact rows/step "
@@ -95,12 +95,7 @@ def main(argv=None) -> int:
     print(f"speedup: F/B/Grad {fmt(res.get('speedup_fbgrad'), '.3f')}x "
           f"({fmt(res.get('fbgrad_over_compression'), '.3f')} of compression), step {res['speedup_step']:.3f}x "
           f"({res['step_over_compression']:.3f} of compression)")
-    with open(os.path.join(args.out, "train_speedup.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        _plot(res, os.path.join(args.out, "train_speedup.png"))
-    except ImportError as e:
-        print(f"no PNG: {e}")
+    write_results(args.out, "train_speedup", res, _plot)
     return 0
 
 
