@@ -222,19 +222,12 @@ INTERP_REQ = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
-def test_triton_interpreter_boundaries_h0_gva():
-    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=2, K=32, V=16)
-    seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
-    out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
-    out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
-    errs, bad = _compare(out, grads, out_r, grads_r, 1e-5, 1e-4)
-    assert not bad, errs
-
-
-@pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
-def test_triton_interpreter_several_state_row_tiles():
-    """K = 96: the scans hold the state as two 64-row tiles, the second partly masked."""
-    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=1, K=96, V=16, seed=7)
+@pytest.mark.parametrize("H,HV,K,seed", [
+    (1, 2, 32, 0),  # h0 with GVA
+    (1, 1, 96, 7),  # the scans hold the state as two 64-row tiles, the second partly masked
+], ids=["h0_gva", "several_state_row_tiles"])
+def test_triton_interpreter_boundaries(H, HV, K, seed):
+    ins, cu, h0 = make_inputs(INTERP_LENS, H=H, HV=HV, K=K, V=16, seed=seed)
     seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
     out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
     out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)

@@ -1,8 +1,8 @@
 """RMSNorm and gated RMSNorm with an explicit backend: the torch reference, or fla's fused Triton kernels.
 
-Two cases always take the torch ops, whatever was requested, and are logged once: tracing under
-``torch.compile`` (Inductor fuses the same ops; the trainer compiles the norms) and DTensor operands
-(tensor parallelism hands the norms Replicate weights; the Triton kernels take plain tensors).
+Two cases always take the torch ops, whatever was requested: tracing under ``torch.compile`` (Inductor
+fuses the same ops; the trainer compiles the norms) and DTensor operands (tensor parallelism hands the
+norms Replicate weights; the Triton kernels take plain tensors; logged once).
 """
 from __future__ import annotations
 
@@ -19,24 +19,15 @@ log = logging.getLogger("harts.ops.backend")
 _logged: set[str] = set()
 
 
-def _torch_ops_because(*tensors) -> str | None:
-    if torch.compiler.is_compiling():
-        return "under torch.compile (Inductor fuses the torch ops)"
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return None
-    if any(isinstance(t, DTensor) for t in tensors):
-        return "DTensor operands (tensor parallelism)"
-    return None
-
-
 def _use_fast(backend: str, x: torch.Tensor, *others) -> bool:
-    why = _torch_ops_because(x, *others)
-    if why is not None:
-        if why not in _logged and not torch.compiler.is_compiling():
-            _logged.add(why)
-            log.info("harts backend norm -> torch ops (%s)", why)
+    if torch.compiler.is_compiling():  # Inductor fuses the torch ops
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(t, DTensor) for t in (x, *others)):
+        if not _logged:
+            _logged.add("dtensor")
+            log.info("harts backend norm -> torch ops (DTensor operands: tensor parallelism)")
         return False
     return resolve("norm", backend, x.device, x.dtype) == "fast"
 
