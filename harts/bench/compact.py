@@ -13,13 +13,13 @@ Writes ``compact.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
 from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
+from harts.bench.output import write_results
 
 
 def _sync(dev):
@@ -73,11 +73,6 @@ def _routing(model, run, rows_of):
     return result, [torch.cat(s) for s in seen]
 
 
-def _dump(res: dict, out: str) -> None:
-    with open(os.path.join(out, "compact.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-
-
 def _timing(res, model, hb, subs, run_harts, run_base, args, dev):
     """Forward+backward time and peak memory of both paths, and the FLOPs the method permits."""
     for name, fn in (("harts", run_harts), ("baseline", run_base)):
@@ -97,7 +92,7 @@ def _timing(res, model, hb, subs, run_harts, run_base, args, dev):
               f"peak {res[name]['peak_mem_gb']}", flush=True)
     model.zero_grad(set_to_none=True)
     res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
-    _dump(res, args.out)
+    write_results(args.out, "compact", res)
     # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
     from harts.bench.flops import batch_forward_flops
 
@@ -171,7 +166,8 @@ def main(argv=None) -> int:
            if dev.type == "cuda" else "cpu", "torch": torch.__version__}
     if args.timing:
         _timing(res, model, hb, subs, run_harts, run_base, args, dev)
-    _dump(res, args.out)  # written again as the fidelity parts finish: a cut-off run keeps what it measured
+    # written again as the fidelity parts finish: a cut-off run keeps what it measured
+    write_results(args.out, "compact", res)
 
     # Fidelity: full-vocabulary logits of every nonterminal semantic position, both paths. The control
     # ("floor") runs the trajectory-wise baseline a second time, one trajectory per sub-batch in reverse
@@ -205,7 +201,7 @@ def main(argv=None) -> int:
         del r_harts, r_base
         res["mean_token_cosine"] = res["fidelity"]["harts_vs_baseline"]["mean_cosine"]
         res["max_abs_dlogprob"] = res["fidelity"]["harts_vs_baseline"]["max_abs_dlogprob"]
-        _dump(res, args.out)
+        write_results(args.out, "compact", res)
         if args.truth != "none":
             # Which path is closer to exact arithmetic? Same (rounded) weights in higher precision.
             tdt = getattr(torch, args.truth)
@@ -242,7 +238,7 @@ def main(argv=None) -> int:
     speed = f"speedup {res['speedup']:.2f}x" if "speedup" in res else "no timing"
     print(f"{speed} at compression {hb.stats['raw_tokens'] / hb.num_rows:.2f}x; "
           f"mean token cosine {res['mean_token_cosine']:.6f}; max |dlogp| {max_dlp:.4f}", flush=True)
-    _dump(res, args.out)
+    write_results(args.out, "compact", res)
     return 0
 
 
