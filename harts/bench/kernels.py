@@ -224,7 +224,7 @@ def _table(rows, title):
         print("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
     for r in rows:
         if "samples_ms" in r:
-            print(f"\n{r['layout']} medians of 5 calls per round, rounds interleaved: " + "; ".join(
+            print(f"\n{r['layout']} per-round medians (rounds interleaved), ms: " + "; ".join(
                 f"{n} {[round(x, 3) for x in xs]}" for n, xs in r["samples_ms"].items()))
         for k, v in r.items():
             if isinstance(v, dict) and "top" in v:
