@@ -139,6 +139,14 @@ class Debug(tt.Debug):
 
 
 @dataclass
+class Optimizer(tt.Optimizer):
+    bf16_update: str = "fp32_master"
+    """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
+    an fp32 master weight held as the bf16 weight plus its 16 low bits; one process only) or 'plain'
+    (torch's AdamW on the bf16 tensors: updates below half a bf16 ulp are lost)."""
+
+
+@dataclass
 class HartsJobConfig(tt.JobConfig):
     ling: Ling = field(default_factory=Ling)
     harts: Harts = field(default_factory=Harts)
@@ -149,13 +157,14 @@ class HartsJobConfig(tt.JobConfig):
     debug: Debug = field(default_factory=Debug)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
 
 
 # torchtitan sections/fields this trainer reads; anything else must stay at its default.
 _USED = {
     "job": {"config_file", "dump_folder", "description", "print_config"},
     "training": {"steps", "max_norm", "mixed_precision_param", "mixed_precision_reduce", "gc_freq"},
-    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "bf16_update"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
@@ -243,7 +252,7 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         ("rl", "objective"): ("grpo", "ppo"), ("rl", "advantages"): ("grpo", "data"),
         ("rl", "old_logprobs"): ("data", "recompute"), ("rl", "loss_norm"): ("token", "sequence"),
         ("ling", "dtype"): ("float32", "float64", "bfloat16"), ("ling", "backend"): ("auto", "reference", "fast"),
-        ("activation_checkpoint", "mode"): ("none", "full"),
+        ("activation_checkpoint", "mode"): ("none", "full"), ("optimizer", "bf16_update"): ("fp32_master", "plain"),
     }
     for (sec, name), ok in choices.items():
         v = getattr(getattr(cfg, sec), name)

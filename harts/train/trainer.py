@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 
@@ -125,7 +124,11 @@ class Trainer:
             log.info("optimizer: TP without FSDP -> implementation 'for-loop'")
             ocfg = dataclasses.replace(ocfg, implementation="for-loop")
         # the expert bias is a buffer: no optimizer ever sees it
-        self.optimizers = build_optimizers([self.model], ocfg, self.dims)
+        self.bf16_opt = self.dtype == torch.bfloat16 and ocfg.bf16_update == "fp32_master"
+        if self.bf16_opt:
+            self.optimizers = self._build_bf16_optimizer(ocfg)
+        else:
+            self.optimizers = build_optimizers([self.model], ocfg, self.dims)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
 
         rl = cfg.rl
@@ -279,6 +282,35 @@ class Trainer:
             self.metrics.close()
         return self.history
 
+    def _build_bf16_optimizer(self, ocfg):
+        """bf16 weights: AdamW with fp32 gradient accumulation and fp32 master weights kept as bf16 + low bits."""
+        from torchtitan.components.optimizer import OptimizersContainer
+
+        from harts.train.bf16_adamw import BF16AdamW
+
+        if ocfg.name != "AdamW":
+            raise ValueError(f"optimizer.name = {ocfg.name!r} with optimizer.bf16_update = 'fp32_master': only "
+                             "AdamW is implemented (set optimizer.bf16_update = 'plain' for torch's)")
+        if self.world_size > 1:
+            raise ValueError("optimizer.bf16_update = 'fp32_master' is for one process (its gradient clipping "
+                             "is local); with several GPUs use ling.dtype = 'float32' (fp32 master weights, "
+                             "bf16 compute through FSDP mixed precision) or optimizer.bf16_update = 'plain'")
+        log.info("optimizer: BF16AdamW (fp32 gradient accumulation, fp32 master weights as bf16 + 16 low bits, "
+                 "bf16 moments)")
+        kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, weight_decay=ocfg.weight_decay)
+        return OptimizersContainer([self.model], BF16AdamW, kw)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """This rank's accumulated gradients (local shards of DTensors; fp32 ones under BF16AdamW)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.bf16_opt:
+            for o in self.optimizers:
+                o.accumulate_grads()
+            return [g for o in self.optimizers for g in o.grads()]
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                for p in self.model.parameters() if p.grad is not None]
+
     def _crash_exit(self):
         """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
         self.checkpointer.maybe_wait_for_staging()
@@ -371,7 +403,11 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
-        if self.dims.tp > 1 or self.dims.pp > 1:
+        if self.bf16_opt:
+            for o in self.optimizers:
+                o.accumulate_grads()
+            grad_norm = self.optimizers.optimizers[0].clip_grad_norm_(cfg.training.max_norm)
+        elif self.dims.tp > 1 or self.dims.pp > 1:
             grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm,
                                                   pp_group=self.pp_group)
         else:
@@ -424,10 +460,7 @@ class Trainer:
     def _check_finite_pipeline(self, step: int, bad_loss: list[int]):
         """Under PP the schedule interleaves microbatches, so gradients are checked once after all of
         them (the error names the stage); non-finite losses are named per microbatch (last stage)."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in self.model.parameters() if p.grad is not None]
+        grads = self._grads()
         gsq = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
         flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
         flags[0, self.rank] = (bad_loss[0] + 1) if bad_loss else 0
@@ -462,10 +495,7 @@ class Trainer:
     def _check_finite(self, step: int, slot: int, mb_id: int, loss: torch.Tensor):
         """Stop on NaN/Inf in the loss or the accumulated gradients after microbatch ``mb_id``, naming it.
         Every rank learns about every bad rank (one small all-reduce), so all of them stop together."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in self.model.parameters() if p.grad is not None]
+        grads = self._grads()
         gsq = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
         bad_loss, bad_grad = (not torch.isfinite(loss.detach()).item()), (not torch.isfinite(gsq).item())
         flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)

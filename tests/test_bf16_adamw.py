@@ -1,0 +1,142 @@
+"""BF16AdamW against torch.optim.AdamW on an fp32 master copy fed the same gradients (the reference), with
+torch's AdamW on the bf16 tensors as the negative control; fp32 gradient accumulation against an fp32 sum
+of each backward's bf16 gradient; the bf16-moment guard; clipping. All on CPU."""
+import pytest
+import torch
+
+from harts.train.bf16_adamw import BF16AdamW
+
+HP = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    # matrix-like weights (N(0, 0.02)) and norm-like weights (1.0): most of both sit above 2^-8, where a
+    # 1e-5 step is below half a bf16 ulp
+    return torch.cat([0.02 * torch.randn(4096, generator=g), torch.ones(512)])
+
+
+def _run(opt_for, steps=200):
+    """Trains (bf16 param, fp32 reference param) on the same fp32 gradient sequence; returns both."""
+    g = torch.Generator().manual_seed(1)
+    w0 = _weights().to(torch.bfloat16).float()  # both start from the same (bf16) weights
+    ref = torch.nn.Parameter(w0.clone())
+    ref_opt = torch.optim.AdamW([ref], **HP, foreach=False)
+    p = torch.nn.Parameter(w0.to(torch.bfloat16))
+    opt = opt_for(p)
+    drift = torch.randn(w0.shape, generator=g).sign()
+    scale = 1.0 + torch.arange(w0.numel()) % 7
+    for _ in range(steps):
+        # a persistent direction per element plus noise, so that the weights travel ~lr per step
+        grad = ((drift + 0.5 * torch.randn(w0.shape, generator=g)) * scale).to(torch.bfloat16)
+        ref.grad = grad.float()  # the same gradient values on both sides
+        ref_opt.step()
+        (p * grad).sum().backward()  # dL/dp = grad
+        opt.step()
+        opt.zero_grad()
+    return p, opt, ref.detach(), w0
+
+
+def _effective(p, opt):
+    """The fp32 weight the optimizer carries (bf16 weight + its stored low bits)."""
+    from harts.train.bf16_adamw import _join
+
+    return _join(p, opt.state[p]["low_bits"])
+
+
+def test_compensated_weights_follow_fp32_master_adamw():
+    p, opt, ref, w0 = _run(lambda p: BF16AdamW([p], **HP, state_dtype=torch.float32))
+    moved = (ref - w0).abs()
+    assert moved.mean() > 1e-3  # 200 steps of ~1e-5 each
+    err = (_effective(p, opt) - ref).abs()
+    # bf16 weight + 16 low bits is the fp32 master; only the order of fp32 operations differs from torch
+    assert err.max() <= 1e-5 * moved.max(), err.max()
+    # and the bf16 weight itself is the reference rounded to bf16 (ties at rounding boundaries aside)
+    same = (p.detach() == ref.to(torch.bfloat16)).float().mean()
+    assert same >= 0.99, same
+
+
+def test_bf16_moments_stay_close_and_plain_bf16_adamw_does_not():
+    p, opt, ref, w0 = _run(lambda p: BF16AdamW([p], **HP))
+    moved = (ref - w0).norm()
+    err = (_effective(p, opt) - ref).norm()
+    assert err <= 0.005 * moved, (err, moved)  # measured 0.0014
+    # negative control: torch's AdamW on the bf16 tensor loses the sub-ulp updates
+    q, qopt, ref2, _ = _run(lambda p: torch.optim.AdamW([p], **HP, foreach=False))
+    assert torch.equal(ref, ref2)
+    lost = (q.detach().float() - ref).norm()
+    assert lost >= 0.5 * moved, (lost, moved)
+    norm_part = slice(4096, None)  # weights at 1.0: ulp 2^-7, never moved by 1e-5 steps
+    assert torch.equal(q.detach()[norm_part].float(), w0[norm_part])
+    assert (_effective(p, opt)[norm_part] - w0[norm_part]).abs().mean() > 1e-3
+
+
+def test_gradients_accumulate_in_fp32_and_restart_each_step():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    opt = BF16AdamW(lin.parameters(), **HP)
+    xs = [torch.randn(8, 64).to(torch.bfloat16) * (100.0 if i == 0 else 1.0) for i in range(3)]
+    expect = torch.zeros(32, 64)
+    for x in xs:  # each backward's own bf16 gradient, summed in fp32
+        ref = lin.weight.detach().clone().requires_grad_()
+        (x @ ref.t()).square().sum().backward()
+        expect += ref.grad.float()
+    for x in xs:
+        lin(x).square().sum().backward()
+        assert lin.weight.grad is None  # taken by the hook, bf16 .grad freed
+    (got,) = opt.grads()
+    assert got.dtype == torch.float32 and torch.equal(got, expect)
+    # a bf16 running sum of the same three gradients differs (the large first one swamps the others)
+    bf = torch.zeros(32, 64, dtype=torch.bfloat16)
+    for x in xs:
+        ref = lin.weight.detach().clone().requires_grad_()
+        (x @ ref.t()).square().sum().backward()
+        bf += ref.grad
+    assert not torch.equal(bf.float(), expect)
+    opt.step()
+    opt.zero_grad()
+    assert opt.grads() == []
+    lin(xs[1]).square().sum().backward()  # next step: overwritten, not added
+    ref = lin.weight.detach().clone().requires_grad_()
+    (xs[1] @ ref.t()).square().sum().backward()
+    assert torch.equal(opt.grads()[0], ref.grad.float())
+
+
+def test_gradients_set_outside_autograd_are_taken_by_accumulate():
+    p = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    opt = BF16AdamW([p], **HP)
+    p.grad = torch.full((5,), 2.0, dtype=torch.bfloat16)
+    opt.accumulate_grads()
+    p.grad = torch.full((5,), 3.0, dtype=torch.bfloat16)
+    opt.accumulate_grads()
+    assert p.grad is None and torch.equal(opt.grads()[0], torch.full((5,), 5.0))
+
+
+def test_fp32_parameters_get_plain_adamw():
+    w0 = torch.randn(100, dtype=torch.float32)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    oa, ob = BF16AdamW([a], **HP), torch.optim.AdamW([b], **HP, foreach=False)
+    for i in range(5):
+        g = torch.randn(100)
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step(), ob.step()
+    assert torch.allclose(a, b, rtol=0, atol=1e-7)
+
+
+def test_bf16_moments_refuse_slow_emas():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"beta2 = 0.999: with bf16 Adam moments"):
+        BF16AdamW([p], lr=1e-3, betas=(0.9, 0.999))
+    BF16AdamW([p], lr=1e-3, betas=(0.9, 0.999), state_dtype=torch.float32)  # fine with fp32 moments
+
+
+def test_clip_grad_norm_over_fp32_gradients():
+    lin = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    opt = BF16AdamW(lin.parameters(), **HP)
+    lin(torch.randn(4, 16).to(torch.bfloat16)).sum().mul(50).backward()
+    grads = [g.clone() for g in opt.grads()]
+    total = opt.clip_grad_norm_(1.0)
+    want = torch.cat([g.double().flatten() for g in grads]).norm()
+    assert torch.allclose(total, want) and want > 1
+    assert torch.allclose(torch.cat([g.double().flatten() for g in opt.grads()]).norm(),
+                          torch.tensor(1.0, dtype=torch.float64), atol=1e-5)
