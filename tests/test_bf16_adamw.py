@@ -140,3 +140,19 @@ def test_clip_grad_norm_over_fp32_gradients():
     assert torch.allclose(total, want) and want > 1
     assert torch.allclose(torch.cat([g.double().flatten() for g in opt.grads()]).norm(),
                           torch.tensor(1.0, dtype=torch.float64), atol=1e-5)
+
+
+def test_state_dict_round_trip_keeps_low_bits_and_moment_dtypes():
+    for sd in (torch.bfloat16, torch.float32):
+        p = torch.nn.Parameter(_weights().to(torch.bfloat16))
+        opt = BF16AdamW([p], **HP, state_dtype=sd)
+        for _ in range(3):
+            (p * torch.randn(p.shape).to(torch.bfloat16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = opt.state_dict()
+        q = torch.nn.Parameter(p.detach().clone())
+        back = BF16AdamW([q], **HP, state_dtype=sd)
+        back.load_state_dict(saved)
+        for k, v in opt.state[p].items():
+            assert back.state[q][k].dtype == v.dtype and torch.equal(back.state[q][k], v), (sd, k)

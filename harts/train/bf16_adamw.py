@@ -129,6 +129,19 @@ class BF16AdamW(torch.optim.Optimizer):
         self._fresh.clear()  # the fp32 buffers are kept and overwritten by the next step's first gradient
         super().zero_grad(set_to_none=set_to_none)
 
+    def load_state_dict(self, state_dict) -> None:
+        """torch's loader casts every floating-point parameter's state to the parameter's dtype, which
+        would turn the int16 low bits (and fp32 moments) into bf16 values; put the saved dtypes back."""
+        super().load_state_dict(state_dict)
+        ours = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        by_id = dict(zip(saved_ids, ours))
+        for pid, st in state_dict["state"].items():
+            p = by_id[pid]
+            for name, v in st.items():
+                if name != "step" and torch.is_tensor(v) and self.state[p][name].dtype != v.dtype:
+                    self.state[p][name] = v.to(device=p.device, copy=True)
+
     # -------------------------------------------------------------------- update
     @torch.no_grad()
     def step(self, closure=None):
