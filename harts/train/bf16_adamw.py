@@ -2,18 +2,18 @@
 
 Why: fp32 master weights plus fp32 Adam moments cost 16 B per parameter (126 GB for 7.9B), which does not
 fit next to activations on one 141 GB H200, so that run keeps its weights in bf16. Done naively (torch's
-AdamW on bf16 tensors) this loses two things, both measured on the H200 (docs/results.md, session 4):
+AdamW on the bf16 tensors) this loses two things:
 
-1. Gradients accumulate over microbatches in bf16 ``.grad``. The trajectory-wise baseline adds one
-   trajectory's gradient per microbatch; under GRPO's zero-mean advantages their shared-prefix parts
-   cancel, and a bf16 running sum keeps rounding residue of the large terms. HARTS and the baseline then
-   disagree (13 % in gradient norm at step 1) although both are exact in float64.
-2. The update ``w - lr * u`` rounds back to bf16: at lr 1e-5 a step is below half an ulp of any weight
-   with |w| >= 2^-8, so ~85 % of N(0, 0.02) weights and every norm weight never move.
+1. The update ``w - lr * u`` rounds back to bf16: at lr 1e-5 a step is below half an ulp of any weight
+   with |w| >= 2^-8, so ~85 % of N(0, 0.02) weights and every norm weight (1.0) never move (the session-4
+   one-GPU run trained through the small weights and the fp32 parameters only).
+2. Gradients accumulate over microbatches in bf16 ``.grad``: each addition rounds the running sum to 8
+   significant bits, which matters when per-microbatch gradients are large and cancel (GRPO's zero-mean
+   advantages over trajectories that share a prefix, computed trajectory-wise).
 
-Here (1) each bf16 parameter's gradient is added, as soon as autograd has produced it, into an fp32
-buffer (a post-accumulate-grad hook; ``accumulate_grads()`` does the same for gradients set outside
-autograd, e.g. FSDP's), and ``.grad`` is freed; (2) each bf16 weight keeps the low 16 bits of its fp32
+Here each bf16 parameter's gradient is added, as soon as autograd has produced it, into an fp32 buffer
+(a post-accumulate-grad hook; ``accumulate_grads()`` does the same for gradients set outside autograd,
+e.g. FSDP's), and ``.grad`` is freed; and each bf16 weight keeps the low 16 bits of its fp32
 master weight in an int16 buffer: the visible bf16 weight is the master rounded to nearest, and weight +
 low bits rebuild the fp32 master bit for bit, so the update is exactly fp32-master AdamW's (the test
 checks against torch's AdamW on an fp32 copy). Memory per bf16 parameter: weight 2 + low bits 2 +
