@@ -71,7 +71,7 @@ for what in "$@"; do
         step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=6 \
               --job.dump_folder=/tmp/cp1 ;;
     layouts2)  # issue 10 at reduced degree on 2 GPUs: the 8-GPU layouts' TP2+SP+EP and PP2 parts, pure bf16
-      R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.bf16_update=plain --optimizer.implementation=foreach --checkpoint.enable=false"
+      R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
       step tp2_sp_ep2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 \
         --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2 --job.dump_folder=/tmp/tp2_sp_ep2
       step pp2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 \

@@ -156,3 +156,85 @@ def test_state_dict_round_trip_keeps_low_bits_and_moment_dtypes():
         back.load_state_dict(saved)
         for k, v in opt.state[p].items():
             assert back.state[q][k].dtype == v.dtype and torch.equal(back.state[q][k], v), (sd, k)
+
+
+def _sharded_worker(rank, world, port, out_dir):
+    """Two ranks: a Shard(0) weight, a Shard(1)+Replicate 2-D weight and a replicated fp32 parameter;
+    gradients from the same full tensors; three steps with clipping by the mesh-aware norm."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from harts.train.parallelize import clip_grad_norm_mixed_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = _sharded_problem()
+        params = [torch.nn.Parameter(distribute_tensor(full["a"], mesh, [Shard(0)])),
+                  torch.nn.Parameter(distribute_tensor(full["b"], mesh, [Shard(1)])),
+                  torch.nn.Parameter(distribute_tensor(full["c"], mesh, [Replicate()]))]
+        opt = BF16AdamW(params, **HP)
+        norms = []
+        for k in range(3):
+            for p, name in zip(params, "abc"):
+                p.grad = distribute_tensor(full[f"g{name}{k}"], mesh, p.placements)
+            opt.accumulate_grads()
+            norms.append(clip_grad_norm_mixed_(None, 1.0, grads=opt.grads()).item())
+            opt.step()
+            opt.zero_grad()
+        out = {name: p.full_tensor() for p, name in zip(params, "abc")}
+        out["low_a"] = opt.state[params[0]]["low_bits"].to(torch.int32).full_tensor().to(torch.int16)  # gloo: no int16
+        if rank == 0:
+            torch.save({"w": out, "norms": norms}, os.path.join(out_dir, "sharded.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _sharded_problem():
+    g = torch.Generator().manual_seed(3)
+    d = {"a": (0.02 * torch.randn(8, 6, generator=g)).to(torch.bfloat16),
+         "b": torch.ones(4, 10, dtype=torch.bfloat16), "c": torch.randn(5, generator=g)}
+    for k in range(3):
+        d[f"ga{k}"] = torch.randn(8, 6, generator=g).to(torch.bfloat16)
+        d[f"gb{k}"] = torch.randn(4, 10, generator=g).to(torch.bfloat16)
+        d[f"gc{k}"] = torch.randn(5, generator=g)
+    return d
+
+
+def test_sharded_parameters_update_exactly_like_one_process(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    full = _sharded_problem()
+    params = [torch.nn.Parameter(full[n].clone()) for n in "abc"]
+    opt = BF16AdamW(params, **HP)
+    norms = []
+    for k in range(3):
+        for p, name in zip(params, "abc"):
+            p.grad = full[f"g{name}{k}"].clone()
+        opt.accumulate_grads()
+        norms.append(opt.clip_grad_norm_(1.0).item())
+        opt.step()
+        opt.zero_grad()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_sharded_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0, f"worker exit code {p.exitcode}"
+    got = torch.load(tmp_path / "sharded.pt")
+    assert norms == pytest.approx(got["norms"], rel=1e-12) and norms[0] > 1  # clipping active
+    for p, name in zip(params, "abc"):
+        assert torch.equal(got["w"][name], p.detach()), name
+    assert torch.equal(got["w"]["low_a"], opt.state[params[0]]["low_bits"])

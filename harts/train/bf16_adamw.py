@@ -33,6 +33,13 @@ __all__ = ["BF16AdamW"]
 _MIN_EMA_STEP = 2.0 ** -6  # smallest 1 - beta whose EMA increments survive bf16 state rounding
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (aliases its storage), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _join(w_bf16: torch.Tensor, low_i16: torch.Tensor) -> torch.Tensor:
     """The fp32 master weight: bf16 bits as the high half, the stored signed residual as the low half."""
     hi = w_bf16.detach().view(torch.int16).to(torch.int32) << 16
@@ -116,8 +123,15 @@ class BF16AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Total 2-norm over all gradients (fp64 accumulation); scales them down to ``max_norm``."""
+        """One process: total 2-norm over all gradients (fp64 accumulation), scaled down to ``max_norm``.
+        Sharded gradients need the norm over all ranks: harts.train.parallelize.clip_grad_norm_mixed_
+        with ``grads=self.grads()``."""
+        from torch.distributed.tensor import DTensor
+
         grads = self.grads()
+        if any(isinstance(g, DTensor) for g in grads):
+            raise ValueError("BF16AdamW.clip_grad_norm_ is for plain tensors; DTensor gradients need "
+                             "harts.train.parallelize.clip_grad_norm_mixed_(None, max_norm, grads=opt.grads())")
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         total = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
@@ -167,17 +181,19 @@ class BF16AdamW(torch.optim.Optimizer):
                         st["low_bits"] = torch.zeros_like(p, dtype=torch.int16)
                 st["step"] += 1
                 t = float(st["step"])
-                g32 = g.float()
-                m = st["exp_avg"].float().lerp_(g32, 1 - b1)
-                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g32, g32, value=1 - b2)
-                st["exp_avg"].copy_(m)
-                st["exp_avg_sq"].copy_(v)
+                # elementwise from here: DTensors (FSDP/TP/EP shards) are updated through their local shards
+                pl, ea, es = _local(p), _local(st["exp_avg"]), _local(st["exp_avg_sq"])
+                g32 = _local(g).float()
+                m = ea.float().lerp_(g32, 1 - b1)
+                v = es.float().mul_(b2).addcmul_(g32, g32, value=1 - b2)
+                ea.copy_(m)
+                es.copy_(v)
                 step_size = lr / (1 - b1 ** t)
                 denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
                 if not low:
-                    p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
+                    pl.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
                     continue
-                lo = st["low_bits"]
-                w = _join(p, lo).mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
-                _split_(w, p, lo)
+                lo = _local(st["low_bits"])
+                w = _join(pl, lo).mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
+                _split_(w, pl, lo)
         return loss

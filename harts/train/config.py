@@ -142,8 +142,8 @@ class Debug(tt.Debug):
 class Optimizer(tt.Optimizer):
     bf16_update: str = "fp32_master"
     """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
-    an fp32 master weight held as the bf16 weight plus its 16 low bits; one process only) or 'plain'
-    (torch's AdamW on the bf16 tensors: updates below half a bf16 ulp are lost)."""
+    an fp32 master weight held as the bf16 weight plus its 16 low bits) or 'plain' (torch's AdamW on the
+    bf16 tensors: updates below half a bf16 ulp are lost)."""
 
 
 @dataclass

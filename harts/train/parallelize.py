@@ -275,15 +275,17 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
         model.sp_mesh = tp_mesh
 
 
-def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) -> torch.Tensor:
     """Gradient clipping over parameters living on different meshes (TP DTensors, 2-D FSDP x TP
     DTensors, 1-D FSDP DTensors, plain replicated tensors), which ``get_total_norm`` cannot stack.
     Local squared norms are summed per (mesh, sharded dims) group and all-reduced once per group over
-    the dims the gradients are sharded on; replicated dims count once."""
+    the dims the gradients are sharded on; replicated dims count once. ``grads`` (instead of the
+    parameters' ``.grad``): e.g. BF16AdamW's fp32 gradients, placed like their parameters."""
     from torch.distributed.tensor import DTensor, Replicate
 
     groups: dict = {}
-    grads = [p.grad for p in params if p.grad is not None]
+    if grads is None:
+        grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
         if isinstance(g, DTensor):
             # Shard and FSDP's _StridedShard (not a Shard subclass) both split the tensor over that dim

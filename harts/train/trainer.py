@@ -224,6 +224,7 @@ class Trainer:
             log.info("compiled %d modules per-block (fullgraph): norms, dense MLPs, shared experts", len(names))
         self.amp = contextlib.nullcontext()
         self.mp_param_dtype = None
+        self.replicated_params, self.replicated_mesh = [], None
         if d.fsdp_enabled or d.dp_replicate > 1:
             mesh = d.get_mesh(["dp_replicate", "fsdp"]) if d.dp_replicate > 1 else d.get_mesh("fsdp")
             mp = {}
@@ -231,6 +232,14 @@ class Trainer:
                 mp = dict(param_dtype=DTYPES[cfg.training.mixed_precision_param],
                           reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
             self.mp_param_dtype = mp.get("param_dtype")
+            if "param_dtype" not in mp:
+                # FSDP2 needs one original dtype per unit; without a cast policy the parameters that stay
+                # fp32 next to bf16 weights (A_log, dt_bias) are left replicated, their gradients summed over
+                # the FSDP mesh after backward (_sync_replicated_grads)
+                odd = [p for p in self.model.parameters() if p.dtype != self.dtype and p not in ignored]
+                if odd:
+                    ignored = ignored | set(odd)
+                    self.replicated_params, self.replicated_mesh = odd, mesh
             rf = {"always": True, "never": False}.get(cfg.parallelism.fsdp_reshard_after_forward, d.pp == 1)
             par.apply_fsdp(self.model, mesh, reshard_after_forward=rf, ignored=ignored, **mp)
         elif self.device.type == "cuda" and self.dtype == torch.float32:
@@ -283,7 +292,9 @@ class Trainer:
         return self.history
 
     def _build_bf16_optimizer(self, ocfg):
-        """bf16 weights: AdamW with fp32 gradient accumulation and fp32 master weights kept as bf16 + low bits."""
+        """bf16 weights: AdamW with fp32 gradient accumulation and fp32 master weights kept as bf16 + low bits.
+        Gradients move into fp32 after every microbatch's backward; under FSDP + PP the schedule runs all
+        microbatches first, so FSDP sums their (reduce-scattered) gradients in bf16 before that."""
         from torchtitan.components.optimizer import OptimizersContainer
 
         from harts.train.bf16_adamw import BF16AdamW
@@ -291,25 +302,34 @@ class Trainer:
         if ocfg.name != "AdamW":
             raise ValueError(f"optimizer.name = {ocfg.name!r} with optimizer.bf16_update = 'fp32_master': only "
                              "AdamW is implemented (set optimizer.bf16_update = 'plain' for torch's)")
-        if self.world_size > 1:
-            raise ValueError("optimizer.bf16_update = 'fp32_master' is for one process (its gradient clipping "
-                             "is local); with several GPUs use ling.dtype = 'float32' (fp32 master weights, "
-                             "bf16 compute through FSDP mixed precision) or optimizer.bf16_update = 'plain'")
         log.info("optimizer: BF16AdamW (fp32 gradient accumulation, fp32 master weights as bf16 + 16 low bits, "
                  "bf16 moments)")
         kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, weight_decay=ocfg.weight_decay)
         return OptimizersContainer([self.model], BF16AdamW, kw)
 
-    def _grads(self) -> list[torch.Tensor]:
-        """This rank's accumulated gradients (local shards of DTensors; fp32 ones under BF16AdamW)."""
+    def _sync_replicated_grads(self):
+        """Sum the gradients of parameters FSDP left replicated (see _parallelize) over its mesh: one
+        flat all-reduce per mesh dimension."""
+        grads = [p.grad for p in self.replicated_params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for d in range(self.replicated_mesh.ndim):
+            dist.all_reduce(flat, group=self.replicated_mesh.get_group(mesh_dim=d))
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def _grads(self, local: bool = True) -> list[torch.Tensor]:
+        """This rank's accumulated gradients (fp32 ones under BF16AdamW); DTensors as their local shards
+        unless ``local=False`` (clipping needs the placements)."""
         from torch.distributed.tensor import DTensor
 
         if self.bf16_opt:
             for o in self.optimizers:
                 o.accumulate_grads()
-            return [g for o in self.optimizers for g in o.grads()]
-        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                for p in self.model.parameters() if p.grad is not None]
+            grads = [g for o in self.optimizers for g in o.grads()]
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [g.to_local() if local and isinstance(g, DTensor) else g for g in grads]
 
     def _crash_exit(self):
         """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
@@ -383,6 +403,9 @@ class Trainer:
                 rterm = 0.0
             with torch.profiler.record_function(f"harts.backward.{mb.index}"):
                 loss.backward()
+            if self.bf16_opt:  # gradients FSDP set outside autograd: into fp32 before the next microbatch
+                for o in self.optimizers:
+                    o.accumulate_grads()
             if cfg.debug.check_finite:
                 self._check_finite(step, j, mb.index, loss)
             with torch.no_grad():
@@ -399,14 +422,14 @@ class Trainer:
             dist.all_reduce(sums, group=self.pp_group)
             if counts is not None:
                 dist.all_reduce(counts, group=self.pp_group)
+        self._sync_replicated_grads()
         # F/B/Grad ends here (paper Table 4: ready plan to gradients, optimizer excluded); one sync per step
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
         if self.bf16_opt:
-            for o in self.optimizers:
-                o.accumulate_grads()
-            grad_norm = self.optimizers.optimizers[0].clip_grad_norm_(cfg.training.max_norm)
+            grad_norm = par.clip_grad_norm_mixed_(None, cfg.training.max_norm, pp_group=self.pp_group,
+                                                  grads=self._grads(local=False))
         elif self.dims.tp > 1 or self.dims.pp > 1:
             grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm,
                                                   pp_group=self.pp_group)
