@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -42,6 +42,13 @@ for what in "$@"; do
     # bound, KDA-round host caching (the KDA-round tests last: they passed in session 3 and take ~95 s)
     retest) step retest 240 python3 -m pytest -m gpu -v -s -p no:cacheprovider --durations=0 tests/test_ops_norm.py \
             tests/test_ops_moe.py tests/test_model_ling.py tests/test_runtime_gpu.py tests/test_kernels_kda_round.py ;;
+    # session 4's one-GPU gap (HARTS vs baseline grad norm 13 % apart at step 1): the small-scale GRPO
+    # gradient check, and the baseline's step-1 grad norm under a second packing (2 trajectories per
+    # microbatch instead of 1; compare with train1_base's step 1)
+    grpo) step grpo 150 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_runtime_gpu.py \
+            -k grpo_gradient ;;
+    pack2) step pack2 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=1 \
+              --harts.enabled=false --harts.capacity=131072 --profile.enable=false --job.dump_folder=/tmp/pack2 ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" --trace /tmp/kda_traces ;;
     model) step model 240 python3 -m harts.bench.model --out "$OUT" ;;
     compact) step compact 420 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
@@ -81,7 +88,7 @@ for what in "$@"; do
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2; do
+for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2; do
   [ -f "$d/metrics.jsonl" ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
