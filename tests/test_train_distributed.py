@@ -109,6 +109,20 @@ def test_pipeline_parallel_with_activation_checkpointing(runs):
     assert all((r["world"], r["pp"]) == (2, 2) for r in recs) and max(r["microbatches"] for r in recs) >= 2
 
 
+def test_pipeline_parallel_ppo_recomputes_old_logprobs(runs):
+    """PPO with old_logprobs = 'recompute' under PP = 2: a forward-only pipeline pass before each update
+    (GPipe, no gradients) gives the last stage each microbatch's log-probs; equal to one process."""
+    d, cfg, _ = runs
+    over = ["--rl.objective=ppo", "--rl.old_logprobs=recompute", "--rl.advantages=grpo"]
+    one = d / "one_ppo"
+    Trainer(load_config(str(cfg), **{"job.dump_folder": str(one), "checkpoint.enable": False,
+                                     "rl.objective": "ppo", "rl.old_logprobs": "recompute"})).train()
+    torchrun(cfg, d / "pp_ppo", "--parallelism.pipeline_parallel_degree=2", *over)
+    _same(one, d / "pp_ppo")
+    recs = records(d / "pp_ppo")
+    assert all(r["pp"] == 2 and r["clip_frac"] == 0 for r in recs)  # ratio 1 at the update: nothing clipped
+
+
 def test_fsdp2_x_tp_x_ep_with_activation_checkpointing_four_processes(runs):
     """FSDP2 (DP = 2) x TP = 2 x EP = 4 (EP spans DP x TP: each TP rank dispatches its slice of the rows)
     on four processes, with full activation checkpointing: the paper's DP4/TP2/EP8 layout at half size."""

@@ -49,8 +49,11 @@ class HartsStage(HartsPolicy):
     row_split: int = 1  # context / sequence parallelism: a stage passes on this CP and TP rank's rows
     act_dtype: torch.dtype = torch.float32
 
-    def begin_step(self, mbs, router, loss_cfg):
+    recompute: bool = False  # forward-only pass that records each microbatch's log-probs (PPO old_logprobs)
+
+    def begin_step(self, mbs, router, loss_cfg, old_logp: dict | None = None):
         self._mbs, self._router, self._loss_cfg, self._cursor = mbs, router, loss_cfg, 0
+        self._old = old_logp or {}  # microbatch index -> recomputed old log-probs (last stage)
         self.mb_records = []  # per microbatch: (loss, pg, kl, clip, positions) on the last stage
         self.mb_counts = None  # summed MoE counts of this stage's layers, [this stage's MoE layers, E]
         self.router_sum = 0.0  # logged value of this stage's router losses
@@ -75,7 +78,11 @@ class HartsStage(HartsPolicy):
         if not self.last:
             return F.pad(h, (0, 0, 0, self.rows - h.shape[0]))
         logp = mb.select(self.head(h, batch))  # this CP rank's positions (all without CP)
-        loss_S, pg_S, kl_S, clip_S = token_losses(logp, mb.adv, self._loss_cfg, old_logp_S=mb.old_logp,
+        if self.recompute:
+            self.mb_records.append((mb.index, logp.detach()))
+            return logp.new_zeros(1, dtype=torch.promote_types(logp.dtype, torch.float32))
+        loss_S, pg_S, kl_S, clip_S = token_losses(logp, mb.adv, self._loss_cfg,
+                                                  old_logp_S=self._old.get(mb.index, mb.old_logp),
                                                   ref_logp_S=mb.ref_logp)
         c = mb.coeff.to(loss_S.dtype)
         loss = (c * loss_S).sum()
@@ -114,35 +121,53 @@ class PipelineRunner:
         stage_model.rows, stage_model.row_split = rows, row_split
         self._cache: dict[int, object] = {}
 
-    def _schedule(self, n: int):
-        if n not in self._cache:
+    def _schedule(self, n: int, train: bool = True):
+        """Training schedules (forward + backward) and forward-only ones (PPO's old log-probs: GPipe, no
+        loss, no gradients) are separate stage objects, since their static metadata differ."""
+        if (n, train) not in self._cache:
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
             m = self.model
             act = lambda: torch.empty(self.rows, self.hidden, dtype=self.act_dtype, device=self.device,
-                                      requires_grad=True)  # static metadata: activations carry gradients
+                                      requires_grad=train)  # static metadata: activations carry gradients
             inp = torch.empty(1, 1, device=self.device) if m.first else act()
-            out = torch.empty(1, dtype=self.loss_dtype, device=self.device, requires_grad=True) if m.last else act()
+            out = torch.empty(1, dtype=self.loss_dtype, device=self.device, requires_grad=train) if m.last else act()
             st = PipelineStage(m, self.stage, self.pp, self.device, input_args=inp, output_args=out,
                                group=self.group)
             name = self.schedule_name
-            if n < self.pp and name.lower() != "gpipe":
+            if (n < self.pp or not train) and name.lower() != "gpipe":
                 # 1F1B-style schedules need at least one microbatch per stage; a step whose plan has fewer
                 # slots runs GPipe (same math, the order of forwards and backwards differs)
                 name = "GPipe"
             cls = get_schedule_class(name)
-            self._cache[n] = cls(st, n_microbatches=n, loss_fn=lambda o, t: o.sum(), scale_grads=False)
-        return self._cache[n]
+            loss_fn = (lambda o, t: o.sum()) if train else None
+            self._cache[(n, train)] = cls(st, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+        return self._cache[(n, train)]
 
-    def run(self, mbs, router, loss_cfg) -> None:
-        n = len(mbs)
-        self.model.begin_step(mbs, router, loss_cfg)
-        sched = self._schedule(n)
-        target = torch.zeros(n, 1, device=self.device)
+    def _step(self, sched, n: int, with_target: bool) -> None:
+        target = torch.zeros(n, 1, device=self.device) if with_target and self.model.last else None
         if self.model.first:
-            sched.step(torch.zeros(n, 1, device=self.device), target=target if self.model.last else None)
+            sched.step(torch.zeros(n, 1, device=self.device), target=target)
         elif self.model.last:
             sched.step(target=target)
         else:
             sched.step()
+
+    def old_logprobs(self, mbs) -> dict:
+        """PPO ``old_logprobs = 'recompute'``: a forward-only pass over the step's microbatches before the
+        update; returns {microbatch index: log-probs} on the last stage (where the loss is), {} elsewhere."""
+        m = self.model
+        m.begin_step(mbs, None, None)
+        m.recompute = True
+        try:
+            with torch.no_grad():
+                self._step(self._schedule(len(mbs), train=False), len(mbs), with_target=False)
+        finally:
+            m.recompute = False
+        return dict(m.mb_records) if m.last else {}
+
+    def run(self, mbs, router, loss_cfg, old_logp: dict | None = None) -> None:
+        n = len(mbs)
+        self.model.begin_step(mbs, router, loss_cfg, old_logp)
+        self._step(self._schedule(n), n, with_target=True)

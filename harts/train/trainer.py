@@ -100,9 +100,6 @@ class Trainer:
         if d.cp > 1:
             self._check_cp()
         self.pp_group, self.pp_rank = None, 0
-        if d.pp > 1 and cfg.rl.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
-            raise NotImplementedError("rl.old_logprobs = 'recompute' needs a whole-model forward; with pipeline "
-                                      "parallelism give old_logprobs in the data")
         if d.pp > 1:
             from harts.train.pipeline import prune_to_stage
 
@@ -378,12 +375,15 @@ class Trainer:
         old = [None] * len(mbs)
         if self.loss_cfg.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             with torch.no_grad(), self.amp:
-                old = [mb.select(model(mb.batch)).detach() for mb in mbs]
+                if self.pipe is not None:  # a forward-only pipeline pass; the last stage keeps them
+                    old = self.pipe.old_logprobs(mbs)
+                else:
+                    old = [mb.select(model(mb.batch)).detach() for mb in mbs]
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
         if self.pipe is not None:
-            sums, counts = self._pipeline_slots(step, mbs, router, sums)
+            sums, counts = self._pipeline_slots(step, mbs, router, sums, old)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
                 logp = mb.select(model(mb.batch, router))  # this CP rank's positions (all without CP)
@@ -454,12 +454,13 @@ class Trainer:
             out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
         return out
 
-    def _pipeline_slots(self, step: int, mbs, router, sums):
+    def _pipeline_slots(self, step: int, mbs, router, sums, old_logp=None):
         """All slots through the pipeline schedule; returns this rank's metric sums and MoE counts (full
-        [MoE layers, E] with this stage's rows filled), to be reduced over DP and PP like the others."""
+        [MoE layers, E] with this stage's rows filled), to be reduced over DP and PP like the others.
+        ``old_logp``: PPO's recomputed old log-probs by microbatch index (last stage)."""
         m = self.model
         with torch.profiler.record_function("harts.pipeline"), self.amp:
-            self.pipe.run(mbs, router, self.loss_cfg)
+            self.pipe.run(mbs, router, self.loss_cfg, old_logp if isinstance(old_logp, dict) else None)
         counts = None
         if self.n_moe:
             counts = torch.zeros(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64, device=self.device)
