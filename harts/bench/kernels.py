@@ -145,21 +145,12 @@ def _kernel_times(fn, top: int = 12, trace: str | None = None) -> dict:
 
 
 def _device_gaps(trace: str, top: int = 8) -> list[dict]:
-    """Largest idle intervals between consecutive device kernels/copies of a chrome trace, each with the
-    next kernel and the innermost host ops overlapping the gap (what the host was doing meanwhile)."""
+    """Largest device idle gaps of the profiled call, each with the next kernel and the innermost host op
+    running meanwhile (harts.bench.trace_summary.device_idle)."""
+    from harts.bench.trace_summary import device_idle
+
     with open(trace) as f:
-        ev = json.load(f)["traceEvents"]
-    dev = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-                 key=lambda e: e["ts"])
-    host = [e for e in ev if e.get("cat") in ("cpu_op", "python_function", "cuda_runtime") and "dur" in e]
-    gaps = []
-    for p, n in zip(dev, dev[1:]):
-        g0, g1 = p["ts"] + p["dur"], n["ts"]
-        if g1 - g0 > 20:
-            busy = sorted((h for h in host if h["ts"] < g1 and h["ts"] + h["dur"] > g0), key=lambda h: h["dur"])
-            gaps.append({"gap_us": g1 - g0, "before": p["name"][:60], "next": n["name"][:60],
-                         "host": [h["name"][:60] for h in busy[:4]]})
-    return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
+        return device_idle(json.load(f)["traceEvents"], min_gap_us=20.0, top=top)["gaps"]
 
 
 def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3):

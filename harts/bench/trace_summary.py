@@ -3,12 +3,16 @@
 Reads a torch.profiler chrome trace (``train.py --profile.enable`` writes
 ``<dump_folder>/profile/step<N>/rank<R>_trace.json``) and sums the GPU kernel time by op family (the
 families of ``harts.bench.speedup``), plus the wall span of the ``harts.microbatch.*`` and
-``harts.backward.*`` ranges. Prints a table; ``--json OUT`` writes it (a few hundred bytes instead of a
-trace of hundreds of MB). On a CPU trace (no kernel events) it sums CPU op self time instead, and says so.
+``harts.backward.*`` ranges, and where the device sits idle: the idle time between the first and the last
+kernel (kernel intervals merged over streams), attributed to the innermost host op running at each gap
+(e.g. ``aten::_local_scalar_dense`` = a host sync, ``cudaLaunchKernel`` = launch-bound, an all-to-all),
+plus the largest gaps. Prints tables; ``--json OUT`` writes them (a few KB instead of a trace of hundreds
+of MB). On a CPU trace (no kernel events) it sums CPU op inclusive time instead, and says so.
 """
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 from collections import defaultdict
 
@@ -35,8 +39,63 @@ def summarize(trace: dict) -> dict:
                 if name.startswith(key):
                     ranges[key.rstrip(".")] += float(e.get("dur", 0.0)) / 1e6
     total = sum(fam.values())
-    return {"source": source, "total_s": total, "families_s": dict(sorted(fam.items(), key=lambda kv: -kv[1])),
-            "ranges_s": dict(ranges)}
+    out = {"source": source, "total_s": total, "families_s": dict(sorted(fam.items(), key=lambda kv: -kv[1])),
+           "ranges_s": dict(ranges)}
+    if source == "gpu_kernels":
+        out["device_idle"] = device_idle(events)
+    return out
+
+
+_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST = ("cpu_op", "cuda_runtime", "cuda_driver")
+
+
+def device_idle(events: list, *, min_gap_us: float = 5.0, top: int = 8, top_ops: int = 12) -> dict:
+    """Idle device time between the first and last kernel/copy (intervals merged over streams), each gap
+    attributed to the innermost host op (latest-starting cpu_op / CUDA runtime call, any thread) running
+    at its midpoint; "(no host op)" means Python or other untraced host work. Gaps shorter than
+    ``min_gap_us`` are counted in the total but not attributed."""
+    dev = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
+                  for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE), key=lambda x: x[0])
+    if not dev:
+        return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "idle_by_host_op_s": {}, "gaps": []}
+    gaps, busy = [], 0.0  # (start, end, kernel before, kernel after)
+    cur0, cur1, cur_name = dev[0]
+    for t0, t1, name in dev[1:]:
+        if t0 > cur1:
+            busy += cur1 - cur0
+            gaps.append((cur1, t0, cur_name, name))
+            cur0, cur1 = t0, t1
+        elif t1 > cur1:
+            cur1 = t1
+        if t1 >= cur1:
+            cur_name = name
+    busy += cur1 - cur0
+    span = max(d[1] for d in dev) - dev[0][0]
+    # innermost host op at each gap midpoint: sweep the midpoints in time order over host ops sorted by
+    # start, keeping a max-heap by start time; ended ops are popped when they reach the top
+    host = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
+                   for e in events if e.get("ph") == "X" and e.get("cat") in _HOST), key=lambda x: x[0])
+    attributed = sorted((((g0 + g1) / 2, i) for i, (g0, g1, _, _) in enumerate(gaps) if g1 - g0 >= min_gap_us))
+    owner: dict[int, str] = {}
+    heap: list = []
+    j = 0
+    for mid, i in attributed:
+        while j < len(host) and host[j][0] <= mid:
+            heapq.heappush(heap, (-host[j][0], host[j][1], host[j][2]))
+            j += 1
+        while heap and heap[0][1] <= mid:
+            heapq.heappop(heap)
+        owner[i] = heap[0][2] if heap else "(no host op)"
+    by_op = defaultdict(float)
+    for i, name in owner.items():
+        by_op[name[:80]] += (gaps[i][1] - gaps[i][0]) / 1e6
+    idle = sum(g1 - g0 for g0, g1, _, _ in gaps) / 1e6
+    big = sorted(range(len(gaps)), key=lambda i: gaps[i][0] - gaps[i][1])[:top]
+    return {"span_s": span / 1e6, "busy_s": busy / 1e6, "idle_s": idle, "gaps_count": len(gaps),
+            "idle_by_host_op_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]),
+            "gaps": [{"gap_us": gaps[i][1] - gaps[i][0], "before": gaps[i][2][:60], "next": gaps[i][3][:60],
+                      "host": owner.get(i, "")[:80]} for i in big]}
 
 
 def main(argv=None) -> int:
@@ -53,6 +112,15 @@ def main(argv=None) -> int:
         print(f"| {k} | {v:.4f} | {v / max(res['total_s'], 1e-12):.1%} |")
     for k, v in res["ranges_s"].items():
         print(f"range {k}: {v:.3f} s (wall, host side)")
+    idle = res.get("device_idle")
+    if idle:
+        print(f"device: span {idle['span_s']:.3f} s, busy {idle['busy_s']:.3f} s, idle {idle['idle_s']:.3f} s "
+              f"in {idle['gaps_count']} gaps; idle by the host op running at the gap:")
+        print("| host op | idle s |\n|---|---|")
+        for k, v in idle["idle_by_host_op_s"].items():
+            print(f"| {k} | {v:.4f} |")
+        for g in idle["gaps"]:
+            print(f"    gap {g['gap_us']:9.1f} us before {g['next']} (host: {g['host']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
