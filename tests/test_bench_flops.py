@@ -64,3 +64,18 @@ def test_kernel_families_of_h200_kernel_names():
     assert family("kda_round_bwd_kernel_dh").startswith("kda")
     assert family("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda") == \
         "elementwise_norm"
+
+
+def test_speedup_flops_only_ceiling(tmp_path):
+    """`harts.bench.speedup --flops-only`: counts both paths' FLOPs on a meta model, no timing. Matmuls
+    compress like rows and causal attention over shared paths less, so the ceiling is in (0, 1]."""
+    import json
+
+    from harts.bench.speedup import main
+
+    assert main(["--flops-only", "--preset", "ling3-tiny-debug", "--workload", "swe-small", "--scale", "0.2",
+                 "--capacity", "2048", "--microbatches", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "speedup_flops.json").read_text())
+    assert r["microbatches"] == 2 and r["compression"] > 1.5
+    assert 0.5 < r["ceiling_over_compression"] <= 1.0
+    assert r["flop_compression"] == r["forward_flops_baseline"] / r["forward_flops_harts"]

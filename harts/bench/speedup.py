@@ -48,13 +48,54 @@ def profile_families(fn, device) -> dict:
     return dict(out)
 
 
+def flops_only(args) -> int:
+    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from harts.models.ling import LingConfig, LingForCausalLM
+    from harts.planning import plan_microbatches
+    from harts.runtime import pack
+
+    step = workload_step(args)
+    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
+    order = sorted(range(len(plan.microbatches)), key=lambda j: -plan.work[j])[: args.microbatches]
+    with torch.device("meta"):
+        model = LingForCausalLM(LingConfig.preset(args.preset))
+    B, act = model.config.kda_chunk_size, active_matmul_params(model)
+    raw = compact = replay = 0
+    fh = fb = 0.0
+    for n, j in enumerate(order, 1):
+        trajs = [step[i] for i in plan.microbatches[j]]
+        hb = pack(trajs, chunk_size=B)
+        fh += batch_forward_flops(model, hb, act)["total"]
+        fb += sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
+                                      act)["total"] for idx in subbatches(trajs, args.capacity))
+        raw, compact, replay = raw + hb.stats["raw_tokens"], compact + hb.num_rows, replay + hb.stats["replay_tokens"]
+        print(f"  microbatch {n}/{len(order)}: raw {hb.stats['raw_tokens']:,} compact {hb.num_rows:,}", flush=True)
+    comp, fcomp = raw / compact, fb / fh
+    res = {"args": vars(args), "microbatches": len(order), "raw_rows": raw, "compact_rows": compact,
+           "replay_rows": replay, "compression": comp, "forward_flops_harts": fh, "forward_flops_baseline": fb,
+           "flop_compression": fcomp, "ceiling_over_compression": fcomp / comp}
+    print(f"\n{args.preset} {args.workload} scale {args.scale} capacity {args.capacity}: {len(order)} microbatches, "
+          f"raw {raw:,} compact {compact:,} (replay {replay:,})")
+    print(f"row compression {comp:.3f}x, FLOP compression {fcomp:.3f}x: a HARTS at the baseline's per-FLOP "
+          f"efficiency reaches {fcomp / comp:.3f} of the row compression")
+    os.makedirs(args.out, exist_ok=True)
+    write_results(args.out, "speedup_flops", res, None)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.speedup", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
     ap.add_argument("--microbatches", type=int, default=16, help="how many planned microbatches to time")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     ap.add_argument("--out", default="out/bench_speedup")
+    ap.add_argument("--flops-only", action="store_true",
+                    help="no timing: plan and pack the same microbatches, count forward FLOPs of both paths on a "
+                         "meta-device model and print the ceiling speedup / compression = FLOP compression / row "
+                         "compression that a HARTS running every op at the baseline's efficiency would reach")
     args = ap.parse_args(argv)
+    if args.flops_only:
+        return flops_only(args)
 
     from harts.planning import plan_microbatches
     from harts.runtime import pack
