@@ -95,6 +95,13 @@ for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /
   t=$(ls "$d"/profile/step*/rank0_trace.json 2>/dev/null | head -1)
   [ -n "$t" ] && timeout 90 python3 -m harts.bench.trace_summary "$t" --json "$OUT/$n.profile.json" | tee -a "$OUT/sweep.log"
 done
+# At most 8 files come back per call and the cache takes 2-3 of them: every result file except the log
+# travels in one results.tar (session 4 lost a comparison's JSON and PNG to the count); here:
+# `tar -xf /work/.device/N/results.tar -C DIR`.
+( cd "$OUT" && find . -type f ! -name 'triton_cache.tar.xz.*' ! -name sweep.log ! -name results.tar -print \
+    | sort > /tmp/results.list && [ -s /tmp/results.list ] && tar -cf results.tar -T /tmp/results.list \
+    && xargs -a /tmp/results.list rm -f && find . -mindepth 1 -type d -empty -delete ) \
+  && echo "results.tar: $(wc -l < /tmp/results.list) files" | tee -a "$OUT/sweep.log"
 # Only the binaries and metadata are read back on a cache hit (triton's get_group skips missing children,
 # CompiledKernel keeps asm[binary_ext]); the IR files are ~80 % of the cache: drop them before packing.
 find .triton_cache -type f \( -name '*.llir' -o -name '*.ttir' -o -name '*.ttgir' -o -name '*.source' \
