@@ -58,9 +58,9 @@ def _split_(w32: torch.Tensor, w_bf16: torch.Tensor, low_i16: torch.Tensor) -> N
 
 
 class BF16AdamW(torch.optim.Optimizer):
-    """Decoupled-weight-decay Adam (torch.optim.AdamW's formula) with fp32 gradient accumulation and
-    bf16 weights backed by their fp32 low bits. ``grads()`` and ``clip_grad_norm_`` work on the fp32 gradients; call
-    ``accumulate_grads()`` after every backward (cheap when the hooks already took every gradient)."""
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's formula) with fp32 gradient accumulation and bf16
+    weights backed by their fp32 low bits. ``grads()`` and ``clip_grad_norm_`` work on the fp32 gradients;
+    call ``accumulate_grads()`` after every backward (a no-op when the hooks already took every gradient)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state_dtype: torch.dtype = torch.bfloat16,
