@@ -271,6 +271,11 @@ class Trainer:
         self.loader.next_step = self.state.step + 1
         if self.state.step and self.rank == 0:
             log.info("resumed from step %d", self.state.step)
+        if self.device.type == "cuda" and self.rank == 0:
+            # on the H200, step 1 took 70-170 s in session 4 (autotuning every config of fla's and our kernels)
+            log.info("the first step compiles and autotunes Triton kernels (minutes on a cold cache; reused from "
+                     "TRITON_CACHE_DIR=%s, autotune results only with TRITON_CACHE_AUTOTUNING=1)",
+                     os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
         try:
             for step in range(self.state.step + 1, cfg.training.steps + 1):
                 data, wait = self.loader.get()
