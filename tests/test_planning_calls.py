@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from harts.data.trie import build_trie
 from harts.planning.calls import (
-    CallPlan,
     main,
     min_calls_dp,
     min_calls_dp_reference,

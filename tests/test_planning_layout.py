@@ -76,7 +76,7 @@ def check_layout(trajs, B, w=4, pad=1):
         for n in range(rd.num_sequences):
             q = rd.seq_offset + n
             traj = trajs[lay.seq_trajectory[q]]
-            a, s, e = lay.seq_replay_start[q], lay.seq_start[q], lay.seq_end[q]
+            a, e = lay.seq_replay_start[q], lay.seq_end[q]
             g = rd.gather[rd.cu_seqlens[n] : rd.cu_seqlens[n + 1]]
             assert np.array_equal(lay.tokens[g], traj[a:e])
             assert np.all(g < C), "padding gathered"

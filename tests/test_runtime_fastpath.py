@@ -3,7 +3,6 @@ safe-gate intra-chunk kernels + our state scans), fla's varlen conv with ancesto
 compact log-probs, against the reference path on the same model and batch. On CPU the Triton kernels run
 under the interpreter in float32 (CI executes the kernel code); on a GPU they run compiled."""
 import numpy as np
-import pytest
 import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM

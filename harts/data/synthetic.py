@@ -22,10 +22,9 @@ CLI: ``python -m harts.data.synthetic --preset swe-step --seed 0 --scale 1 --out
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 

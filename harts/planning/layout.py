@@ -297,7 +297,6 @@ def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 
     # Log-probs in original order.
     semantic_rows = phys_of_row[trie.row_of_position]
     lens = trie.lengths
-    N = lens.shape[0]
     lp_len = lens - 1
     lp_sem = _ranges(trie.offsets[:-1], lp_len)
     logprob_rows = semantic_rows[lp_sem]
