@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=16, help="how many planned microbatches to time")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     ap.add_argument("--out", default="out/bench_speedup")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds of timed microbatches after which no new one starts (0 = time all); the "
+                         "report says how many were timed. For device calls with a hard time limit")
     ap.add_argument("--flops-only", action="store_true",
                     help="no timing: plan and pack the same microbatches, count forward FLOPs of both paths on a "
                          "meta-device model and print the ceiling speedup / compression = FLOP compression / row "
@@ -131,7 +134,13 @@ def main(argv=None) -> int:
     raw = compact = replay = kv = 0
     flops_h = flops_b = 0.0
     t_calls = t_h = t_b = 0.0
+    t_start, timed = time.perf_counter(), 0
     for trajs in mbs:
+        if args.time_budget and timed and time.perf_counter() - t_start > args.time_budget:
+            print(f"  time budget {args.time_budget:g} s reached: {timed} of {len(mbs)} microbatches timed",
+                  flush=True)
+            break
+        timed += 1
         t0 = time.perf_counter()
         from harts.planning.calls import plan_calls
 
@@ -171,9 +180,10 @@ def main(argv=None) -> int:
         print(f"  microbatch: raw {hb.stats['raw_tokens']:,} compact {hb.num_rows:,}  cumulative HARTS {t_h:.2f}s "
               f"baseline {t_b:.2f}s", flush=True)
     comp = raw / compact
-    t_plan = t_mb * len(mbs) / len(plan.microbatches) + t_calls
+    t_plan = t_mb * timed / len(plan.microbatches) + t_calls
     fpr = flops_per_row(model)
     res.update({
+        "microbatches_timed": timed,
         "raw_rows": raw, "compact_rows": compact, "compression": comp, "replay_rows": replay,
         "mla_kv_rows": kv, "mla_view_expansion": kv / compact,
         "fbgrad_harts_s": t_h, "fbgrad_baseline_s": t_b, "plan_s": t_plan,
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
                           "ideal_s": fam_b.get(f, 0.0) / c0,
                           "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
                       for f in sorted(set(fam_h) | set(fam_b))}
-    print(f"\nmicrobatches {len(mbs)}  raw {raw:,}  compact {compact:,}  compression {comp:.3f}x  replay {replay:,}  "
+    print(f"\nmicrobatches {timed} timed of {len(mbs)}  raw {raw:,}  compact {compact:,}  compression {comp:.3f}x  replay {replay:,}  "
           f"MLA KV expansion {kv / compact:.2f}x")
     print(f"F/B/Grad: baseline {t_b:.2f}s  HARTS {t_h:.2f}s  speedup {res['speedup_fbgrad']:.3f}x "
           f"({res['fbgrad_over_compression']:.3f} of compression)")
