@@ -134,7 +134,7 @@ class BF16AdamW(torch.optim.Optimizer):
                              "harts.train.parallelize.clip_grad_norm_mixed_(None, max_norm, grads=opt.grads())")
         if not grads:
             return torch.zeros((), dtype=torch.float64)
-        total = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
+        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum().sqrt()
         coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return total

@@ -283,7 +283,7 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
     parameters' ``.grad``): e.g. BF16AdamW's fp32 gradients, placed like their parameters."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    groups: dict = {}
+    groups: dict = {}  # (mesh, sharded dims) -> [local tensors, mesh, dims]
     if grads is None:
         grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
@@ -292,17 +292,14 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
             if any(pl.is_partial() for pl in g.placements):
                 raise RuntimeError(f"unreduced (Partial) gradient on mesh {g.device_mesh}")
             dims = tuple(i for i, pl in enumerate(g.placements) if not isinstance(pl, Replicate))
-            key = (id(g.device_mesh), dims)
-            sq = g.to_local().double().square().sum()
-            mesh = g.device_mesh
+            key, local, mesh = (id(g.device_mesh), dims), g.to_local(), g.device_mesh
         else:
-            key, sq, mesh, dims = (None, ()), g.double().square().sum(), None, ()
-        if key in groups:
-            groups[key][0] += sq
-        else:
-            groups[key] = [sq, mesh, dims]
+            key, local, mesh, dims = (None, ()), g, None, ()
+        groups.setdefault(key, [[], mesh, dims])[0].append(local)
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-    for sq, mesh, dims in groups.values():
+    for tensors, mesh, dims in groups.values():
+        # multi-tensor norms accumulated in fp64 inside the kernel (no fp64 copies of the gradients)
+        sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(mesh_dim=d))
         total = total + sq

@@ -61,11 +61,11 @@ class TrainState:
 
 
 def _norms_sum(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of the gradients' 2-norms: finite iff every gradient is (multi-tensor kernels in each grad's own
-    dtype; no fp64 copy of 7.9B gradient elements per microbatch just to look for a NaN)."""
+    """Sum of the gradients' 2-norms: finite iff every gradient is (multi-tensor kernels accumulating in
+    fp64; no fp64 copy of 7.9B gradient elements per microbatch just to look for a NaN)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([n.double() for n in torch._foreach_norm(grads)]).sum()
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).sum()
 
 
 class Trainer:
