@@ -46,7 +46,7 @@ for what in "$@"; do
     # gradient check, and the baseline's step-1 grad norm under a second packing (2 trajectories per
     # microbatch instead of 1; compare with train1_base's step 1)
     grpo) step grpo 150 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_runtime_gpu.py \
-            -k grpo_gradient ;;
+            tests/test_bf16_adamw.py -k "grpo_gradient or cuda" ;;
     pack2) step pack2 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=1 \
               --harts.enabled=false --harts.capacity=131072 --profile.enable=false --job.dump_folder=/tmp/pack2 ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" --trace /tmp/kda_traces ;;

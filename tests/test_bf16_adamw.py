@@ -16,19 +16,20 @@ def _weights():
     return torch.cat([0.02 * torch.randn(4096, generator=g), torch.ones(512)])
 
 
-def _run(opt_for, steps=200):
+def _run(opt_for, steps=200, device="cpu"):
     """Trains (bf16 param, fp32 reference param) on the same fp32 gradient sequence; returns both."""
     g = torch.Generator().manual_seed(1)
-    w0 = _weights().to(torch.bfloat16).float()  # both start from the same (bf16) weights
+    w0 = _weights().to(torch.bfloat16).float().to(device)  # both start from the same (bf16) weights
     ref = torch.nn.Parameter(w0.clone())
     ref_opt = torch.optim.AdamW([ref], **HP, foreach=False)
     p = torch.nn.Parameter(w0.to(torch.bfloat16))
     opt = opt_for(p)
-    drift = torch.randn(w0.shape, generator=g).sign()
-    scale = 1.0 + torch.arange(w0.numel()) % 7
+    drift = torch.randn(w0.shape, generator=g).sign().to(device)
+    scale = 1.0 + torch.arange(w0.numel(), device=device) % 7
     for _ in range(steps):
         # a persistent direction per element plus noise, so that the weights travel ~lr per step
-        grad = ((drift + 0.5 * torch.randn(w0.shape, generator=g)) * scale).to(torch.bfloat16)
+        noise = torch.randn(w0.shape, generator=g).to(device)
+        grad = ((drift + 0.5 * noise) * scale).to(torch.bfloat16)
         ref.grad = grad.float()  # the same gradient values on both sides
         ref_opt.step()
         (p * grad).sum().backward()  # dL/dp = grad
@@ -54,6 +55,16 @@ def test_compensated_weights_follow_fp32_master_adamw():
     # and the bf16 weight itself is the reference rounded to bf16 (ties at rounding boundaries aside)
     same = (p.detach() == ref.to(torch.bfloat16)).float().mean()
     assert same >= 0.99, same
+
+
+@pytest.mark.gpu
+def test_compensated_weights_follow_fp32_master_adamw_on_cuda():
+    """The same exactness on the GPU (integer bit ops and fp32 math on CUDA tensors)."""
+    p, opt, ref, w0 = _run(lambda p: BF16AdamW([p], **HP, state_dtype=torch.float32), device="cuda")
+    err = (_effective(p, opt) - ref).abs().max().item()
+    moved = (ref - w0).abs().max().item()
+    print(f"cuda: max |master - fp32 AdamW| {err:.2e} over a distance of {moved:.2e}")
+    assert err <= 1e-5 * moved and bool((p.detach() == ref.to(torch.bfloat16)).float().mean() >= 0.99)
 
 
 def test_bf16_moments_stay_close_and_plain_bf16_adamw_does_not():
