@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from harts.train.bf16_adamw import BF16AdamW
+from harts.train.parallelize import clip_grad_norm_mixed_
 
 HP = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -146,7 +147,7 @@ def test_clip_grad_norm_over_fp32_gradients():
     opt = BF16AdamW(lin.parameters(), **HP)
     lin(torch.randn(4, 16).to(torch.bfloat16)).sum().mul(50).backward()
     grads = [g.clone() for g in opt.grads()]
-    total = opt.clip_grad_norm_(1.0)
+    total = clip_grad_norm_mixed_(None, 1.0, grads=opt.grads())
     want = torch.cat([g.double().flatten() for g in grads]).norm()
     assert torch.allclose(total, want) and want > 1
     assert torch.allclose(torch.cat([g.double().flatten() for g in opt.grads()]).norm(),
@@ -178,8 +179,6 @@ def _sharded_worker(rank, world, port, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from harts.train.parallelize import clip_grad_norm_mixed_
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -193,7 +192,6 @@ def _sharded_worker(rank, world, port, out_dir):
         for k in range(3):
             for p, name in zip(params, "abc"):
                 p.grad = distribute_tensor(full[f"g{name}{k}"], mesh, p.placements)
-            opt.accumulate_grads()
             norms.append(clip_grad_norm_mixed_(None, 1.0, grads=opt.grads()).item())
             opt.step()
             opt.zero_grad()
@@ -219,9 +217,7 @@ def _sharded_problem():
 
 
 def test_sharded_parameters_update_exactly_like_one_process(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
+    from tests.spawn import spawn_ranks
 
     full = _sharded_problem()
     params = [torch.nn.Parameter(full[n].clone()) for n in "abc"]
@@ -230,20 +226,10 @@ def test_sharded_parameters_update_exactly_like_one_process(tmp_path):
     for k in range(3):
         for p, name in zip(params, "abc"):
             p.grad = full[f"g{name}{k}"].clone()
-        opt.accumulate_grads()
-        norms.append(opt.clip_grad_norm_(1.0).item())
+        norms.append(clip_grad_norm_mixed_(None, 1.0, grads=opt.grads()).item())
         opt.step()
         opt.zero_grad()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_sharded_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0, f"worker exit code {p.exitcode}"
+    spawn_ranks(_sharded_worker, 2, str(tmp_path))
     got = torch.load(tmp_path / "sharded.pt")
     assert norms == pytest.approx(got["norms"], rel=1e-12) and norms[0] > 1  # clipping active
     for p, name in zip(params, "abc"):

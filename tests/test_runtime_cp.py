@@ -1,21 +1,14 @@
 """Context parallelism (Ulysses style) on gloo with cp = 2: log-probs and gradients equal cp = 1 (float64)."""
 import os
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.spawn import spawn_ranks
 from tests.test_runtime_equivalence import fork_tree, make_model
 
 B = 4
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(model, batch):
@@ -63,14 +56,7 @@ def test_cp2_equals_cp1(tmp_path):
     assert batch.num_phys % 2 == 0
     lp_ref, loss = _losses(model, batch)
     loss.backward()
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0, f"worker exit code {p.exitcode}"
+    spawn_ranks(_worker, 2, str(tmp_path))
     got = torch.load(tmp_path / "cp.pt")
     assert ((got["lp"] - lp_ref.detach()).abs().max() / lp_ref.abs().max()).item() <= 1e-12
     for n, p in model.named_parameters():

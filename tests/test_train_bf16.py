@@ -2,33 +2,18 @@
 master weight (bf16 weight + 16 low bits) that moves where torch's AdamW on the bf16 tensors does not; its
 state survives a kill and resume bit for bit (distributed checkpoint); FSDP2 x EP on 2 gloo processes
 tracks one process."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from harts.train.bf16_adamw import BF16AdamW, _join
 from harts.train.config import load_config
 from harts.train.trainer import Trainer
-from tests.train_toml import COMMON
+from tests.test_train_distributed import BASE as F64_BASE
+from tests.test_train_distributed import records, torchrun, weights
 
-ROOT = Path(__file__).resolve().parents[1]
-BASE = COMMON.replace('dtype = "float64"', 'dtype = "bfloat16"').replace("lr = 1e-3", "lr = 1e-5") + """[training]
-steps = 4
-[metrics]
-log_freq = 1
-disable_color_printing = true
-[checkpoint]
-export_hf = true
-folder = "ckpt"
-interval = 2
-keep_latest_k = 0
-last_save_model_only = false
-"""
+# the distributed tests' settings (4 steps, checkpoints every 2, HF export) with bf16 weights at lr 1e-5
+BASE = F64_BASE.replace('dtype = "float64"', 'dtype = "bfloat16"').replace("lr = 1e-3", "lr = 1e-5")
 
 
 def _cfg(tmp_path) -> Path:
@@ -57,31 +42,18 @@ def test_norm_weights_train_only_with_the_fp32_master(tmp_path):
     assert moved.max() > 2e-5 and moved.max() < 5e-5, moved.max()
 
 
-def _train(cfg: Path, out: Path, *extra: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(cfg), f"--job.dump_folder={out}",
-                        "--checkpoint.enable", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_kill_and_resume_reproduces_the_bf16_run_exactly(tmp_path):
     cfg = _cfg(tmp_path)
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    _train(cfg, whole)
-    _train(cfg, resumed, "--debug.exit_after_step=2")
-    assert [r["step"] for r in _records(resumed)] == [1, 2]
-    _train(cfg, resumed)
-    a, b = _records(whole), _records(resumed)
+    torchrun(cfg, whole, "--checkpoint.enable", nproc=1)
+    torchrun(cfg, resumed, "--checkpoint.enable", "--debug.exit_after_step=2", nproc=1)
+    assert [r["step"] for r in records(resumed)] == [1, 2]
+    torchrun(cfg, resumed, "--checkpoint.enable", nproc=1)
+    a, b = records(whole), records(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert (ra["loss"], ra["grad_norm"]) == (rb["loss"], rb["grad_norm"]), (ra["step"], ra, rb)
-    wa = load_file(str(whole / "ckpt" / "hf" / "model-00001-of-00001.safetensors"))
-    wb = load_file(str(resumed / "ckpt" / "hf" / "model-00001-of-00001.safetensors"))
+    wa, wb = weights(whole), weights(resumed)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -90,14 +62,12 @@ def test_fsdp2_x_ep_bf16_tracks_one_process(tmp_path):
     dtype per unit without a cast policy) and their gradients are summed over the mesh; BF16AdamW updates
     the bf16 shards. bf16 runs of different layouts round differently, so the bound is bf16-sized: one
     process vs two agreed to 5.8e-4 (loss) and 2.9e-3 (grad norm) relative when this was written."""
-    from tests.test_train_distributed import torchrun
-
     cfg = _cfg(tmp_path)
     one = Trainer(load_config(str(cfg), **{"checkpoint.enable": False, "job.dump_folder": str(tmp_path / "one")}))
     a = one.train()
     torchrun(cfg, tmp_path / "two", "--checkpoint.enable=false", "--parallelism.data_parallel_shard_degree=2",
              "--parallelism.expert_parallel_degree=2")
-    b = _records(tmp_path / "two")
+    b = records(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and all((r["dp"], r["ep"]) == (2, 2) for r in b)
     for ra, rb in zip(a, b):
         assert abs(ra["loss"] - rb["loss"]) <= 2e-3 * abs(ra["loss"]), (ra["step"], ra["loss"], rb["loss"])

@@ -48,38 +48,54 @@ def profile_families(fn, device) -> dict:
     return dict(out)
 
 
+def planned_microbatches(args):
+    """The step's fullest ``args.microbatches`` planned microbatches (trajectory lists) and the plan time."""
+    from harts.planning import plan_microbatches
+
+    step = workload_step(args)
+    t0 = time.perf_counter()
+    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
+    t_mb = time.perf_counter() - t0
+    order = sorted(range(len(plan.microbatches)), key=lambda j: -plan.work[j])[: args.microbatches]
+    return [[step[i] for i in plan.microbatches[j]] for j in order], plan, t_mb
+
+
+def baseline_flops(model, trajs, capacity: int, act: int) -> float:
+    """Forward FLOPs of the trajectory-wise baseline's sub-batches of one microbatch."""
+    from harts.bench.flops import batch_forward_flops
+    from harts.runtime import pack
+
+    B = model.config.kda_chunk_size
+    return sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
+                                   act)["total"] for idx in subbatches(trajs, capacity))
+
+
 def flops_only(args) -> int:
     from harts.bench.flops import active_matmul_params, batch_forward_flops
     from harts.models.ling import LingConfig, LingForCausalLM
-    from harts.planning import plan_microbatches
     from harts.runtime import pack
 
-    step = workload_step(args)
-    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
-    order = sorted(range(len(plan.microbatches)), key=lambda j: -plan.work[j])[: args.microbatches]
+    mbs, _, _ = planned_microbatches(args)
     with torch.device("meta"):
         model = LingForCausalLM(LingConfig.preset(args.preset))
     B, act = model.config.kda_chunk_size, active_matmul_params(model)
     raw = compact = replay = 0
     fh = fb = 0.0
-    for n, j in enumerate(order, 1):
-        trajs = [step[i] for i in plan.microbatches[j]]
+    for n, trajs in enumerate(mbs, 1):
         hb = pack(trajs, chunk_size=B)
         fh += batch_forward_flops(model, hb, act)["total"]
-        fb += sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
-                                      act)["total"] for idx in subbatches(trajs, args.capacity))
+        fb += baseline_flops(model, trajs, args.capacity, act)
         raw, compact, replay = raw + hb.stats["raw_tokens"], compact + hb.num_rows, replay + hb.stats["replay_tokens"]
-        print(f"  microbatch {n}/{len(order)}: raw {hb.stats['raw_tokens']:,} compact {hb.num_rows:,}", flush=True)
+        print(f"  microbatch {n}/{len(mbs)}: raw {hb.stats['raw_tokens']:,} compact {hb.num_rows:,}", flush=True)
     comp, fcomp = raw / compact, fb / fh
-    res = {"args": vars(args), "microbatches": len(order), "raw_rows": raw, "compact_rows": compact,
+    res = {"args": vars(args), "microbatches": len(mbs), "raw_rows": raw, "compact_rows": compact,
            "replay_rows": replay, "compression": comp, "forward_flops_harts": fh, "forward_flops_baseline": fb,
            "flop_compression": fcomp, "ceiling_over_compression": fcomp / comp}
-    print(f"\n{args.preset} {args.workload} scale {args.scale} capacity {args.capacity}: {len(order)} microbatches, "
+    print(f"\n{args.preset} {args.workload} scale {args.scale} capacity {args.capacity}: {len(mbs)} microbatches, "
           f"raw {raw:,} compact {compact:,} (replay {replay:,})")
     print(f"row compression {comp:.3f}x, FLOP compression {fcomp:.3f}x: a HARTS at the baseline's per-FLOP "
           f"efficiency reaches {fcomp / comp:.3f} of the row compression")
-    os.makedirs(args.out, exist_ok=True)
-    write_results(args.out, "speedup_flops", res, None)
+    write_results(args.out, "speedup_flops", res)
     return 0
 
 
@@ -100,18 +116,12 @@ def main(argv=None) -> int:
     if args.flops_only:
         return flops_only(args)
 
-    from harts.planning import plan_microbatches
     from harts.runtime import pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     os.makedirs(args.out, exist_ok=True)
-    step = workload_step(args)
-    t0 = time.perf_counter()
-    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
-    t_mb = time.perf_counter() - t0
-    order = sorted(range(len(plan.microbatches)), key=lambda j: -plan.work[j])[: args.microbatches]
-    mbs = [[step[i] for i in plan.microbatches[j]] for j in order]
+    mbs, plan, t_mb = planned_microbatches(args)
     model = build_model(args.preset, dev, dtype, args.seed, recompute=True)
     B = model.config.kda_chunk_size
 
@@ -171,8 +181,7 @@ def main(argv=None) -> int:
             loss_of(model.logprobs(bb)).backward()
         sync()
         t_b += time.perf_counter() - t0
-        flops_b += sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
-                                           act)["total"] for idx in subbatches(trajs, args.capacity))
+        flops_b += baseline_flops(model, trajs, args.capacity, act)
         res.setdefault("baseline_peak_gb", 0.0)
         if dev.type == "cuda":
             res["baseline_peak_gb"] = max(res["baseline_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)

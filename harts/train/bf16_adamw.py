@@ -59,8 +59,9 @@ def _split_(w32: torch.Tensor, w_bf16: torch.Tensor, low_i16: torch.Tensor) -> N
 
 class BF16AdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's formula) with fp32 gradient accumulation and bf16
-    weights backed by their fp32 low bits. ``grads()`` and ``clip_grad_norm_`` work on the fp32 gradients;
-    call ``accumulate_grads()`` after every backward (a no-op when the hooks already took every gradient)."""
+    weights backed by their fp32 low bits. ``grads()`` returns the fp32 gradients (placed like their
+    parameters, so harts.train.parallelize.clip_grad_norm_mixed_ clips them on any mesh); call
+    ``accumulate_grads()`` after every backward (a no-op when the hooks already took every gradient)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state_dtype: torch.dtype = torch.bfloat16,
@@ -108,6 +109,7 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def grads(self) -> list[torch.Tensor]:
         """This step's gradients, fp32 for bf16 parameters (what clipping and the update read)."""
+        self.accumulate_grads()
         out = []
         for g in self.param_groups:
             for p in g["params"]:
@@ -120,24 +122,6 @@ class BF16AdamW(torch.optim.Optimizer):
         if p.dtype == torch.bfloat16:
             return self._main[p] if p in self._fresh else None
         return p.grad
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """One process: total 2-norm over all gradients (fp64 accumulation), scaled down to ``max_norm``.
-        Sharded gradients need the norm over all ranks: harts.train.parallelize.clip_grad_norm_mixed_
-        with ``grads=self.grads()``."""
-        from torch.distributed.tensor import DTensor
-
-        grads = self.grads()
-        if any(isinstance(g, DTensor) for g in grads):
-            raise ValueError("BF16AdamW.clip_grad_norm_ is for plain tensors; DTensor gradients need "
-                             "harts.train.parallelize.clip_grad_norm_mixed_(None, max_norm, grads=opt.grads())")
-        if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum().sqrt()
-        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fresh.clear()  # the fp32 buffers are kept and overwritten by the next step's first gradient
@@ -163,7 +147,7 @@ class BF16AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.accumulate_grads()
+        self.accumulate_grads()  # gradients set outside autograd since the last grads()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:

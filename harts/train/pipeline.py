@@ -119,7 +119,7 @@ class PipelineRunner:
         self.schedule_name, self.rows, self.hidden = schedule, rows, hidden
         self.act_dtype, self.loss_dtype = act_dtype, loss_dtype
         stage_model.rows, stage_model.row_split = rows, row_split
-        self._cache: dict[int, object] = {}
+        self._cache: dict[tuple[int, bool], object] = {}  # (microbatches, train) -> schedule
 
     def _schedule(self, n: int, train: bool = True):
         """Training schedules (forward + backward) and forward-only ones (PPO's old log-probs: GPipe, no

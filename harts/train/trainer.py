@@ -334,8 +334,6 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         if self.bf16_opt:
-            for o in self.optimizers:
-                o.accumulate_grads()
             grads = [g for o in self.optimizers for g in o.grads()]
         else:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -385,18 +383,19 @@ class Trainer:
         meta_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         mbs = [mb.to(self.device, meta_dtype) for mb in data.microbatches]
         router = self._router_inputs(data)
-        old = [None] * len(mbs)
+        old = [None] * len(mbs)  # PPO's recomputed old log-probs per microbatch slot; by index under PP
+        old_pp = None
         if self.loss_cfg.objective == "ppo" and cfg.rl.old_logprobs == "recompute":
             with torch.no_grad(), self.amp:
                 if self.pipe is not None:  # a forward-only pipeline pass; the last stage keeps them
-                    old = self.pipe.old_logprobs(mbs)
+                    old_pp = self.pipe.old_logprobs(mbs)
                 else:
                     old = [mb.select(model(mb.batch)).detach() for mb in mbs]
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
         if self.pipe is not None:
-            sums, counts = self._pipeline_slots(step, mbs, router, sums, old)
+            sums, counts = self._pipeline_slots(step, mbs, router, sums, old_pp)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
                 logp = mb.select(model(mb.batch, router))  # this CP rank's positions (all without CP)
@@ -473,7 +472,7 @@ class Trainer:
         ``old_logp``: PPO's recomputed old log-probs by microbatch index (last stage)."""
         m = self.model
         with torch.profiler.record_function("harts.pipeline"), self.amp:
-            self.pipe.run(mbs, router, self.loss_cfg, old_logp if isinstance(old_logp, dict) else None)
+            self.pipe.run(mbs, router, self.loss_cfg, old_logp)
         counts = None
         if self.n_moe:
             counts = torch.zeros(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64, device=self.device)
