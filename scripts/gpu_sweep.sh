@@ -47,6 +47,7 @@ for what in "$@"; do
     # microbatch instead of 1; compare with train1_base's step 1)
     grpo) step grpo 150 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_runtime_gpu.py \
             tests/test_bf16_adamw.py -k "grpo_gradient or cuda" ;;
+    adamw) step adamw 60 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_bf16_adamw.py ;;
     pack2) step pack2 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=1 \
               --harts.enabled=false --harts.capacity=131072 --profile.enable=false --job.dump_folder=/tmp/pack2 ;;
     kernels) step kernels 200 python3 -m harts.bench.kernels --out "$OUT" --trace /tmp/kda_traces ;;
@@ -80,6 +81,15 @@ for what in "$@"; do
               --job.dump_folder=/tmp/cp2
         step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=6 \
               --job.dump_folder=/tmp/cp1 ;;
+    gradgap) step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --out "$OUT" ;;
+    # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to gradgap (GPU 1); their log lines interleave
+    cpgap) step cp2 240 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \
+              --job.dump_folder=/tmp/cp2
+        CUDA_VISIBLE_DEVICES=1 step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml \
+              --out "$OUT" &
+        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 \
+              --training.steps=6 --job.dump_folder=/tmp/cp1
+        wait ;;
     layouts2)  # issue 10 at reduced degree on 2 GPUs: the 8-GPU layouts' TP2+SP+EP and PP2 parts, pure bf16
       R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
       step tp2_sp_ep2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 \
