@@ -77,10 +77,11 @@ for what in "$@"; do
     train2|train2b) [ -f /tmp/train2_harts/metrics.jsonl ] && step train2_cmp 30 python3 -m harts.bench.train_speedup \
               --harts /tmp/train2_harts/metrics.jsonl --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" ;;
     train2h) ;;
-    cp) step cp2 300 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \
-              --job.dump_folder=/tmp/cp2
-        step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=6 \
-              --job.dump_folder=/tmp/cp1 ;;
+    # CP_STEPS (default 6) steps each, the third profiled
+    cp) step cp2 ${CP2_LIMIT:-300} torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml \
+              --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp2
+        step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=${CP_STEPS:-6} \
+              --profile.steps=3 --job.dump_folder=/tmp/cp1 ;;
     gradgap) step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --out "$OUT" ;;
     # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to gradgap (GPU 1); their log lines interleave
     cpgap) step cp2 240 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \

@@ -21,7 +21,31 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0. Its adjoint is the same exchange (rank r's chunk j goes to rank
+    j's slot r and back), so backward runs it on the gradient. The outputs are plain, completed tensors:
+    torch's functional collectives return AsyncCollectiveTensor wrappers that wait only when a torch op
+    touches them, and Triton kernels read raw pointers. The first GPU cp run (session 5, 2 x H200) died with
+    an illegal address in the first Triton kernel to read an exchanged tensor (fla's causal_conv1d), with
+    NCCL reporting unwaited functional collectives at exit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,12 +82,12 @@ class ContextParallel:
         p, H, X = x_pHX.shape
         h = H // self.size
         send = x_pHX.reshape(p, self.size, h, X).transpose(0, 1).contiguous()  # [cp(dest), p, h, X]
-        recv = all_to_all_single_autograd(send.flatten(), None, None, self.group)
+        recv = _AllToAll.apply(send.flatten(), self.group)
         return recv.view(self.size * p, h, X)  # source ranks in order = rows in order
 
     def heads_to_rows(self, y_PhX: torch.Tensor) -> torch.Tensor:
         """[P, h, X] (all rows, own heads) -> [p, H, X] (own rows, all heads)."""
         P, h, X = y_PhX.shape
         p = P // self.size
-        recv = all_to_all_single_autograd(y_PhX.contiguous().flatten(), None, None, self.group)
+        recv = _AllToAll.apply(y_PhX.contiguous().flatten(), self.group)
         return recv.view(self.size, p, h, X).transpose(0, 1).reshape(p, self.size * h, X)
