@@ -18,10 +18,16 @@ Same model and weights for both paths (one trainer, HARTS step data and a baseli
 same rollouts), the trainer's dtype, autocast and gradient accumulation (fp32 with BF16AdamW). One
 path's gradient waits on the host in fp32 (31.6 GB for Ling-3.0-tiny) while the other is computed.
 On CPU in float64 both paths agree to rounding in every part (tests/test_bench_gradgap.py).
+
+``--truth``: also the fp32 gradient of the same weights (the bf16 weights upcast exactly; trajectory-wise
+layout; fp32 kernels where they exist, the reference attention and MoE otherwise; the same recomputation),
+and each path's distance to it, which says which of the two bf16 gradients is the more accurate one. It
+costs 32 GB more on the GPU and 32 GB more on the host for Ling-3.0-tiny.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -55,22 +61,44 @@ def microbatch_mask(mb, plan, masks: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(m)
 
 
-def step_gradient(trainer, data, masks, part: str) -> list[torch.Tensor]:
-    """The gradient of one part of the step's loss, as the trainer accumulates it (fp32 under BF16AdamW)."""
+def _param_grads(trainer, model) -> list[torch.Tensor]:
+    """Gradients in ``model.named_parameters()`` order: the fp32 accumulators under BF16AdamW, else ``.grad``
+    (fp32 or fp64); a parameter without one gets zeros."""
+    owner = {}
+    if trainer is not None and trainer.bf16_opt:
+        for o in trainer.optimizers:
+            o.accumulate_grads()
+            owner.update({id(p): o for g in o.param_groups for p in g["params"]})
+    out = []
+    for _, p in model.named_parameters():
+        g = owner[id(p)]._grad(p) if id(p) in owner else p.grad
+        if g is None:
+            g = torch.zeros_like(p, dtype=torch.float32)
+        out.append(g if g.dtype == torch.float64 else g.float())
+    return out
+
+
+def step_gradient(trainer, data, masks, part: str, model=None) -> list[torch.Tensor]:
+    """The gradient of one part of the step's loss, accumulated over the microbatches as the trainer does
+    (fp32 under BF16AdamW); ``model`` (the fp32 truth) runs in place of the trainer's, without autocast."""
     from harts.rl.losses import token_losses
 
-    model = trainer.model
-    for o in trainer.optimizers if trainer.bf16_opt else ():
-        o.zero_grad()
+    own_model = model is None
+    model = trainer.model if own_model else model
+    if own_model and trainer.bf16_opt:
+        for o in trainer.optimizers:
+            o.zero_grad()
     model.zero_grad(set_to_none=True)
     router = trainer._router_inputs(data) if part == "all" else None
-    meta_dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
+    p0 = next(model.parameters())
+    meta_dtype = torch.float64 if p0.dtype == torch.float64 else torch.float32
+    amp = trainer.amp if own_model else contextlib.nullcontext()
     for mb in data.microbatches:
         keep = None if part == "all" else microbatch_mask(mb, data.plan, masks)
         if keep is not None and part == "own":
             keep = ~keep
         mb = mb.to(trainer.device, meta_dtype)
-        with trainer.amp:
+        with amp:
             logp = mb.select(model(mb.batch, router))
             loss_S, *_ = token_losses(logp, mb.adv, trainer.loss_cfg, old_logp_S=mb.old_logp,
                                       ref_logp_S=mb.ref_logp)
@@ -79,30 +107,58 @@ def step_gradient(trainer, data, masks, part: str) -> list[torch.Tensor]:
                 c = c * keep.to(c.device, c.dtype)
             loss = (c * loss_S).sum()
         loss.backward()
-        if trainer.bf16_opt:
+        if own_model and trainer.bf16_opt:
             for o in trainer.optimizers:
                 o.accumulate_grads()
-    trainer._sync_replicated_grads()
-    return [g if g.dtype == torch.float64 else g.float() for g in trainer._grads(local=False)]
+    return _param_grads(trainer if own_model else None, model)
 
 
-def compare(g_a: list[torch.Tensor], g_b: list[torch.Tensor]) -> dict:
-    """Norms, difference norm and cosine, in float64, one tensor at a time."""
-    if len(g_a) != len(g_b) or any(a.shape != b.shape for a, b in zip(g_a, g_b)):
-        raise ValueError(f"the two paths' gradients do not line up: {len(g_a)} vs {len(g_b)} tensors")
-    aa = bb = ab = dd = 0.0
-    for a, b in zip(g_a, g_b):
-        a, b = a.to(torch.float64), b.to(a.device, torch.float64)
-        aa += float((a * a).sum())
-        bb += float((b * b).sum())
-        ab += float((a * b).sum())
-        dd += float(((a - b) ** 2).sum())
-    na, nb = aa ** 0.5, bb ** 0.5
-    return {"norm_harts": na, "norm_baseline": nb, "norm_diff": dd ** 0.5,
-            "rel_diff": dd ** 0.5 / max(na, 1e-300), "cosine": ab / max(na * nb, 1e-300)}
+def build_truth(trainer):
+    """An fp32 copy of the trainer's model (fp64 for an fp64 trainer): its weights and buffers upcast
+    exactly, its recomputation."""
+    from harts.train import parallelize as par
+    from harts.train.model import build_policy
+
+    dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
+    truth = build_policy(trainer.model_cfg, device=trainer.device, dtype=dtype, seed=0, on_meta=True)
+    truth.to_empty(device=trainer.device)
+    src = dict(trainer.model.named_parameters())
+    src.update(dict(trainer.model.named_buffers()))
+    with torch.no_grad():
+        for name, t in list(truth.named_parameters()) + list(truth.named_buffers()):
+            t.copy_(src[name])
+    par.apply_ac(truth, trainer.cfg.activation_checkpoint.mode)
+    return truth
 
 
-def run(cfg, parts=PARTS) -> dict:
+def compare(vectors: dict[str, list[torch.Tensor]], pairs) -> dict:
+    """Norms of every vector and, per pair, the norm of the difference and the cosine; float64, one tensor
+    at a time on the device of the first vector's tensor."""
+    labels = list(vectors)
+    n = {len(v) for v in vectors.values()}
+    if len(n) != 1 or any(len({tuple(vectors[k][i].shape) for k in labels}) != 1 for i in range(n.pop())):
+        raise ValueError(f"the gradients do not line up: {[len(v) for v in vectors.values()]} tensors")
+    sq = dict.fromkeys(labels, 0.0)
+    dot = dict.fromkeys(pairs, 0.0)
+    dd = dict.fromkeys(pairs, 0.0)
+    for i in range(len(vectors[labels[0]])):
+        dev = vectors[labels[0]][i].device
+        x = {k: vectors[k][i].to(dev, torch.float64) for k in labels}
+        for k in labels:
+            sq[k] += float((x[k] * x[k]).sum())
+        for a, b in pairs:
+            dot[(a, b)] += float((x[a] * x[b]).sum())
+            dd[(a, b)] += float(((x[a] - x[b]) ** 2).sum())
+    out = {f"norm_{k}": sq[k] ** 0.5 for k in labels}
+    for a, b in pairs:
+        na, nb = sq[a] ** 0.5, sq[b] ** 0.5
+        out[f"diff_{a}_{b}"] = dd[(a, b)] ** 0.5
+        out[f"rel_{a}_{b}"] = dd[(a, b)] ** 0.5 / max(nb, 1e-300)  # relative to the second (the reference)
+        out[f"cos_{a}_{b}"] = dot[(a, b)] / max(na * nb, 1e-300)
+    return out
+
+
+def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
     from harts.train.data import StepBuilder
     from harts.train.trainer import Trainer
 
@@ -129,20 +185,38 @@ def run(cfg, parts=PARTS) -> dict:
         log.info("step 1: %d trajectories, %d predicted positions, %d (%.1f %%) on shared rows; HARTS %d microbatch(es), "
                  "baseline %d", len(trajs), n_pos, n_shared, 100 * n_shared / max(n_pos, 1),
                  len(data_h.microbatches), len(data_b.microbatches))
+        truth = build_truth(trainer) if with_truth else None
+        if truth is not None:
+            log.info("truth: a copy of the model in %s (weights upcast), trajectory-wise layout",
+                     next(truth.parameters()).dtype)
+        pairs = [("harts", "baseline")] + ([("harts", "truth"), ("baseline", "truth")] if truth is not None else [])
         for part in parts:
+            vec, secs = {}, {}
+            if truth is not None:
+                t0 = time.perf_counter()
+                vec["truth"] = [g.to("cpu", copy=True) for g in step_gradient(trainer, data_b, masks, part, truth)]
+                truth.zero_grad(set_to_none=True)
+                secs["truth_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             # the baseline's gradient waits on the host while HARTS's is computed
-            g_b = [g.to("cpu", copy=True) for g in step_gradient(trainer, data_b, masks, part)]
+            vec["baseline"] = [g.to("cpu", copy=True) for g in step_gradient(trainer, data_b, masks, part)]
             t1 = time.perf_counter()
-            g_h = step_gradient(trainer, data_h, masks, part)
+            vec["harts"] = step_gradient(trainer, data_h, masks, part)
             t2 = time.perf_counter()
-            r = compare(g_h, g_b)
-            r.update(baseline_s=t1 - t0, harts_s=t2 - t1)
+            r = compare({k: vec[k] for k in ("harts", "baseline", "truth") if k in vec}, pairs)
+            r.update(baseline_s=t1 - t0, harts_s=t2 - t1, **secs)
             res["parts"][part] = r
-            log.info("%-6s |g| HARTS %.4e baseline %.4e  |diff| %.4e (%.3e of HARTS)  cosine %.6f  (%.0f s + %.0f s)",
-                     part, r["norm_harts"], r["norm_baseline"], r["norm_diff"], r["rel_diff"], r["cosine"],
-                     t1 - t0, t2 - t1)
-            del g_b, g_h
+            log.info("%-6s |g| HARTS %.4e baseline %.4e  |diff| %.4e (%.3e of baseline)  cosine %.6f  (%.0f s + %.0f s)",
+                     part, r["norm_harts"], r["norm_baseline"], r["diff_harts_baseline"], r["rel_harts_baseline"],
+                     r["cos_harts_baseline"], t1 - t0, t2 - t1)
+            if truth is not None:
+                log.info("%-6s |truth| %.4e  HARTS vs truth %.3e (cos %.6f)  baseline vs truth %.3e (cos %.6f)", part,
+                         r["norm_truth"], r["rel_harts_truth"], r["cos_harts_truth"], r["rel_baseline_truth"],
+                         r["cos_baseline_truth"])
+            del vec
+            if trainer.bf16_opt:  # room for the next part's truth
+                for o in trainer.optimizers:
+                    o.free_grad_buffers()
     finally:
         trainer.optimizers.zero_grad()
         trainer.loader.close()
@@ -151,13 +225,21 @@ def run(cfg, parts=PARTS) -> dict:
 
 
 def table(res: dict) -> str:
+    truth = any("norm_truth" in r for r in res["parts"].values())
+    head = "| part | HARTS norm | baseline norm | HARTS - baseline | cosine |"
+    if truth:
+        head += " truth norm | HARTS vs truth (rel, cos) | baseline vs truth (rel, cos) |"
     lines = [f"{res['trajectories']} trajectories, {res['positions']:,} predicted positions, "
              f"{res['shared_positions']:,} on shared rows; {res['raw_tokens']:,} raw tokens, "
-             f"{res['compact_rows']:,} compact rows ({res['dtype']} on {res['device']})",
-             "| part | HARTS norm | baseline norm | diff norm | diff / HARTS | cosine |", "|---|---|---|---|---|---|"]
+             f"{res['compact_rows']:,} compact rows ({res['dtype']} on {res['device']}); difference norms relative "
+             "to the second vector", head, "|---" * (head.count("|") - 1) + "|"]
     for part, r in res["parts"].items():
-        lines.append(f"| {part} | {r['norm_harts']:.4e} | {r['norm_baseline']:.4e} | {r['norm_diff']:.4e} | "
-                     f"{r['rel_diff']:.3e} | {r['cosine']:.6f} |")
+        row = (f"| {part} | {r['norm_harts']:.4e} | {r['norm_baseline']:.4e} | {r['diff_harts_baseline']:.4e} "
+               f"({r['rel_harts_baseline']:.3e}) | {r['cos_harts_baseline']:.6f} |")
+        if truth:
+            row += (f" {r['norm_truth']:.4e} | {r['rel_harts_truth']:.3e}, {r['cos_harts_truth']:.6f} | "
+                    f"{r['rel_baseline_truth']:.3e}, {r['cos_baseline_truth']:.6f} |")
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -166,6 +248,7 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/gradgap")
+    ap.add_argument("--truth", action="store_true", help="also the fp32 gradient of the same weights")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     parts = tuple(p for p in args.parts.split(",") if p)
@@ -176,7 +259,7 @@ def main(argv=None) -> int:
 
     cfg = parse_args(rest + ["--training.steps=1", "--profile.enable=false", "--checkpoint.enable=false",
                              "--data.prefetch=1"])
-    res = run(cfg, parts)
+    res = run(cfg, parts, with_truth=args.truth)
     print(table(res))
     write_results(args.out, "gradgap", res)
     return 0

@@ -123,6 +123,12 @@ class BF16AdamW(torch.optim.Optimizer):
             return self._main[p] if p in self._fresh else None
         return p.grad
 
+    def free_grad_buffers(self) -> None:
+        """Drop the fp32 gradient buffers (the next backward allocates them again); for tools that need the
+        memory between gradient evaluations, e.g. harts.bench.gradgap's fp32 truth."""
+        self._main.clear()
+        self._fresh.clear()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fresh.clear()  # the fp32 buffers are kept and overwritten by the next step's first gradient
         super().zero_grad(set_to_none=set_to_none)
