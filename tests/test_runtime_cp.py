@@ -27,6 +27,17 @@ def _worker(rank, world, port, out_dir):
         from harts.runtime import pack
 
         batch = pack(trajs, chunk_size=B, pad_to_multiple=world).context_parallel(dist.group.WORLD)
+        # the exchanges hand Triton kernels plain, completed tensors (not AsyncCollectiveTensors), and
+        # heads_to_rows inverts rows_to_heads, in value and in gradient
+        cp = batch.cp
+        x = torch.randn(cp.rows, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                        requires_grad=True)
+        y = cp.rows_to_heads(x)
+        back = cp.heads_to_rows(y)
+        assert type(y) is torch.Tensor and type(back) is torch.Tensor, (type(y), type(back))
+        assert y.shape == (cp.rows * world, 4 // world, 3) and torch.equal(back, x)
+        (back * x.detach()).sum().backward()
+        assert torch.equal(x.grad, x.detach())
         lp, loss = _losses(model, batch)
         loss.backward()
         full_lp = lp.detach().clone()
