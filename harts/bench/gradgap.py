@@ -131,30 +131,70 @@ def build_truth(trainer):
     return truth
 
 
-def compare(vectors: dict[str, list[torch.Tensor]], pairs) -> dict:
+def param_groups(model) -> list[str]:
+    """A coarse group per parameter, in ``named_parameters()`` order: where two gradients differ says why
+    (routing flips move the routed experts' and the router's gradients; a mixer kernel would show in its
+    mixer group)."""
+    kinds = {layer.layer_idx: layer.kind.upper() for layer in model.decoder_layers()}
+    out = []
+    for name, _ in model.named_parameters():
+        if ".mlp.experts." in name:
+            g = "routed experts"
+        elif ".mlp.gate." in name:
+            g = "router"
+        elif ".mlp." in name:
+            g = "shared experts, dense MLPs"
+        elif "layernorm" in name or name.endswith("o_norm.weight") or name == "model.norm.weight":
+            g = "norms"
+        elif ".attention." in name:
+            g = f"{kinds[int(name.split('.layers.')[1].split('.')[0])]} mixers"
+        elif "word_embeddings" in name or name.startswith("lm_head"):
+            g = "embeddings, LM head"
+        else:
+            g = "other"
+        out.append(g)
+    return out
+
+
+def compare(vectors: dict[str, list[torch.Tensor]], pairs, groups: list[str] | None = None) -> dict:
     """Norms of every vector and, per pair, the norm of the difference and the cosine; float64, one tensor
-    at a time on the device of the first vector's tensor."""
+    at a time on the device of the first vector's tensor. With ``groups`` (a name per tensor) the same
+    figures per group under ``"groups"``."""
     labels = list(vectors)
     n = {len(v) for v in vectors.values()}
     if len(n) != 1 or any(len({tuple(vectors[k][i].shape) for k in labels}) != 1 for i in range(n.pop())):
         raise ValueError(f"the gradients do not line up: {[len(v) for v in vectors.values()]} tensors")
-    sq = dict.fromkeys(labels, 0.0)
-    dot = dict.fromkeys(pairs, 0.0)
-    dd = dict.fromkeys(pairs, 0.0)
-    for i in range(len(vectors[labels[0]])):
+    count = len(vectors[labels[0]])
+    groups = groups if groups is not None else ["all"] * count
+    if len(groups) != count:
+        raise ValueError(f"{len(groups)} group names for {count} gradient tensors")
+    acc = {g: {"sq": dict.fromkeys(labels, 0.0), "dot": dict.fromkeys(pairs, 0.0), "dd": dict.fromkeys(pairs, 0.0)}
+           for g in dict.fromkeys(groups)}
+    for i in range(count):
         dev = vectors[labels[0]][i].device
         x = {k: vectors[k][i].to(dev, torch.float64) for k in labels}
+        a_g = acc[groups[i]]
         for k in labels:
-            sq[k] += float((x[k] * x[k]).sum())
+            a_g["sq"][k] += float((x[k] * x[k]).sum())
         for a, b in pairs:
-            dot[(a, b)] += float((x[a] * x[b]).sum())
-            dd[(a, b)] += float(((x[a] - x[b]) ** 2).sum())
-    out = {f"norm_{k}": sq[k] ** 0.5 for k in labels}
-    for a, b in pairs:
-        na, nb = sq[a] ** 0.5, sq[b] ** 0.5
-        out[f"diff_{a}_{b}"] = dd[(a, b)] ** 0.5
-        out[f"rel_{a}_{b}"] = dd[(a, b)] ** 0.5 / max(nb, 1e-300)  # relative to the second (the reference)
-        out[f"cos_{a}_{b}"] = dot[(a, b)] / max(na * nb, 1e-300)
+            a_g["dot"][(a, b)] += float((x[a] * x[b]).sum())
+            a_g["dd"][(a, b)] += float(((x[a] - x[b]) ** 2).sum())
+
+    def figures(sq, dot, dd) -> dict:
+        out = {f"norm_{k}": sq[k] ** 0.5 for k in labels}
+        for a, b in pairs:
+            na, nb = sq[a] ** 0.5, sq[b] ** 0.5
+            out[f"diff_{a}_{b}"] = dd[(a, b)] ** 0.5
+            out[f"rel_{a}_{b}"] = dd[(a, b)] ** 0.5 / max(nb, 1e-300)  # relative to the second (the reference)
+            out[f"cos_{a}_{b}"] = dot[(a, b)] / max(na * nb, 1e-300)
+        return out
+
+    total = {"sq": {k: sum(v["sq"][k] for v in acc.values()) for k in labels},
+             "dot": {p: sum(v["dot"][p] for v in acc.values()) for p in pairs},
+             "dd": {p: sum(v["dd"][p] for v in acc.values()) for p in pairs}}
+    out = figures(**total)
+    if len(acc) > 1 or "all" not in acc:
+        out["groups"] = {g: figures(**v) for g, v in acc.items()}
     return out
 
 
@@ -189,6 +229,7 @@ def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
         if truth is not None:
             log.info("truth: a copy of the model in %s (weights upcast), trajectory-wise layout",
                      next(truth.parameters()).dtype)
+        groups = param_groups(trainer.model)
         pairs = [("harts", "baseline")] + ([("harts", "truth"), ("baseline", "truth")] if truth is not None else [])
         for part in parts:
             vec, secs = {}, {}
@@ -203,7 +244,7 @@ def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
             t1 = time.perf_counter()
             vec["harts"] = step_gradient(trainer, data_h, masks, part)
             t2 = time.perf_counter()
-            r = compare({k: vec[k] for k in ("harts", "baseline", "truth") if k in vec}, pairs)
+            r = compare({k: vec[k] for k in ("harts", "baseline", "truth") if k in vec}, pairs, groups)
             r.update(baseline_s=t1 - t0, harts_s=t2 - t1, **secs)
             res["parts"][part] = r
             log.info("%-6s |g| HARTS %.4e baseline %.4e  |diff| %.4e (%.3e of baseline)  cosine %.6f  (%.0f s + %.0f s)",
@@ -240,6 +281,17 @@ def table(res: dict) -> str:
             row += (f" {r['norm_truth']:.4e} | {r['rel_harts_truth']:.3e}, {r['cos_harts_truth']:.6f} | "
                     f"{r['rel_baseline_truth']:.3e}, {r['cos_baseline_truth']:.6f} |")
         lines.append(row)
+    for part, r in res["parts"].items():
+        if "groups" not in r:
+            continue
+        lines += ["", f"{part}: by parameter group", head.replace("| part |", "| group |"), "|---" * (head.count("|") - 1) + "|"]
+        for g, q in sorted(r["groups"].items(), key=lambda kv: -kv[1]["norm_baseline"]):
+            row = (f"| {g} | {q['norm_harts']:.4e} | {q['norm_baseline']:.4e} | {q['diff_harts_baseline']:.4e} "
+                   f"({q['rel_harts_baseline']:.3e}) | {q['cos_harts_baseline']:.6f} |")
+            if truth:
+                row += (f" {q['norm_truth']:.4e} | {q['rel_harts_truth']:.3e}, {q['cos_harts_truth']:.6f} | "
+                        f"{q['rel_baseline_truth']:.3e}, {q['cos_baseline_truth']:.6f} |")
+            lines.append(row)
     return "\n".join(lines)
 
 
