@@ -265,33 +265,30 @@ def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
     return res
 
 
+def _row(label: str, q: dict, truth: bool) -> str:
+    row = (f"| {label} | {q['norm_harts']:.4e} | {q['norm_baseline']:.4e} | {q['diff_harts_baseline']:.4e} "
+           f"({q['rel_harts_baseline']:.3e}) | {q['cos_harts_baseline']:.6f} |")
+    if truth:
+        row += (f" {q['norm_truth']:.4e} | {q['rel_harts_truth']:.3e}, {q['cos_harts_truth']:.6f} | "
+                f"{q['rel_baseline_truth']:.3e}, {q['cos_baseline_truth']:.6f} |")
+    return row
+
+
 def table(res: dict) -> str:
     truth = any("norm_truth" in r for r in res["parts"].values())
-    head = "| part | HARTS norm | baseline norm | HARTS - baseline | cosine |"
+    head = " HARTS norm | baseline norm | HARTS - baseline | cosine |"
     if truth:
         head += " truth norm | HARTS vs truth (rel, cos) | baseline vs truth (rel, cos) |"
+    rule = "|---" * (head.count("|") + 1) + "|"
     lines = [f"{res['trajectories']} trajectories, {res['positions']:,} predicted positions, "
              f"{res['shared_positions']:,} on shared rows; {res['raw_tokens']:,} raw tokens, "
              f"{res['compact_rows']:,} compact rows ({res['dtype']} on {res['device']}); difference norms relative "
-             "to the second vector", head, "|---" * (head.count("|") - 1) + "|"]
+             "to the second vector", "| part |" + head, rule]
+    lines += [_row(part, r, truth) for part, r in res["parts"].items()]
     for part, r in res["parts"].items():
-        row = (f"| {part} | {r['norm_harts']:.4e} | {r['norm_baseline']:.4e} | {r['diff_harts_baseline']:.4e} "
-               f"({r['rel_harts_baseline']:.3e}) | {r['cos_harts_baseline']:.6f} |")
-        if truth:
-            row += (f" {r['norm_truth']:.4e} | {r['rel_harts_truth']:.3e}, {r['cos_harts_truth']:.6f} | "
-                    f"{r['rel_baseline_truth']:.3e}, {r['cos_baseline_truth']:.6f} |")
-        lines.append(row)
-    for part, r in res["parts"].items():
-        if "groups" not in r:
-            continue
-        lines += ["", f"{part}: by parameter group", head.replace("| part |", "| group |"), "|---" * (head.count("|") - 1) + "|"]
-        for g, q in sorted(r["groups"].items(), key=lambda kv: -kv[1]["norm_baseline"]):
-            row = (f"| {g} | {q['norm_harts']:.4e} | {q['norm_baseline']:.4e} | {q['diff_harts_baseline']:.4e} "
-                   f"({q['rel_harts_baseline']:.3e}) | {q['cos_harts_baseline']:.6f} |")
-            if truth:
-                row += (f" {q['norm_truth']:.4e} | {q['rel_harts_truth']:.3e}, {q['cos_harts_truth']:.6f} | "
-                        f"{q['rel_baseline_truth']:.3e}, {q['cos_baseline_truth']:.6f} |")
-            lines.append(row)
+        if "groups" in r:
+            lines += ["", f"{part}: by parameter group", "| group |" + head, rule]
+            lines += [_row(g, q, truth) for g, q in sorted(r["groups"].items(), key=lambda kv: -kv[1]["norm_baseline"])]
     return "\n".join(lines)
 
 
