@@ -70,6 +70,9 @@ for what in "$@"; do
     train1|train1b) [ -f /tmp/train1_harts/metrics.jsonl ] && step train1_cmp 30 python3 -m harts.bench.train_speedup \
               --harts /tmp/train1_harts/metrics.jsonl --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" ;;
     train1h) ;;
+    # the fused BF16AdamW update (optimizer.bf16_fused): step minus F/B/Grad against train1h's 0.43 s
+    train1f) step train1_fused 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=8 \
+              --optimizer.bf16_fused=true --profile.enable=false --job.dump_folder=/tmp/train1_fused ;;
     train2|train2h) step train2_harts 330 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
               --training.steps=20 --job.dump_folder=/tmp/train2_harts ;;&
     train2|train2b) step train2_base 540 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
@@ -105,7 +108,7 @@ for what in "$@"; do
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2; do
+for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2; do
   [ -f "$d/metrics.jsonl" ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"

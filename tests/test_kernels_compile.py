@@ -56,5 +56,28 @@ def _compile_all(K: int) -> None:
         print("compiled", which, K, flags, flush=True)
 
 
+def test_bf16_adamw_update_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, __file__, "adamw"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "compiled adamw" in r.stdout, r.stdout
+
+
+def _compile_adamw() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import harts.kernels.bf16_adamw as ka
+
+    sig = {"w_bits": "*i16", "low_bits": "*i16", "m_bits": "*i16", "v_bits": "*i16", "g": "*fp32", "N": "i64",
+           **{k: "fp32" for k in ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay", "step_size",
+                                  "bias_correction2")}, "BLOCK": "constexpr"}
+    src = ASTSource(fn=ka.bf16_adamw_fwd_kernel_update, signature=sig, constexprs={"BLOCK": 1024})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"]
+    print("compiled adamw", flush=True)
+
+
 if __name__ == "__main__":
-    _compile_all(int(sys.argv[1]))
+    _compile_adamw() if sys.argv[1] == "adamw" else _compile_all(int(sys.argv[1]))

@@ -144,6 +144,10 @@ class Optimizer(tt.Optimizer):
     """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
     an fp32 master weight held as the bf16 weight plus its 16 low bits) or 'plain' (torch's AdamW on the
     bf16 tensors: updates below half a bf16 ulp are lost)."""
+    bf16_fused: bool = False
+    """With bf16_update = 'fp32_master' on CUDA: one Triton kernel per tensor (harts.kernels.bf16_adamw)
+    instead of ~20 torch ops; equal up to the last fp32 bits of the master weights. Off until measured on
+    the GPU (docs/training.md)."""
 
 
 @dataclass
@@ -164,7 +168,8 @@ class HartsJobConfig(tt.JobConfig):
 _USED = {
     "job": {"config_file", "dump_folder", "description", "print_config"},
     "training": {"steps", "max_norm", "mixed_precision_param", "mixed_precision_reduce", "gc_freq"},
-    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "bf16_update"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "bf16_update",
+                  "bf16_fused"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
