@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b]|train2[h|b]|cp|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f]|train2[h|b]|cp|cpgap|gradgap|gradgapt|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -57,12 +57,11 @@ for what in "$@"; do
     compactfid) step compactfid 300 python3 -m harts.bench.compact --preset ling3-tiny --scale 0.05 --capacity 65536 \
             --no-timing --truth float32 --out "$OUT" ;;
     fidelity) step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 --out "$OUT" ;;
-    # 5 microbatches: the baseline runs ~31 s per 64K-row HARTS microbatch (8x raw), 16 would not fit a call
-    # issue 9: the 16 fullest microbatches (the acceptance); timing stops starting new ones after 300 s so
-    # the profile and the JSON still fit the call (the report says how many were timed)
-    speedup) step speedup 520 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
-            --time-budget 300 \
-            --out "$OUT" ;;
+    # issue 9: the 16 fullest microbatches (the acceptance); ~24 s each (HARTS ~5 s + baseline ~19 s at
+    # 300K raw rows), so give it a call of its own (SWEEP_BUDGET=590); timing stops starting new ones after
+    # 400 s so the profile and the JSON still fit (the report says how many were timed)
+    speedup) step speedup 565 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 --microbatches 16 \
+            --time-budget 400 --out "$OUT" ;;
     train1|train1h) step train1_harts 330 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
               --job.dump_folder=/tmp/train1_harts ;;&
     train1|train1b) step train1_base 540 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
