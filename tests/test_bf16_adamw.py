@@ -176,7 +176,7 @@ def test_state_dict_round_trip_keeps_low_bits_and_moment_dtypes():
             assert back.state[q][k].dtype == v.dtype and torch.equal(back.state[q][k], v), (sd, k)
 
 
-def _sharded_worker(rank, world, port, out_dir):
+def _sharded_worker(rank, world, port, out_dir, fused=False):
     """Two ranks: a Shard(0) weight, a Shard(1)+Replicate 2-D weight and a replicated fp32 parameter;
     gradients from the same full tensors; three steps with clipping by the mesh-aware norm."""
     import os
@@ -193,7 +193,7 @@ def _sharded_worker(rank, world, port, out_dir):
         params = [torch.nn.Parameter(distribute_tensor(full["a"], mesh, [Shard(0)])),
                   torch.nn.Parameter(distribute_tensor(full["b"], mesh, [Shard(1)])),
                   torch.nn.Parameter(distribute_tensor(full["c"], mesh, [Replicate()]))]
-        opt = BF16AdamW(params, **HP)
+        opt = BF16AdamW(params, **HP, fused=fused)
         norms = []
         for k in range(3):
             for p, name in zip(params, "abc"):
@@ -222,12 +222,13 @@ def _sharded_problem():
     return d
 
 
-def test_sharded_parameters_update_exactly_like_one_process(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch_ops", "fused_kernel"])
+def test_sharded_parameters_update_exactly_like_one_process(tmp_path, fused):
     from tests.spawn import spawn_ranks
 
     full = _sharded_problem()
     params = [torch.nn.Parameter(full[n].clone()) for n in "abc"]
-    opt = BF16AdamW(params, **HP)
+    opt = BF16AdamW(params, **HP, fused=fused)
     norms = []
     for k in range(3):
         for p, name in zip(params, "abc"):
@@ -235,7 +236,7 @@ def test_sharded_parameters_update_exactly_like_one_process(tmp_path):
         norms.append(clip_grad_norm_mixed_(None, 1.0, grads=opt.grads()).item())
         opt.step()
         opt.zero_grad()
-    spawn_ranks(_sharded_worker, 2, str(tmp_path))
+    spawn_ranks(_sharded_worker, 2, str(tmp_path), fused)
     got = torch.load(tmp_path / "sharded.pt")
     assert norms == pytest.approx(got["norms"], rel=1e-12) and norms[0] > 1  # clipping active
     for p, name in zip(params, "abc"):
