@@ -67,7 +67,8 @@ for what in "$@"; do
     train1|train1b) step train1_base 540 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
               --harts.enabled=false --job.dump_folder=/tmp/train1_base ;;&
     train1|train1b) [ -f /tmp/train1_harts/metrics.jsonl ] && step train1_cmp 30 python3 -m harts.bench.train_speedup \
-              --harts /tmp/train1_harts/metrics.jsonl --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" ;;
+              --harts /tmp/train1_harts/metrics.jsonl --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" \
+              --config configs/ling3_tiny_1gpu.toml ;;
     train1h) ;;
     # the fused BF16AdamW update (optimizer.bf16_fused): step minus F/B/Grad against train1h's 0.43 s
     train1f) step train1_fused 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=8 \
@@ -77,7 +78,8 @@ for what in "$@"; do
     train2|train2b) step train2_base 540 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu.toml \
               --training.steps=20 --harts.enabled=false --job.dump_folder=/tmp/train2_base ;;&
     train2|train2b) [ -f /tmp/train2_harts/metrics.jsonl ] && step train2_cmp 30 python3 -m harts.bench.train_speedup \
-              --harts /tmp/train2_harts/metrics.jsonl --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" ;;
+              --harts /tmp/train2_harts/metrics.jsonl --baseline /tmp/train2_base/metrics.jsonl --out "$OUT/train2" \
+              --config configs/ling3_tiny_2gpu.toml ;;
     train2h) ;;
     # CP_STEPS (default 6) steps each, the third profiled
     cp) step cp2 ${CP2_LIMIT:-300} torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml \

@@ -153,6 +153,25 @@ def test_train_speedup_reads_both_runs(make, tmp_path):
     assert abs(res["compression"] - sum(r["raw_tokens"] for r in h) / sum(r["compact_rows"] for r in h)) < 1e-12
     want = (sum(r["fbgrad_s"] for r in recs[False][1:]) / sum(r["fbgrad_s"] for r in h))
     assert abs(res["speedup_fbgrad"] - want) < 1e-9 * want
+    # --config: the step's forward FLOPs of both paths (the baseline's are the sum over its trajectories
+    # whatever the grouping), and the speedups against the FLOP compression
+    cfg = ["--config", str(tmp_path / "base.toml"), "--data.fixed_step=true"]
+    assert train_speedup.main(["--harts", str(tmp_path / "runTrue" / "metrics.jsonl"), "--baseline",
+                               str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out), *cfg]) == 0
+    res = json.loads((out / "train_speedup.json").read_text())
+    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from harts.runtime import pack
+    tr = make(**{"data.fixed_step": True, "job.dump_folder": str(tmp_path / "flops")})
+    trajs, m = tr.builder.load(1), tr.model
+    B, act = m.config.kda_chunk_size, active_matmul_params(m)
+    per_traj = sum(batch_forward_flops(m, pack([t], chunk_size=B, prefix_sharing=False), act)["total"] for t in trajs)
+    assert abs(res["forward_flops_baseline"] - per_traj) <= 1e-9 * per_traj
+    assert 1 < res["flop_compression"] and abs(res["fbgrad_over_flop_compression"] * res["flop_compression"]
+                                               - res["speedup_fbgrad"]) < 1e-9
+    with pytest.raises(ValueError, match="raw tokens"):  # a config whose step is not the runs' step
+        train_speedup.main(["--harts", str(tmp_path / "runTrue" / "metrics.jsonl"), "--baseline",
+                            str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out), *cfg,
+                            "--data.seed=7"])
     with pytest.raises(ValueError, match="expected a HARTS run and a baseline run"):
         train_speedup.main(["--harts", str(tmp_path / "runFalse" / "metrics.jsonl"), "--baseline",
                             str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out)])

@@ -9,6 +9,12 @@ gradients, optimizer excluded), mean step seconds (optimizer included), raw toke
 memory and MFU. The speedups are the baseline's time over HARTS's; "of compression" divides by the
 non-replay compression raw / compact. Writes ``train_speedup.json`` and ``train_speedup.png``.
 
+``--config X.toml [--section.key=value ...]`` (the runs' config and overrides) also counts the step's
+forward FLOPs of both paths on a meta-device model (harts.bench.flops; the trainer's planners, the DP
+degree of the runs) and reports the speedups against the FLOP compression too: causal attention over long
+branch paths does not compress like rows, so FLOP compression / row compression is the most a HARTS that
+matched the baseline's per-FLOP efficiency could reach.
+
 The single-device ``harts.bench.speedup`` also charges planner time (Core) and profiles where HARTS
 loses; this one measures what a user of ``train.py`` gets, with the communication of the layout.
 """
@@ -74,16 +80,64 @@ def compare(h: dict, b: dict) -> dict:
     return out
 
 
+def step_flops(cfg, dp: int) -> dict:
+    """Forward FLOPs of one training step, HARTS and baseline, as the trainer plans and packs it (all DP
+    replicas' microbatches); needs ``data.fixed_step`` (every step trains the same rollouts)."""
+    import torch
+
+    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from harts.models.ling import LingConfig, LingForCausalLM
+    from harts.planning.microbatch import plan_microbatches
+    from harts.runtime import pack
+    from harts.train.data import StepBuilder, plan_trajectory_wise
+
+    if not cfg.data.fixed_step:
+        raise ValueError("--config: FLOPs are counted for one step, so the runs need data.fixed_step = true")
+    lc = cfg.ling
+    over = {k: v for k, v in (("num_hidden_layers", lc.num_hidden_layers), ("kda_chunk_size", lc.kda_chunk_size)) if v}
+    with torch.device("meta"):
+        model = LingForCausalLM(LingConfig.preset(lc.preset, **over))
+    mc = model.config
+    B, W, act = mc.kda_chunk_size, mc.short_conv_kernel_size, active_matmul_params(model)
+    trajs = StepBuilder(cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W).load(1)
+    h = cfg.harts
+    plans = {"harts": plan_microbatches(trajs, dp_degree=dp, capacity=h.capacity, exact_threshold=h.exact_threshold),
+             "baseline": plan_trajectory_wise([len(t) for t in trajs], dp_degree=dp, capacity=h.capacity)}
+    out = {}
+    for name, plan in plans.items():
+        out[name] = sum(batch_forward_flops(model, pack([trajs[i] for i in mb], chunk_size=B, conv_width=W,
+                                                        prefix_sharing=name == "harts"), act)["total"]
+                        for mb in plan.microbatches)
+    out["raw_tokens"] = int(sum(len(t) for t in trajs))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.train_speedup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--harts", required=True, help="metrics.jsonl of the harts.enabled = true run")
     ap.add_argument("--baseline", required=True, help="metrics.jsonl of the harts.enabled = false run")
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
     ap.add_argument("--out", default="out/bench_train_speedup")
-    args = ap.parse_args(argv)
+    ap.add_argument("--config", help="the runs' TOML config (then its --section.key=value overrides): also count the "
+                                     "step's FLOPs and report the speedups against the FLOP compression")
+    args, rest = ap.parse_known_args(argv)
+    if rest and not args.config:
+        ap.error(f"unrecognized arguments: {' '.join(rest)} (config overrides need --config)")
     h = summarize(load_metrics(args.harts), args.skip, args.harts)
     b = summarize(load_metrics(args.baseline), args.skip, args.baseline)
     res = {"args": vars(args), "harts": h, "baseline": b, **compare(h, b)}
+    if args.config:
+        from harts.train.config import parse_args
+
+        f = step_flops(parse_args(["--config", args.config, *rest]), dp=h["dp"] or 1)
+        if f["raw_tokens"] != round(h["raw_tokens"]):
+            raise ValueError(f"--config {args.config}: its step has {f['raw_tokens']:,} raw tokens, the runs trained "
+                             f"{h['raw_tokens']:,.0f} per step; pass the runs' overrides too")
+        res.update(forward_flops_harts=f["harts"], forward_flops_baseline=f["baseline"],
+                   flop_compression=f["baseline"] / f["harts"])
+        for k in ("step", "fbgrad"):
+            if res.get(f"speedup_{k}"):
+                res[f"{k}_over_flop_compression"] = res[f"speedup_{k}"] / res["flop_compression"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(f"world {h['world']} (dp {h['dp']}, ep {h['ep']}), steps {h['steps'][0]}..{h['steps'][-1]} "
           f"(first {args.skip} skipped), raw tokens/step {h['raw_tokens']:,.0f}, compact rows/step "
@@ -95,6 +149,9 @@ def main(argv=None) -> int:
     print(f"speedup: F/B/Grad {fmt(res.get('speedup_fbgrad'), '.3f')}x "
           f"({fmt(res.get('fbgrad_over_compression'), '.3f')} of compression), step {res['speedup_step']:.3f}x "
           f"({res['step_over_compression']:.3f} of compression)")
+    if "flop_compression" in res:
+        print(f"FLOP compression {res['flop_compression']:.3f}x (row {res['compression']:.3f}x): F/B/Grad "
+              f"{fmt(res.get('fbgrad_over_flop_compression'), '.3f')}, step {res['step_over_flop_compression']:.3f} of it")
     write_results(args.out, "train_speedup", res, _plot)
     return 0
 
