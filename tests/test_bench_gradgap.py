@@ -51,3 +51,18 @@ def test_bf16_paths_against_the_fp32_truth(tmp_path):
         for path in ("harts", "baseline"):
             assert 1e-6 < r[f"rel_{path}_truth"] < 0.1, (part, path, r)
     assert "truth norm" in gradgap.table(res)
+
+
+def test_bf16_depth_bench_runs_and_both_paths_sit_near_the_truth(tmp_path):
+    """harts.bench.bf16_depth at a small size: both bf16 gradients a few percent from the fp32 one, and the
+    JSON is written."""
+    import json
+
+    from harts.bench import bf16_depth
+
+    assert bf16_depth.main(["--layers", "2", "--experts", "16", "--top-k", "4", "--length", "64",
+                            "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "bf16_depth.json").read_text())["depths"]["2"]
+    for pair in ("harts_baseline", "harts_truth", "baseline_truth"):
+        assert 1e-4 < r[f"rel_{pair}"] < 0.1, (pair, r)
+    assert {"routed experts", "router", "KDA mixers"} <= set(r["groups"])
