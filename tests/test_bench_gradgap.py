@@ -60,9 +60,9 @@ def test_bf16_depth_bench_runs_and_both_paths_sit_near_the_truth(tmp_path):
 
     from harts.bench import bf16_depth
 
-    assert bf16_depth.main(["--layers", "2", "--experts", "16", "--top-k", "4", "--length", "64",
+    assert bf16_depth.main(["--layers", "4", "--experts", "16", "--top-k", "4", "--length", "64",
                             "--out", str(tmp_path)]) == 0
-    r = json.loads((tmp_path / "bf16_depth.json").read_text())["depths"]["2"]
+    r = json.loads((tmp_path / "bf16_depth.json").read_text())["depths"]["4"]
     for pair in ("harts_baseline", "harts_truth", "baseline_truth"):
         assert 1e-4 < r[f"rel_{pair}"] < 0.1, (pair, r)
     assert {"routed experts", "router", "KDA mixers"} <= set(r["groups"])
