@@ -20,7 +20,8 @@ path's gradient waits on the host in fp32 (31.6 GB for Ling-3.0-tiny) while the 
 On CPU in float64 both paths agree to rounding in every part (tests/test_bench_gradgap.py).
 
 ``--truth``: also the fp32 gradient of the same weights (the bf16 weights upcast exactly; trajectory-wise
-layout; fp32 kernels where they exist, the reference attention and MoE otherwise; the same recomputation),
+layout; the reference attention, MoE and log-probs in fp32, fla's KDA kernels whose dots run in TF32 on the
+GPU unless ``--truth-kda reference``; the same recomputation),
 and each path's distance to it, which says which of the two bf16 gradients is the more accurate one. It
 costs 32 GB more on the GPU and 32 GB more on the host for Ling-3.0-tiny.
 """
@@ -113,14 +114,21 @@ def step_gradient(trainer, data, masks, part: str, model=None) -> list[torch.Ten
     return _param_grads(trainer if own_model else None, model)
 
 
-def build_truth(trainer):
+def build_truth(trainer, kda_backend: str = "auto"):
     """An fp32 copy of the trainer's model (fp64 for an fp64 trainer): its weights and buffers upcast
-    exactly, its recomputation."""
+    exactly, its recomputation. Its log-probs use the torch reference (fp32 matmuls; the fused kernel's dots
+    may run in TF32); attention and MoE resolve to the references in fp32 anyway. ``kda_backend``: fla's
+    fp32 KDA kernels run their dots in TF32 on the GPU (session 3: |dlogp| up to 4e-3 against the
+    reference), "reference" is exact fp32 and much slower."""
+    import dataclasses
+
     from harts.train import parallelize as par
     from harts.train.model import build_policy
 
     dtype = torch.float64 if trainer.dtype == torch.float64 else torch.float32
-    truth = build_policy(trainer.model_cfg, device=trainer.device, dtype=dtype, seed=0, on_meta=True)
+    cfg = dataclasses.replace(trainer.model_cfg, logprobs_backend="reference",
+                              kda_backend=None if kda_backend == "auto" else kda_backend)
+    truth = build_policy(cfg, device=trainer.device, dtype=dtype, seed=0, on_meta=True)
     truth.to_empty(device=trainer.device)
     src = dict(trainer.model.named_parameters())
     src.update(dict(trainer.model.named_buffers()))
@@ -199,7 +207,7 @@ def compare(vectors: dict[str, list[torch.Tensor]], pairs, groups: list[str] | N
     return out
 
 
-def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
+def run(cfg, parts=PARTS, with_truth: bool = False, truth_kda: str = "auto") -> dict:
     from harts.train.data import StepBuilder
     from harts.train.trainer import Trainer
 
@@ -226,10 +234,12 @@ def run(cfg, parts=PARTS, with_truth: bool = False) -> dict:
         log.info("step 1: %d trajectories, %d predicted positions, %d (%.1f %%) on shared rows; HARTS %d microbatch(es), "
                  "baseline %d", len(trajs), n_pos, n_shared, 100 * n_shared / max(n_pos, 1),
                  len(data_h.microbatches), len(data_b.microbatches))
-        truth = build_truth(trainer) if with_truth else None
+        truth = build_truth(trainer, truth_kda) if with_truth else None
         if truth is not None:
-            log.info("truth: a copy of the model in %s (weights upcast), trajectory-wise layout",
-                     next(truth.parameters()).dtype)
+            res["truth"] = {"dtype": str(next(truth.parameters()).dtype), "kda_backend": truth_kda,
+                            "logprobs_backend": "reference"}
+            log.info("truth: a copy of the model in %s (weights upcast), trajectory-wise layout, KDA backend %s",
+                     next(truth.parameters()).dtype, truth_kda)
         groups = param_groups(trainer.model)
         pairs = [("harts", "baseline")] + ([("harts", "truth"), ("baseline", "truth")] if truth is not None else [])
         for part in parts:
@@ -299,6 +309,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/gradgap")
     ap.add_argument("--truth", action="store_true", help="also the fp32 gradient of the same weights")
+    ap.add_argument("--truth-kda", default="auto", choices=("auto", "reference"),
+                    help="the truth's KDA backend: auto = fla's kernels (TF32 dots on the GPU), reference = exact "
+                         "fp32, slow")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     parts = tuple(p for p in args.parts.split(",") if p)
@@ -309,7 +322,7 @@ def main(argv=None) -> int:
 
     cfg = parse_args(rest + ["--training.steps=1", "--profile.enable=false", "--checkpoint.enable=false",
                              "--data.prefetch=1"])
-    res = run(cfg, parts, with_truth=args.truth)
+    res = run(cfg, parts, with_truth=args.truth, truth_kda=args.truth_kda)
     print(table(res))
     write_results(args.out, "gradgap", res)
     return 0
