@@ -28,7 +28,6 @@ costs 32 GB more on the GPU and 32 GB more on the host for Ling-3.0-tiny.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import sys
@@ -81,9 +80,8 @@ def _param_grads(trainer, model) -> list[torch.Tensor]:
 
 def step_gradient(trainer, data, masks, part: str, model=None) -> list[torch.Tensor]:
     """The gradient of one part of the step's loss, accumulated over the microbatches as the trainer does
-    (fp32 under BF16AdamW); ``model`` (the fp32 truth) runs in place of the trainer's, without autocast."""
-    from harts.rl.losses import token_losses
-
+    (its microbatch loss; fp32 under BF16AdamW); ``model`` (the fp32 truth) runs in place of the trainer's,
+    without autocast."""
     own_model = model is None
     model = trainer.model if own_model else model
     if own_model and trainer.bf16_opt:
@@ -91,26 +89,14 @@ def step_gradient(trainer, data, masks, part: str, model=None) -> list[torch.Ten
             o.zero_grad()
     model.zero_grad(set_to_none=True)
     router = trainer._router_inputs(data) if part == "all" else None
-    p0 = next(model.parameters())
-    meta_dtype = torch.float64 if p0.dtype == torch.float64 else torch.float32
-    amp = trainer.amp if own_model else contextlib.nullcontext()
+    meta_dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     for mb in data.microbatches:
-        keep = None if part == "all" else microbatch_mask(mb, data.plan, masks)
-        if keep is not None and part == "own":
-            keep = ~keep
-        mb = mb.to(trainer.device, meta_dtype)
-        with amp:
-            logp = mb.select(model(mb.batch, router))
-            loss_S, *_ = token_losses(logp, mb.adv, trainer.loss_cfg, old_logp_S=mb.old_logp,
-                                      ref_logp_S=mb.ref_logp)
-            c = mb.coeff.to(loss_S.dtype)
-            if keep is not None:
-                c = c * keep.to(c.device, c.dtype)
-            loss = (c * loss_S).sum()
-        loss.backward()
-        if own_model and trainer.bf16_opt:
-            for o in trainer.optimizers:
-                o.accumulate_grads()
+        if part != "all":
+            keep = microbatch_mask(mb, data.plan, masks)
+            mb = dataclasses.replace(mb, coeff=mb.coeff * (keep if part == "shared" else ~keep))
+        trainer.microbatch_loss(mb.to(trainer.device, meta_dtype), router, model=None if own_model else model)[0].backward()
+        if own_model:
+            trainer.accumulate_grads()
     return _param_grads(trainer if own_model else None, model)
 
 
@@ -120,8 +106,6 @@ def build_truth(trainer, kda_backend: str = "auto"):
     may run in TF32); attention and MoE resolve to the references in fp32 anyway. ``kda_backend``: fla's
     fp32 KDA kernels run their dots in TF32 on the GPU (session 3: |dlogp| up to 4e-3 against the
     reference), "reference" is exact fp32 and much slower."""
-    import dataclasses
-
     from harts.train import parallelize as par
     from harts.train.model import build_policy
 
@@ -170,8 +154,8 @@ def compare(vectors: dict[str, list[torch.Tensor]], pairs, groups: list[str] | N
     at a time on the device of the first vector's tensor. With ``groups`` (a name per tensor) the same
     figures per group under ``"groups"``."""
     labels = list(vectors)
-    n = {len(v) for v in vectors.values()}
-    if len(n) != 1 or any(len({tuple(vectors[k][i].shape) for k in labels}) != 1 for i in range(n.pop())):
+    shapes = {k: [tuple(t.shape) for t in v] for k, v in vectors.items()}
+    if any(s != shapes[labels[0]] for s in shapes.values()):
         raise ValueError(f"the gradients do not line up: {[len(v) for v in vectors.values()]} tensors")
     count = len(vectors[labels[0]])
     groups = groups if groups is not None else ["all"] * count
@@ -218,7 +202,7 @@ def run(cfg, parts=PARTS, with_truth: bool = False, truth_kda: str = "auto") -> 
         raise ValueError("gradgap runs on one device (world size 1)")
     try:
         mc = trainer.model_cfg
-        data_h = trainer.builder.build(1)
+        data_h, _ = trainer.loader.get()  # step 1, as the trainer's worker built it
         base_cfg = dataclasses.replace(cfg, harts=dataclasses.replace(cfg.harts, enabled=False))
         data_b = StepBuilder(base_cfg, dp_degree=1, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=mc.kda_chunk_size,
                              conv_width=mc.short_conv_kernel_size).build(1)

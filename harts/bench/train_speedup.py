@@ -86,17 +86,16 @@ def step_flops(cfg, dp: int) -> dict:
     import torch
 
     from harts.bench.flops import active_matmul_params, batch_forward_flops
-    from harts.models.ling import LingConfig, LingForCausalLM
+    from harts.models.ling import LingForCausalLM
     from harts.planning.microbatch import plan_microbatches
     from harts.runtime import pack
     from harts.train.data import StepBuilder, plan_trajectory_wise
+    from harts.train.model import model_config
 
     if not cfg.data.fixed_step:
         raise ValueError("--config: FLOPs are counted for one step, so the runs need data.fixed_step = true")
-    lc = cfg.ling
-    over = {k: v for k, v in (("num_hidden_layers", lc.num_hidden_layers), ("kda_chunk_size", lc.kda_chunk_size)) if v}
     with torch.device("meta"):
-        model = LingForCausalLM(LingConfig.preset(lc.preset, **over))
+        model = LingForCausalLM(model_config(cfg.ling))
     mc = model.config
     B, W, act = mc.kda_chunk_size, mc.short_conv_kernel_size, active_matmul_params(model)
     trajs = StepBuilder(cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W).load(1)

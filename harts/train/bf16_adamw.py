@@ -161,6 +161,8 @@ class BF16AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.accumulate_grads()  # gradients set outside autograd since the last grads()
+        if self.fused:
+            from harts.kernels.bf16_adamw import bf16_adamw_update_
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -179,8 +181,6 @@ class BF16AdamW(torch.optim.Optimizer):
                 st["step"] += 1
                 t = float(st["step"])
                 if low and self.fused:
-                    from harts.kernels.bf16_adamw import bf16_adamw_update_
-
                     bf16_adamw_update_(_local(p), _local(st["low_bits"]), _local(st["exp_avg"]),
                                        _local(st["exp_avg_sq"]), _local(g), lr=lr, beta1=b1, beta2=b2, eps=eps,
                                        weight_decay=wd, step=int(t))

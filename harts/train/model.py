@@ -199,6 +199,17 @@ class HartsPolicy(LingForCausalLM):
         return compact_logprobs(self, batch, hidden_PD=self.model.norm(self.sp_gather(h_PD)))
 
 
+def model_config(ling) -> LingConfig:
+    """The ``[ling]`` section's model: the preset with its backend and size overrides; the trainer applies
+    recomputation from outside (harts.train.parallelize.apply_ac)."""
+    overrides = {"backend": ling.backend, "recompute": False}
+    if ling.num_hidden_layers:
+        overrides["num_hidden_layers"] = ling.num_hidden_layers
+    if ling.kda_chunk_size:
+        overrides["kda_chunk_size"] = ling.kda_chunk_size
+    return LingConfig.preset(ling.preset, **overrides)
+
+
 def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, seed: int,
                  on_meta: bool = False) -> HartsPolicy:
     """Build with deterministic weights: on the host (identical full tensors on every rank), or on the

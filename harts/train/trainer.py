@@ -30,7 +30,7 @@ from harts.rl.losses import LossConfig, token_losses
 from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
 from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
-from harts.train.model import DTYPES, build_policy, init_sharded, router_term
+from harts.train.model import DTYPES, build_policy, init_sharded, model_config, router_term
 
 log = logging.getLogger("harts.train")
 
@@ -88,12 +88,7 @@ class Trainer:
         self.cp_group = d.get_mesh("cp").get_group() if d.cp > 1 else None
         self.metric_group = d.get_mesh("loss").get_group() if d.cp > 1 else self.dp_group
 
-        overrides = {"backend": lc.backend, "recompute": False}
-        if lc.num_hidden_layers:
-            overrides["num_hidden_layers"] = lc.num_hidden_layers
-        if lc.kda_chunk_size:
-            overrides["kda_chunk_size"] = lc.kda_chunk_size
-        self.model_cfg = LingConfig.preset(lc.preset, **overrides)
+        self.model_cfg = model_config(lc)
         self.dtype = DTYPES[lc.dtype]
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
@@ -401,13 +396,8 @@ class Trainer:
         if self.pipe is not None:
             sums, counts = self._pipeline_slots(step, mbs, router, sums, old_pp)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
-            with torch.profiler.record_function(f"harts.microbatch.{mb.index}"), self.amp:
-                logp = mb.select(model(mb.batch, router))  # this CP rank's positions (all without CP)
-                loss_S, pg_S, kl_S, clip_S = token_losses(
-                    logp, mb.adv, self.loss_cfg, old_logp_S=old[j] if old[j] is not None else mb.old_logp,
-                    ref_logp_S=mb.ref_logp)
-                c = mb.coeff.to(loss_S.dtype)
-                loss = (c * loss_S).sum()
+            with torch.profiler.record_function(f"harts.microbatch.{mb.index}"):
+                loss, logp, c, (loss_S, pg_S, kl_S, clip_S) = self.microbatch_loss(mb, router, old[j])
             stats = model.router_stats()
             if stats:
                 cnt = torch.stack([s.counts_E for s in stats]).double()
@@ -419,9 +409,7 @@ class Trainer:
                 rterm = 0.0
             with torch.profiler.record_function(f"harts.backward.{mb.index}"):
                 loss.backward()
-            if self.bf16_opt:  # gradients FSDP set outside autograd: into fp32 before the next microbatch
-                for o in self.optimizers:
-                    o.accumulate_grads()
+            self.accumulate_grads()
             if cfg.debug.check_finite:
                 self._check_finite(step, j, mb.index, loss)
             with torch.no_grad():
@@ -469,6 +457,22 @@ class Trainer:
         if cfg.data.reward == "learnable" and s[7] > 0 and s[9] > 0:
             out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
         return out
+
+    def microbatch_loss(self, mb, router, old_logp=None, model=None):
+        """One microbatch's objective: (loss, log-probs, coefficients, per-token (loss, pg, kl, clip)).
+        ``model`` (e.g. an fp32 copy) runs in place of the trainer's, without its autocast."""
+        amp = self.amp if model is None else contextlib.nullcontext()
+        with amp:
+            logp = mb.select((model or self.model)(mb.batch, router))  # this CP rank's positions (all without CP)
+            terms = token_losses(logp, mb.adv, self.loss_cfg,
+                                 old_logp_S=old_logp if old_logp is not None else mb.old_logp, ref_logp_S=mb.ref_logp)
+            c = mb.coeff.to(terms[0].dtype)
+            return (c * terms[0]).sum(), logp, c, terms
+
+    def accumulate_grads(self):
+        """Gradients FSDP set outside autograd: into BF16AdamW's fp32 buffers before the next microbatch."""
+        for o in self.optimizers if self.bf16_opt else ():
+            o.accumulate_grads()
 
     def _pipeline_slots(self, step: int, mbs, router, sums, old_logp=None):
         """All slots through the pipeline schedule; returns this rank's metric sums and MoE counts (full
