@@ -87,7 +87,7 @@ for what in "$@"; do
         step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=${CP_STEPS:-6} \
               --profile.steps=3 --job.dump_folder=/tmp/cp1 ;;
     # issue 8's open question: which bf16 gradient (HARTS, baseline) is nearer the fp32 one, part by part
-    gradgapt) step gradgap_truth 450 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth \
+    gradgapt) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gradgap_truth 450 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth \
               --out "$OUT" ;;
     gradgap) step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --out "$OUT" ;;
     # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to gradgap (GPU 1); their log lines interleave

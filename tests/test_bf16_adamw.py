@@ -66,11 +66,17 @@ def test_compensated_weights_follow_fp32_master_adamw_on_cuda():
     moved = (ref - w0).abs().max().item()
     same = (p.detach() == ref.to(torch.bfloat16)).float().mean().item()
     # CUDA's single-tensor AdamW orders its fp32 operations differently from ours (on CPU the two agree to
-    # 3.7e-9): allow a few fp32 ulps of each weight, ~1e-4 of the distance travelled by the norm-like weights
-    # (session 5, H200: max 1.19e-7 = one ulp at |w| = 1, over a distance of 2.06e-3)
-    ulps = (err / (torch.finfo(torch.float32).eps * ref.abs().clamp_min(2.0**-126))).max().item()
-    print(f"cuda: max |master - fp32 AdamW| {err.max().item():.2e} ({ulps:.1f} fp32 ulps) over a distance of "
-          f"{moved:.2e}; bf16 weight == rounded reference for {same:.4f}")
+    # 3.7e-9), so each step may round differently in the last bit of the weight: bound the error in fp32 ulps
+    # of the weight's scale along its path, max(|start|, |end|). Ulps of the end value alone overstate the
+    # error of weights that end near zero (H200, session 6: the same 1.19e-7 maximum error, one ulp at
+    # |w| = 1, read as 296 ulps of some small end value).
+    scale = torch.maximum(ref.abs(), w0.abs()).clamp_min(2.0**-126)
+    ulps_all = err / (torch.finfo(torch.float32).eps * scale)
+    worst = int(ulps_all.argmax())
+    ulps = ulps_all[worst].item()
+    print(f"cuda: max |master - fp32 AdamW| {err.max().item():.2e}, worst {ulps:.1f} fp32 ulps of the weight's scale "
+          f"(start {w0[worst].item():.3e}, end {ref[worst].item():.3e}, error {err[worst].item():.2e}) over a "
+          f"distance of {moved:.2e}; bf16 weight == rounded reference for {same:.4f}")
     assert ulps <= 4 and same >= 0.99
 
 

@@ -33,13 +33,21 @@ def test_reference_matches_brute_force(lq, lk):
 
 @pytest.mark.parametrize("lq,lk", [([5, 9, 1], [5, 9, 1]), ([3, 9, 2], [7, 9, 6])])
 def test_reference_query_blocks_match_brute_force(lq, lk, monkeypatch):
-    """Long sequences run in query blocks (bounded score memory); force tiny blocks here."""
+    """Long sequences run in query blocks with recomputation in backward (bounded score memory in both
+    passes); force tiny blocks here and check values and all three gradients against autograd through the
+    brute force."""
     import harts.ops.attention.reference as ref
 
     monkeypatch.setattr(ref, "_SCORE_ELEMS", 2 * 3 * 9)  # 2 queries per block at Lk = 9, 3 heads
-    q, k, v, cq, ck = _packed(lq, lk)
+    q, k, v, cq, ck = (t.requires_grad_(t.is_floating_point()) for t in _packed(lq, lk))
     o = varlen_attention_reference(q, k, v, cq, ck, 0.3)
-    torch.testing.assert_close(o, brute_force(q, k, v, cq.tolist(), ck.tolist(), 0.3), rtol=1e-12, atol=1e-12)
+    o_bf = brute_force(q, k, v, cq.tolist(), ck.tolist(), 0.3)
+    torch.testing.assert_close(o, o_bf, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=o.dtype)
+    grads = torch.autograd.grad((o * w).sum(), (q, k, v))
+    grads_bf = torch.autograd.grad((o_bf * w).sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads, grads_bf):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12, msg=lambda m: f"d{name}: {m}")
 
 
 def test_more_queries_than_keys_is_an_error():

@@ -307,11 +307,15 @@ class Trainer:
         if ocfg.name != "AdamW":
             raise ValueError(f"optimizer.name = {ocfg.name!r} with optimizer.bf16_update = 'fp32_master': only "
                              "AdamW is implemented (set optimizer.bf16_update = 'plain' for torch's)")
-        fused = bool(ocfg.bf16_fused)
+        choice = str(ocfg.bf16_fused).lower()
+        if choice not in ("auto", "true", "false"):
+            raise ValueError(f"optimizer.bf16_fused = {ocfg.bf16_fused!r}: expected 'auto', 'true' or 'false'")
+        fused = self.device.type == "cuda" if choice == "auto" else choice == "true"
         if fused and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"optimizer.bf16_fused = true needs CUDA (device is {self.device.type}); set it to false")
         log.info("optimizer: BF16AdamW (fp32 gradient accumulation, fp32 master weights as bf16 + 16 low bits, "
-                 "bf16 moments; update by %s)", "one fused Triton kernel per tensor" if fused else "torch ops")
+                 "bf16 moments; update by %s, optimizer.bf16_fused = %s)",
+                 "one fused Triton kernel per tensor" if fused else "torch ops", choice)
         kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, weight_decay=ocfg.weight_decay,
                   fused=fused)
         return OptimizersContainer([self.model], BF16AdamW, kw)

@@ -42,8 +42,51 @@ def check_varlen_args(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1):
     return cq, ck
 
 
+class _BlockedCausalAttention(torch.autograd.Function):
+    """Exact softmax attention for one long sequence in query blocks, keeping only the output and the
+    row log-sum-exp for backward, which recomputes each block's probabilities. Autograd through per-block
+    SDPA would keep every block's [H, block, Lk] probabilities until backward: 107 GB for one 41K-token
+    fp32 sequence with 16 heads (the gradgap truth's OOM on the H200). Plain matmuls in the input dtype,
+    so it is as exact as the SDPA math path (fp32 on CUDA unless TF32 is switched on for matmuls)."""
+
+    @staticmethod
+    def forward(ctx, q_HLD, k_HSD, v_HSDv, scale: float, block: int):
+        lq, lk = q_HLD.shape[1], k_HSD.shape[1]
+        o_HLDv = q_HLD.new_empty(*q_HLD.shape[:2], v_HSDv.shape[2])
+        lse_HL = q_HLD.new_empty(q_HLD.shape[:2])
+        for s in range(0, lq, block):
+            rows = slice(s, min(lq, s + block))
+            sc = torch.matmul(q_HLD[:, rows], k_HSD.transpose(1, 2)).mul_(scale)
+            sc.masked_fill_(~bottom_right_causal_mask(lq, lk, q_HLD.device, rows), float("-inf"))
+            lse_HL[:, rows] = torch.logsumexp(sc, -1)
+            o_HLDv[:, rows] = torch.matmul(sc.sub_(lse_HL[:, rows, None]).exp_(), v_HSDv)
+        ctx.save_for_backward(q_HLD, k_HSD, v_HSDv, o_HLDv, lse_HL)
+        ctx.scale, ctx.block = scale, block
+        return o_HLDv
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do_HLDv):
+        q_HLD, k_HSD, v_HSDv, o_HLDv, lse_HL = ctx.saved_tensors
+        lq, lk = q_HLD.shape[1], k_HSD.shape[1]
+        delta_HL = (do_HLDv * o_HLDv).sum(-1)  # sum_j P_ij dP_ij, the softmax backward's row term
+        dq, dk, dv = torch.empty_like(q_HLD), torch.zeros_like(k_HSD), torch.zeros_like(v_HSDv)
+        for s in range(0, lq, ctx.block):
+            rows = slice(s, min(lq, s + ctx.block))
+            sc = torch.matmul(q_HLD[:, rows], k_HSD.transpose(1, 2)).mul_(ctx.scale)
+            sc.masked_fill_(~bottom_right_causal_mask(lq, lk, q_HLD.device, rows), float("-inf"))
+            p = sc.sub_(lse_HL[:, rows, None]).exp_()
+            dv += torch.matmul(p.transpose(1, 2), do_HLDv[:, rows])
+            ds = torch.matmul(do_HLDv[:, rows], v_HSDv.transpose(1, 2)).sub_(delta_HL[:, rows, None]).mul_(p)
+            ds.mul_(ctx.scale)
+            dq[:, rows] = torch.matmul(ds, k_HSD)
+            dk += torch.matmul(ds.transpose(1, 2), q_HLD[:, rows])
+        return dq, dk, dv, None, None
+
+
 def varlen_attention_reference(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float) -> torch.Tensor:
-    """Per-sequence SDPA; the mask is explicit whenever Lq != Lk."""
+    """Per-sequence SDPA; the mask is explicit whenever Lq != Lk; sequences whose scores exceed one block
+    run blocked with recomputation (_BlockedCausalAttention)."""
     cq, ck = check_varlen_args(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1)
     outs = []
     for n in range(len(cq) - 1):
@@ -54,14 +97,15 @@ def varlen_attention_reference(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale:
         if lq == 0:
             continue
         # Query blocks bound the [H, block, Lk] score tensor (SDPA's math path materialises it: a 64K-token
-        # fp32 sequence would need ~40 GiB at once); each block keeps its slice of the same mask.
+        # fp32 sequence would need ~40 GiB at once, and autograd would keep it).
         block = max(1, min(lq, _SCORE_ELEMS // max(1, lk * q.shape[0])))
-        if block >= lq and lq == lk:
+        if block < lq:
+            o = _BlockedCausalAttention.apply(q, k, v, scale, block)
+        elif lq == lk:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            o = torch.cat([F.scaled_dot_product_attention(
-                q[:, s:s + block], k, v, attn_mask=bottom_right_causal_mask(lq, lk, q.device, slice(s, s + block)),
-                scale=scale) for s in range(0, lq, block)], 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bottom_right_causal_mask(lq, lk, q.device),
+                                               scale=scale)
         outs.append(o.transpose(0, 1))
     if not outs:
         return q_TqHD.new_zeros(0, q_TqHD.shape[1], v_TkHDv.shape[2])
