@@ -90,6 +90,15 @@ for what in "$@"; do
     gradgapt) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gradgap_truth 450 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth \
               --out "$OUT" ;;
     gradgap) step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --out "$OUT" ;;
+    # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to the fp32-truth gradgap of the whole loss
+    # (GPU 1, session 6: the truth's first run took 373 s, mostly compiling fp32 kernels and MoE copies)
+    cpgapt) step cp2 ${CP2_LIMIT:-260} torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml \
+              --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp2
+        CUDA_VISIBLE_DEVICES=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gradgap_truth 300 python3 -m \
+              harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth --parts all --out "$OUT" &
+        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 \
+              --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp1
+        wait ;;
     # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to gradgap (GPU 1); their log lines interleave
     cpgap) step cp2 240 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \
               --job.dump_folder=/tmp/cp2

@@ -21,14 +21,22 @@ def _combine(y_MD, topk_w_TK, T, K):
 
 
 def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    """Why one permutation: writing each expert's rows into a full [T*K, D] buffer (index_put) copied the
+    whole buffer once per expert, 128 copies per layer, which dominated the fp32 truth on the GPU."""
     T, K = topk_idx_TK.shape
-    y_MD = x_TD.new_zeros(T * K, x_TD.shape[1])
     flat_M = topk_idx_TK.reshape(-1)
-    for e in torch.unique(flat_M).tolist():
-        rows = (flat_M == e).nonzero().squeeze(1)
+    order_M = torch.argsort(flat_M, stable=True)  # slots grouped by expert, in slot order within an expert
+    counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0]).tolist()
+    outs = []
+    for e, rows in enumerate(order_M.split(counts)):
+        if len(rows) == 0:
+            continue
         h = x_TD[rows // K]
         h = F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)
-        y_MD = y_MD.index_put((rows,), h @ w_down_EDF[e].T)
+        outs.append(h @ w_down_EDF[e].T)
+    if not outs:  # no tokens
+        return x_TD.new_zeros(T, w_down_EDF.shape[1])
+    y_MD = torch.cat(outs)[torch.argsort(order_M)]  # back to (token, slot) order
     return _combine(y_MD, topk_w_TK, T, K)
 
 
