@@ -31,6 +31,9 @@ step() {  # step NAME SECONDS CMD...
   echo "== $name rc=${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/sweep.log"
 }
 
+# cp = 1 on the cp2 config's step (same data section and seed; session 6's first comparison ran the 1-GPU
+# config's seed by mistake, a different step)
+CP1="--config configs/ling3_tiny_2gpu_cp2.toml --parallelism.context_parallel_degree=1 --parallelism.expert_parallel_degree=1 --harts.capacity=65536"
 for what in "$@"; do
   case $what in
     # every GPU test; the ones that failed or have not passed on a GPU yet first (session 3, call 2: attention,
@@ -84,8 +87,12 @@ for what in "$@"; do
     # CP_STEPS (default 6) steps each, the third profiled
     cp) step cp2 ${CP2_LIMIT:-300} torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml \
               --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp2
-        step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 --training.steps=${CP_STEPS:-6} \
-              --profile.steps=3 --job.dump_folder=/tmp/cp1 ;;
+        step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp1 ;;
+    # issue 11's comparison on one GPU: the cp2 config's own step at cp = 1 (capacity 65536), then at cp2's
+    # capacity 131072 (one microbatch as large as cp2's; expected not to fit)
+    cp1) step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp1
+         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step cp1_big 150 python3 train.py $CP1 --harts.capacity=131072 \
+              --training.steps=2 --profile.enable=false --job.dump_folder=/tmp/cp1_big ;;
     # issue 8's open question: which bf16 gradient (HARTS, baseline) is nearer the fp32 one, part by part
     gradgapt) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gradgap_truth 450 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth \
               --out "$OUT" ;;
@@ -96,16 +103,15 @@ for what in "$@"; do
               --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp2
         CUDA_VISIBLE_DEVICES=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gradgap_truth 300 python3 -m \
               harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml --truth --parts all --out "$OUT" &
-        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 \
-              --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp1
+        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-4} --profile.steps=3 \
+              --job.dump_folder=/tmp/cp1
         wait ;;
     # on nvidia-h200-x2: cp2 on both GPUs, then cp1 (GPU 0) next to gradgap (GPU 1); their log lines interleave
     cpgap) step cp2 240 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml --training.steps=6 \
               --job.dump_folder=/tmp/cp2
         CUDA_VISIBLE_DEVICES=1 step gradgap 240 python3 -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml \
               --out "$OUT" &
-        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py --config configs/ling3_tiny_1gpu.toml --data.scale=0.02 \
-              --training.steps=6 --job.dump_folder=/tmp/cp1
+        CUDA_VISIBLE_DEVICES=0 step cp1 240 python3 train.py $CP1 --training.steps=6 --job.dump_folder=/tmp/cp1
         wait ;;
     layouts2)  # issue 10 at reduced degree on 2 GPUs: the 8-GPU layouts' TP2+SP+EP and PP2 parts, pure bf16
       R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
@@ -118,7 +124,7 @@ for what in "$@"; do
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2; do
+for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2 /tmp/cp1_big; do
   [ -f "$d/metrics.jsonl" ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
