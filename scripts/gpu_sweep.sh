@@ -86,11 +86,10 @@ for what in "$@"; do
     train2h) ;;
     # CP_STEPS (default 6) steps each, the third profiled
     cp) step cp2 ${CP2_LIMIT:-300} torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_2gpu_cp2.toml \
-              --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp2
-        step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp1 ;;
+              --training.steps=${CP_STEPS:-6} --profile.steps=3 --job.dump_folder=/tmp/cp2 ;;&
     # issue 11's comparison on one GPU: the cp2 config's own step at cp = 1 (capacity 65536), then at cp2's
     # capacity 131072 (one microbatch as large as cp2's; expected not to fit)
-    cp1) step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp1
+    cp|cp1) step cp1 240 python3 train.py $CP1 --training.steps=${CP_STEPS:-4} --profile.steps=3 --job.dump_folder=/tmp/cp1
          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step cp1_big 150 python3 train.py $CP1 --harts.capacity=131072 \
               --training.steps=2 --profile.enable=false --job.dump_folder=/tmp/cp1_big ;;
     # issue 8's open question: which bf16 gradient (HARTS, baseline) is nearer the fp32 one, part by part

@@ -66,3 +66,25 @@ def test_bf16_depth_bench_runs_and_both_paths_sit_near_the_truth(tmp_path):
     for pair in ("harts_baseline", "harts_truth", "baseline_truth"):
         assert 1e-4 < r[f"rel_{pair}"] < 0.1, (pair, r)
     assert {"routed experts", "router", "KDA mixers"} <= set(r["groups"])
+
+
+def test_compare_figures_match_numpy_on_flattened_vectors():
+    """compare() accumulates per tensor and per group; check it against numpy on the concatenated vectors."""
+    import torch
+
+    from harts.bench.gradgap import compare
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(3, 4), (5,), (2, 2, 2)]
+    vec = {k: [torch.randn(s, generator=g) for s in shapes] for k in ("harts", "baseline", "truth")}
+    pairs = [("harts", "baseline"), ("harts", "truth"), ("baseline", "truth")]
+    out = compare(vec, pairs, groups=["x", "y", "x"])
+    flat = {k: np.concatenate([t.double().numpy().ravel() for t in v]) for k, v in vec.items()}
+    for a, b in pairs:
+        na, nb = np.linalg.norm(flat[a]), np.linalg.norm(flat[b])
+        assert np.isclose(out[f"diff_{a}_{b}"], np.linalg.norm(flat[a] - flat[b]))
+        assert np.isclose(out[f"cos_{a}_{b}"], flat[a] @ flat[b] / (na * nb))
+        assert np.isclose(out[f"proj_{a}_{b}"], flat[a] @ flat[b] / nb)
+    x = {k: np.concatenate([vec[k][0].double().numpy().ravel(), vec[k][2].double().numpy().ravel()]) for k in vec}
+    assert np.isclose(out["groups"]["x"]["norm_truth"], np.linalg.norm(x["truth"]))
+    assert np.isclose(out["groups"]["x"]["proj_harts_truth"], x["harts"] @ x["truth"] / np.linalg.norm(x["truth"]))

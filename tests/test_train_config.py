@@ -49,3 +49,21 @@ def test_trajectory_wise_plan():
         plan_trajectory_wise([5, 5, 5, 200], dp_degree=1, capacity=100)
     with pytest.raises(PlanningError, match="cannot fill 4 DP replicas"):
         plan_trajectory_wise([5, 5, 5], dp_degree=4, capacity=100)
+
+
+def test_cp2_config_step_fills_twice_the_one_gpu_capacity():
+    """Issue 11's GPU run needs a microbatch twice the 1-GPU capacity: the cp2 config's step must put
+    (nearly) all of its 131,072-row capacity into one microbatch, which the 1-GPU config's 65,536 cannot hold.
+    The planner keeps GRPO trees whole, so this holds for a chosen seed only; the check keeps the config
+    honest if the generator or the planner change."""
+    from harts.train.data import StepBuilder
+    from harts.train.model import model_config
+
+    cfg = config.load_config("configs/ling3_tiny_2gpu_cp2.toml")
+    one_gpu = config.load_config("configs/ling3_tiny_1gpu.toml")
+    mc = model_config(cfg.ling)
+    d = StepBuilder(cfg, dp_degree=1, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=mc.kda_chunk_size,
+                    conv_width=mc.short_conv_kernel_size).build(1)
+    rows = max(mb.batch.num_rows for mb in d.microbatches)
+    assert cfg.harts.capacity == 2 * one_gpu.harts.capacity
+    assert rows >= 0.99 * cfg.harts.capacity and rows > 1.98 * one_gpu.harts.capacity, rows

@@ -180,6 +180,7 @@ def compare(vectors: dict[str, list[torch.Tensor]], pairs, groups: list[str] | N
             out[f"diff_{a}_{b}"] = dd[(a, b)] ** 0.5
             out[f"rel_{a}_{b}"] = dd[(a, b)] ** 0.5 / max(nb, 1e-300)  # relative to the second (the reference)
             out[f"cos_{a}_{b}"] = dot[(a, b)] / max(na * nb, 1e-300)
+            out[f"proj_{a}_{b}"] = dot[(a, b)] / max(nb, 1e-300)  # a's length along b's direction
         return out
 
     total = {"sq": {k: sum(v["sq"][k] for v in acc.values()) for k in labels},
@@ -246,9 +247,10 @@ def run(cfg, parts=PARTS, with_truth: bool = False, truth_kda: str = "auto") -> 
                      part, r["norm_harts"], r["norm_baseline"], r["diff_harts_baseline"], r["rel_harts_baseline"],
                      r["cos_harts_baseline"], t1 - t0, t2 - t1)
             if truth is not None:
-                log.info("%-6s |truth| %.4e  HARTS vs truth %.3e (cos %.6f)  baseline vs truth %.3e (cos %.6f)", part,
-                         r["norm_truth"], r["rel_harts_truth"], r["cos_harts_truth"], r["rel_baseline_truth"],
-                         r["cos_baseline_truth"])
+                log.info("%-6s |truth| %.4e  HARTS vs truth %.3e (cos %.6f, length along truth %.4e)  baseline vs "
+                         "truth %.3e (cos %.6f, length along truth %.4e)", part, r["norm_truth"], r["rel_harts_truth"],
+                         r["cos_harts_truth"], r["proj_harts_truth"], r["rel_baseline_truth"], r["cos_baseline_truth"],
+                         r["proj_baseline_truth"])
             del vec
             if trainer.bf16_opt:  # room for the next part's truth
                 for o in trainer.optimizers:
