@@ -63,9 +63,22 @@ def test_bf16_depth_bench_runs_and_both_paths_sit_near_the_truth(tmp_path):
     assert bf16_depth.main(["--layers", "4", "--experts", "16", "--top-k", "4", "--length", "64",
                             "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "bf16_depth.json").read_text())["depths"]["4"]
-    for pair in ("harts_baseline", "harts_truth", "baseline_truth"):
+    for pair in ("harts_baseline", "harts_truth", "baseline_truth", "baseline_split_truth"):
         assert 1e-4 < r[f"rel_{pair}"] < 0.1, (pair, r)
     assert {"routed experts", "router", "KDA mixers"} <= set(r["groups"])
+
+
+def test_bf16_depth_variants_are_the_same_gradient_in_float64():
+    """The bench's four computations (HARTS, packed baseline, one trajectory per backward, truth) differ only
+    by rounding: in float64 they agree."""
+    import torch
+
+    from harts.bench.bf16_depth import gradients_at_depth
+
+    r = gradients_at_depth(4, 16, 4, 48, 0.75, low=torch.float64, high=torch.float64)
+    for pair in ("harts_baseline", "harts_truth", "baseline_truth", "baseline_split_truth"):
+        assert r[f"rel_{pair}"] < 1e-12, (pair, r[f"rel_{pair}"])
+    assert r["norm_truth"] > 0
 
 
 def test_compare_figures_match_numpy_on_flattened_vectors():

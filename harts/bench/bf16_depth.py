@@ -26,7 +26,7 @@ import torch
 from harts.bench.gradgap import compare, param_groups
 from harts.bench.output import write_results
 
-PAIRS = [("harts", "baseline"), ("harts", "truth"), ("baseline", "truth")]
+PAIRS = [("harts", "baseline"), ("harts", "truth"), ("baseline", "truth"), ("baseline_split", "truth")]
 
 
 def shared_prefix_trajectories(rng, vocab: int, length: int, shared: float, n: int = 4) -> list[list[int]]:
@@ -35,15 +35,18 @@ def shared_prefix_trajectories(rng, vocab: int, length: int, shared: float, n: i
     return [root[:p] + rng.integers(0, vocab, length - p).tolist() for _ in range(n)]
 
 
-def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, shared: float, seed: int = 0) -> dict:
+def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, shared: float, seed: int = 0,
+                       low: torch.dtype = torch.bfloat16, high: torch.dtype = torch.float32) -> dict:
+    """``low``: the compared computations' dtype; ``high``: the truth's (float64/float64 in the tests: all
+    four must then agree)."""
     from harts.models.ling import LingConfig, LingForCausalLM
     from harts.runtime import pack
 
     cfg = LingConfig.preset("ling3-tiny-debug", num_hidden_layers=layers, num_experts=experts,
                             num_experts_per_tok=top_k, backend="reference")
     torch.manual_seed(seed)
-    bf = LingForCausalLM(cfg).cast_(torch.bfloat16)
-    truth = LingForCausalLM(cfg)
+    bf = LingForCausalLM(cfg).cast_(low)
+    truth = LingForCausalLM(cfg).to(high)
     with torch.no_grad():
         for t, b in zip(list(truth.parameters()) + list(truth.buffers()), list(bf.parameters()) + list(bf.buffers())):
             t.copy_(b)
@@ -52,15 +55,28 @@ def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, share
     hb = pack(trajs, chunk_size=cfg.kda_chunk_size)
     bb = pack(trajs, chunk_size=cfg.kda_chunk_size, prefix_sharing=False)
 
-    def grads(m, batch):
+    def grads(m, batch, adv=adv):
         m.zero_grad(set_to_none=True)
         lp = m.logprobs(batch)
+        dt = torch.promote_types(lp.dtype, torch.float32)  # the loss in fp32 at least, as in the trainer
         coef = torch.cat([a.expand(len(x)) for a, x in zip(adv, batch.split(lp))])
-        (coef * lp.float()).sum().backward()
-        return [p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+        (coef.to(dt) * lp.to(dt)).sum().backward()
+        acc_dtype = torch.promote_types(high, torch.float32)
+        return [p.grad.to(acc_dtype) if p.grad is not None else torch.zeros_like(p, dtype=acc_dtype)
                 for p in m.parameters()]
 
-    vec = {"harts": grads(bf, hb), "baseline": grads(bf, bb), "truth": grads(truth, bb)}
+    def grads_split(m):
+        """The trainer's one-GPU baseline: one trajectory per microbatch, each backward's bf16 parameter
+        gradient summed in fp32 (BF16AdamW's accumulation), so each trajectory's gradient is rounded to
+        bf16 before the advantages' cancellation across trajectories."""
+        acc = [torch.zeros_like(p, dtype=torch.promote_types(high, torch.float32)) for p in m.parameters()]
+        for a, t in zip(adv, trajs):
+            for x, g in zip(acc, grads(m, pack([t], chunk_size=cfg.kda_chunk_size, prefix_sharing=False), [a])):
+                x += g
+        return acc
+
+    vec = {"harts": grads(bf, hb), "baseline": grads(bf, bb), "baseline_split": grads_split(bf),
+           "truth": grads(truth, bb)}
     return compare(vec, PAIRS, param_groups(bf))
 
 
@@ -75,15 +91,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench_bf16_depth")
     args = ap.parse_args(argv)
     res = {"args": vars(args), "torch": torch.__version__, "depths": {}}
-    print("| layers | HARTS vs baseline | HARTS vs fp32 | baseline vs fp32 | cos(HARTS, baseline) | s |")
-    print("|---|---|---|---|---|---|")
+    print("| layers | HARTS vs baseline | HARTS vs fp32 | baseline vs fp32 | baseline, one trajectory per backward, "
+          "vs fp32 | cos(HARTS, baseline) | s |")
+    print("|---|---|---|---|---|---|---|")
     for L in args.layers:
         t0 = time.perf_counter()
         r = gradients_at_depth(L, args.experts, args.top_k, args.length, args.shared, args.seed)
         r["seconds"] = time.perf_counter() - t0
         res["depths"][L] = r
         print(f"| {L} | {r['rel_harts_baseline']:.3e} | {r['rel_harts_truth']:.3e} | {r['rel_baseline_truth']:.3e} | "
-              f"{r['cos_harts_baseline']:.4f} | {r['seconds']:.0f} |", flush=True)
+              f"{r['rel_baseline_split_truth']:.3e} | {r['cos_harts_baseline']:.4f} | {r['seconds']:.0f} |", flush=True)
     write_results(args.out, "bf16_depth", res)
     return 0
 

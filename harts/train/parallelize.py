@@ -73,13 +73,16 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
-def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend: str = "auto") -> torch.Tensor:
+def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend: str = "auto",
+                   counts_El_dev: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of expert-major rows with the local experts (a per-expert loop, exact like the reference;
-    torch._grouped_mm on the fast path)."""
+    torch._grouped_mm on the fast path, whose group offsets come from ``counts_El_dev`` when given: a
+    torch.tensor(list, device=cuda) is a pageable host-to-device copy, which synchronises the stream)."""
     if x_MD.shape[0] == 0:
         return x_MD.new_zeros(0, wd.shape[1]) + 0 * (wg.sum() + wu.sum() + wd.sum())
     if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
-        offs = torch.tensor(counts_El, device=x_MD.device).cumsum(0).to(torch.int32)
+        counts = counts_El_dev if counts_El_dev is not None else torch.tensor(counts_El, device=x_MD.device)
+        offs = counts.cumsum(0).to(torch.int32)
         g = torch._grouped_mm(x_MD, wg.transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x_MD, wu.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=offs)
@@ -124,16 +127,18 @@ class ExpertParallelMoE(TrainMoE):
         with torch.no_grad():  # counts: [rank r][local expert j] rows this rank receives
             recv = torch.empty_like(counts_E)
             dist.all_to_all_single(recv, counts_E, group=group)
-            send_RE, recv_RE = counts_E.view(ep, El).cpu(), recv.view(ep, El).cpu()  # host sync (split sizes)
+            # the one host sync of the dispatch: the split sizes (both count tables in one copy)
+            send_RE, recv_RE = torch.stack([counts_E, recv]).cpu().view(2, ep, El).unbind(0)
+            # rank-major -> expert-major: rows of local expert j from every source rank, rank order kept. Built
+            # on the device (a stable sort of each row's (expert, rank) key): a host-built index would be a
+            # pageable host-to-device copy per layer, and that synchronises the stream.
+            seg_M = torch.repeat_interleave(torch.arange(ep * El, device=x_TD.device), recv,
+                                            output_size=int(recv_RE.sum()))  # r * El + j per received row
+            perm = torch.sort((seg_M % El) * ep + seg_M // El, stable=True).indices
         in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
         x_recv = _a2a(x_MD, out_splits, in_splits, group)
-        # rank-major -> expert-major: rows of local expert j from every source rank, rank order kept
-        seg_start = torch.cat([torch.zeros(1, dtype=torch.long), recv_RE.reshape(-1).cumsum(0)[:-1]]).view(ep, El)
-        perm = torch.cat([torch.arange(int(seg_start[r, j]), int(seg_start[r, j] + recv_RE[r, j]))
-                          for j in range(El) for r in range(ep)] or [torch.zeros(0, dtype=torch.long)])
-        perm = perm.to(x_TD.device)
         y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd,
-                                  self.cfg.op_backend("moe"))
+                                  self.cfg.op_backend("moe"), counts_El_dev=recv.view(ep, El).sum(0))
         y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
         y_back = _a2a(y_recv, in_splits, out_splits, group)
         y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
