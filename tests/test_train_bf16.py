@@ -93,3 +93,17 @@ def test_fused_update_trains_like_the_torch_ops(tmp_path):
     (l0, m0), (l1, m1) = out[False], out[True]
     assert max(abs(a - b) for a, b in zip(l0, l1)) <= 1e-3 * max(abs(x) for x in l0), (l0, l1)
     assert (m1 - m0).abs().max() <= 1e-6, (m1 - m0).abs().max()  # 4 steps of lr 1e-5 each: 4e-5 travelled
+
+
+def test_fused_update_setting_auto_and_errors(tmp_path):
+    """optimizer.bf16_fused: 'auto' (the default) picks the torch ops off CUDA; a value outside auto/true/false
+    is an error that names the setting."""
+    import pytest
+
+    cfg = _cfg(tmp_path)
+    tr = Trainer(load_config(str(cfg), **{"checkpoint.enable": False, "job.dump_folder": str(tmp_path / "a")}))
+    assert tr.cfg.optimizer.bf16_fused == "auto" and tr.optimizers.optimizers[0].fused is False
+    tr.close()
+    with pytest.raises(ValueError, match="optimizer.bf16_fused = 'sometimes'"):
+        Trainer(load_config(str(cfg), **{"optimizer.bf16_fused": "sometimes", "checkpoint.enable": False,
+                                         "job.dump_folder": str(tmp_path / "b")}))
