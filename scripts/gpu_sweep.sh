@@ -73,6 +73,11 @@ for what in "$@"; do
               --harts /tmp/train1_harts/metrics.jsonl --baseline /tmp/train1_base/metrics.jsonl --out "$OUT/train1" \
               --config configs/ling3_tiny_1gpu.toml ;;
     train1h) ;;
+    # issue 8's control: the baseline repacked (two trajectories per microbatch at capacity 131072), 20 steps.
+    # Its curve against train1_base is the execution-shape floor on this random-init model (session 3: top-k
+    # flips make the baseline disagree with itself more than with HARTS); the step's new shapes compile first.
+    train1p) step train1_pack2 540 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
+              --harts.enabled=false --harts.capacity=131072 --job.dump_folder=/tmp/train1_pack2 ;;
     # the fused BF16AdamW update (optimizer.bf16_fused): step minus F/B/Grad against train1h's 0.43 s
     train1f) step train1_fused 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=8 \
               --optimizer.bf16_fused=true --profile.enable=false --job.dump_folder=/tmp/train1_fused ;;
@@ -123,7 +128,7 @@ for what in "$@"; do
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2 /tmp/cp1_big; do
+for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
   [ -f "$d/metrics.jsonl" ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
