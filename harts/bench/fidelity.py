@@ -6,6 +6,11 @@ Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-l
 - Baseline B: trajectory-wise rerun with the trajectories packed in reverse order inside each sub-batch
   (a different but equally valid packing: what rerunning a conventional trainer changes; it measures
   the numerical noise floor of the baseline itself);
+- Baseline C: trajectory-wise with one trajectory per call (what a conventional trainer with a smaller
+  microbatch computes). On the H200 B reproduces A exactly (the kernels are deterministic and per-row
+  results do not depend on order within a call), so B's floor is 0; C changes the call shapes, which on
+  random-init 128-expert routers flips near-tied top-k choices (issue 6's compact bench: mean cosine
+  0.938 against A). C is the floor that says how far two valid bf16 executions of the same model drift;
 - HARTS with replay (the planned rounds);
 - HARTS without replay (``pack(..., replay=False)``: branches start at the fork from the parent's exact
   final state, chunk phase not restored).
@@ -80,26 +85,25 @@ def main(argv=None) -> int:
     depth_rows = torch.as_tensor(handoff_depth_of_rows(harts_r))
     W = model.lm_head.weight
 
-    def base_hidden(reverse):
-        """Per-position hidden states of the baseline, in HARTS's log-prob order."""
+    def base_hidden(reverse=False, alone=False):
+        """Per-position hidden states of the baseline, in HARTS's log-prob order: planned sub-batches, the
+        same reversed, or one trajectory per call."""
         out = []
         for idx in groups:
-            order = idx[::-1] if reverse else idx
-            b = pack([trajs[i] for i in order], chunk_size=B, prefix_sharing=False).to(dev)
-            h = hidden_states(model, b)[b.logprob_rows]
-            parts = b.split(h)
-            if reverse:
-                parts = parts[::-1]
-            out.extend(parts)
+            calls = [[i] for i in idx] if alone else [idx[::-1] if reverse else idx]
+            for order in calls:
+                b = pack([trajs[i] for i in order], chunk_size=B, prefix_sharing=False).to(dev)
+                parts = b.split(hidden_states(model, b)[b.logprob_rows])
+                out.extend(parts[::-1] if reverse else parts)
         return torch.cat(out)
 
     res = {"args": vars(args), "stats": harts_r.stats, "device": torch.cuda.get_device_name() if dev.type == "cuda"
            else "cpu", "torch": torch.__version__}
     D = 6
-    names = ["baseline_B", "harts_replay", "harts_no_replay"]
+    names = ["baseline_B", "baseline_C", "harts_replay", "harts_no_replay"]
     with torch.no_grad():
         hA = base_hidden(False)
-        hs = {"baseline_B": base_hidden(True),
+        hs = {"baseline_B": base_hidden(reverse=True), "baseline_C": base_hidden(alone=True),
               "harts_replay": hidden_states(model, harts_r)[harts_r.logprob_rows],
               "harts_no_replay": hidden_states(model, harts_n)[harts_n.logprob_rows]}
         # "With recomputation": the same forward run under activation checkpointing (it must not change
@@ -157,7 +161,8 @@ def _plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     d = np.arange(len(res["tokens_by_depth"]))
     for ax, key, title in ((axes[0], "symkl_by_depth", "SymKL (Eq. 25)"), (axes[1], "abs_dnll_by_depth", "|dNLL| (Eq. 26)")):
-        for n, lab in (("baseline_B", "Baseline B (rerun)"), ("harts_replay", "Replay"), ("harts_no_replay", "No-replay")):
+        for n, lab in (("baseline_B", "Baseline B (rerun)"), ("baseline_C", "Baseline C (one trajectory per call)"),
+                       ("harts_replay", "Replay"), ("harts_no_replay", "No-replay")):
             ax.plot(d, res[key][n], marker="o", label=lab)
         ax2 = ax.twinx()
         b, nr = np.array(res[key]["baseline_B"]), np.array(res[key]["harts_no_replay"])
