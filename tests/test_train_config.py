@@ -67,3 +67,4 @@ def test_cp2_config_step_fills_twice_the_one_gpu_capacity():
     rows = max(mb.batch.num_rows for mb in d.microbatches)
     assert cfg.harts.capacity == 2 * one_gpu.harts.capacity
     assert rows >= 0.99 * cfg.harts.capacity and rows > 1.98 * one_gpu.harts.capacity, rows
+

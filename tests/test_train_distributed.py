@@ -191,3 +191,22 @@ def test_paper_8gpu_layouts_on_eight_processes(runs, layout):
     torchrun(cfg, d / layout, "--checkpoint.enable", "--activation_checkpoint.mode=full", *args, nproc=8)
     _same(one, d / layout)
     assert all(r["world"] == 8 and all(r[k] == v for k, v in want.items()) for r in records(d / layout)), layout
+
+
+@pytest.mark.parametrize("ep,El", [(1, 4), (2, 3), (4, 2)])
+def test_expert_major_order_matches_a_brute_force_reordering(ep, El):
+    """The EP dispatch's device-built permutation: rows arriving grouped by (source rank, local expert),
+    some groups empty, must come out grouped by (local expert, source rank) with the arrival order kept
+    inside each group."""
+    import numpy as np
+    import torch
+
+    from harts.train.parallelize import _expert_major_order
+
+    g = torch.Generator().manual_seed(ep * 10 + El)
+    counts = torch.randint(0, 4, (ep * El,), generator=g)
+    counts[1] = 0  # an empty (rank, expert) group
+    start = np.concatenate([[0], np.cumsum(counts.numpy())[:-1]])
+    want = [int(start[r * El + j]) + i for j in range(El) for r in range(ep) for i in range(int(counts[r * El + j]))]
+    got = _expert_major_order(counts, ep, El, int(counts.sum()))
+    assert got.tolist() == want

@@ -95,6 +95,17 @@ def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend
     return torch.cat(outs, 0) + 0 * (wg.sum() + wu.sum() + wd.sum())
 
 
+def _expert_major_order(recv_counts: torch.Tensor, ep: int, El: int, total: int) -> torch.Tensor:
+    """Received rows arrive rank-major (source rank r, then local expert j); the experts want them
+    expert-major (j, then r), rank order kept within an expert. Built on the device, as a stable sort of
+    each row's (expert, rank) key: a host-built index would be a pageable host-to-device copy per layer,
+    and such a copy synchronises the stream. ``recv_counts``: [ep * El] rows per (r, j), on the device;
+    ``total`` its sum, known on the host (no sync for the output size)."""
+    seg_M = torch.repeat_interleave(torch.arange(ep * El, device=recv_counts.device), recv_counts,
+                                    output_size=total)  # r * El + j per received row
+    return torch.sort((seg_M % El) * ep + seg_M // El, stable=True).indices
+
+
 class ExpertParallelMoE(TrainMoE):
     """MoE whose routed experts are sharded over the ``ep`` mesh dim (Shard(0) on the expert dim)."""
 
@@ -129,12 +140,7 @@ class ExpertParallelMoE(TrainMoE):
             dist.all_to_all_single(recv, counts_E, group=group)
             # the one host sync of the dispatch: the split sizes (both count tables in one copy)
             send_RE, recv_RE = torch.stack([counts_E, recv]).cpu().view(2, ep, El).unbind(0)
-            # rank-major -> expert-major: rows of local expert j from every source rank, rank order kept. Built
-            # on the device (a stable sort of each row's (expert, rank) key): a host-built index would be a
-            # pageable host-to-device copy per layer, and that synchronises the stream.
-            seg_M = torch.repeat_interleave(torch.arange(ep * El, device=x_TD.device), recv,
-                                            output_size=int(recv_RE.sum()))  # r * El + j per received row
-            perm = torch.sort((seg_M % El) * ep + seg_M // El, stable=True).indices
+            perm = _expert_major_order(recv, ep, El, int(recv_RE.sum()))
         in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
         x_recv = _a2a(x_MD, out_splits, in_splits, group)
         y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd,
