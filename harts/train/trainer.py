@@ -312,7 +312,8 @@ class Trainer:
             raise ValueError(f"optimizer.bf16_fused = {ocfg.bf16_fused!r}: expected 'auto', 'true' or 'false'")
         fused = self.device.type == "cuda" if choice == "auto" else choice == "true"
         if fused and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"optimizer.bf16_fused = true needs CUDA (device is {self.device.type}); set it to auto or false")
+            raise ValueError(f"optimizer.bf16_fused = true needs CUDA (device is {self.device.type}); "
+                             "set it to auto or false")
         log.info("optimizer: BF16AdamW (fp32 gradient accumulation, fp32 master weights as bf16 + 16 low bits, "
                  "bf16 moments; update by %s, optimizer.bf16_fused = %s)",
                  "one fused Triton kernel per tensor" if fused else "torch ops", choice)
