@@ -1,7 +1,8 @@
-"""Context parallelism (Ulysses style) on gloo with cp = 2: log-probs and gradients equal cp = 1 (float64)."""
+"""Context parallelism (Ulysses style) on gloo with cp = 2 and 4: log-probs and gradients equal cp = 1 (float64)."""
 import os
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -58,16 +59,17 @@ def _worker(rank, world, port, out_dir):
     os._exit(0)  # avoid the gloo teardown abort seen with spawn (docs/testing notes)
 
 
-def test_cp2_equals_cp1(tmp_path):
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_equals_cp1(tmp_path, cp):
     trajs = fork_tree(B, np.random.default_rng(11))
     model = make_model(B)
     from harts.runtime import pack
 
-    batch = pack(trajs, chunk_size=B, pad_to_multiple=2)
-    assert batch.num_phys % 2 == 0
+    batch = pack(trajs, chunk_size=B, pad_to_multiple=cp)
+    assert batch.num_phys % cp == 0
     lp_ref, loss = _losses(model, batch)
     loss.backward()
-    spawn_ranks(_worker, 2, str(tmp_path))
+    spawn_ranks(_worker, cp, str(tmp_path))
     got = torch.load(tmp_path / "cp.pt")
     assert ((got["lp"] - lp_ref.detach()).abs().max() / lp_ref.abs().max()).item() <= 1e-12
     for n, p in model.named_parameters():
