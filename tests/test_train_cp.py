@@ -9,6 +9,7 @@ per-rank objectives on own positions, the router losses and the counts add up ov
 
 - cp = 2 with full activation checkpointing (2 processes; FSDP2 over the two CP ranks);
 - FSDP2 x CP: dp_shard 2 x cp 2 with EP = 4 spanning dp_shard x cp (4 processes);
+- cp = 4 with EP = 4 (4 processes; the debug model's heads split four ways);
 - PPO with a KL term (l(log p = 0) != 0) at cp = 2, which a zero-masking objective would get wrong.
 """
 import pytest
@@ -43,6 +44,14 @@ def test_fsdp2_x_cp_x_ep_four_processes(ref):
              "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=4", nproc=4)
     _same(one, d / "dp_cp_ep")
     assert all((r["world"], r["dp"], r["cp"], r["ep"]) == (4, 2, 2, 4) for r in records(d / "dp_cp_ep"))
+
+
+def test_cp4_x_ep4_four_processes(ref):
+    d, cfg, one = ref
+    torchrun(cfg, d / "cp4", "--parallelism.context_parallel_degree=4", "--parallelism.expert_parallel_degree=4",
+             nproc=4)
+    _same(one, d / "cp4")
+    assert all((r["world"], r["dp"], r["cp"], r["ep"]) == (4, 1, 4, 4) for r in records(d / "cp4"))
 
 
 def test_ppo_with_kl_cp2_equals_one_process(tmp_path):
