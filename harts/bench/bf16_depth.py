@@ -54,6 +54,7 @@ def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, share
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     hb = pack(trajs, chunk_size=cfg.kda_chunk_size)
     bb = pack(trajs, chunk_size=cfg.kda_chunk_size, prefix_sharing=False)
+    acc_dtype = torch.promote_types(high, torch.float32)  # gradients compared in fp32 at least
 
     def grads(m, batch, adv=adv):
         m.zero_grad(set_to_none=True)
@@ -61,7 +62,6 @@ def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, share
         dt = torch.promote_types(lp.dtype, torch.float32)  # the loss in fp32 at least, as in the trainer
         coef = torch.cat([a.expand(len(x)) for a, x in zip(adv, batch.split(lp))])
         (coef.to(dt) * lp.to(dt)).sum().backward()
-        acc_dtype = torch.promote_types(high, torch.float32)
         return [p.grad.to(acc_dtype) if p.grad is not None else torch.zeros_like(p, dtype=acc_dtype)
                 for p in m.parameters()]
 
@@ -69,7 +69,7 @@ def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, share
         """The trainer's one-GPU baseline: one trajectory per microbatch, each backward's bf16 parameter
         gradient summed in fp32 (BF16AdamW's accumulation), so each trajectory's gradient is rounded to
         bf16 before the advantages' cancellation across trajectories."""
-        acc = [torch.zeros_like(p, dtype=torch.promote_types(high, torch.float32)) for p in m.parameters()]
+        acc = [torch.zeros_like(p, dtype=acc_dtype) for p in m.parameters()]
         for a, t in zip(adv, trajs):
             for x, g in zip(acc, grads(m, pack([t], chunk_size=cfg.kda_chunk_size, prefix_sharing=False), [a])):
                 x += g

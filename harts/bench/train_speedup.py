@@ -83,13 +83,14 @@ def compare(h: dict, b: dict) -> dict:
 def step_flops(cfg, dp: int) -> dict:
     """Forward FLOPs of one training step, HARTS and baseline, as the trainer plans and packs it (all DP
     replicas' microbatches); needs ``data.fixed_step`` (every step trains the same rollouts)."""
+    import dataclasses
+
     import torch
 
     from harts.bench.flops import active_matmul_params, batch_forward_flops
     from harts.models.ling import LingForCausalLM
-    from harts.planning.microbatch import plan_microbatches
     from harts.runtime import pack
-    from harts.train.data import StepBuilder, plan_trajectory_wise
+    from harts.train.data import StepBuilder
     from harts.train.model import model_config
 
     if not cfg.data.fixed_step:
@@ -98,15 +99,14 @@ def step_flops(cfg, dp: int) -> dict:
         model = LingForCausalLM(model_config(cfg.ling))
     mc = model.config
     B, W, act = mc.kda_chunk_size, mc.short_conv_kernel_size, active_matmul_params(model)
-    trajs = StepBuilder(cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W).load(1)
-    h = cfg.harts
-    plans = {"harts": plan_microbatches(trajs, dp_degree=dp, capacity=h.capacity, exact_threshold=h.exact_threshold),
-             "baseline": plan_trajectory_wise([len(t) for t in trajs], dp_degree=dp, capacity=h.capacity)}
-    out = {}
-    for name, plan in plans.items():
+    out, trajs = {}, None
+    for name, enabled in (("harts", True), ("baseline", False)):
+        run_cfg = dataclasses.replace(cfg, harts=dataclasses.replace(cfg.harts, enabled=enabled))
+        builder = StepBuilder(run_cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W)
+        trajs = builder.load(1) if trajs is None else trajs
         out[name] = sum(batch_forward_flops(model, pack([trajs[i] for i in mb], chunk_size=B, conv_width=W,
-                                                        prefix_sharing=name == "harts"), act)["total"]
-                        for mb in plan.microbatches)
+                                                        prefix_sharing=enabled), act)["total"]
+                        for mb in builder.plan(trajs).microbatches)
     out["raw_tokens"] = int(sum(len(t) for t in trajs))
     return out
 

@@ -42,6 +42,13 @@ def check_varlen_args(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1):
     return cq, ck
 
 
+def _block_scores(q_HLD, k_HSD, scale: float, rows: slice) -> torch.Tensor:
+    """[H, rows, Lk] bottom-right-causal scaled scores of one query block (-inf where masked)."""
+    lq, lk = q_HLD.shape[1], k_HSD.shape[1]
+    sc = torch.matmul(q_HLD[:, rows], k_HSD.transpose(1, 2)).mul_(scale)
+    return sc.masked_fill_(~bottom_right_causal_mask(lq, lk, q_HLD.device, rows), float("-inf"))
+
+
 class _BlockedCausalAttention(torch.autograd.Function):
     """Exact softmax attention for one long sequence in query blocks, keeping only the output and the
     row log-sum-exp for backward, which recomputes each block's probabilities. Autograd through per-block
@@ -51,13 +58,12 @@ class _BlockedCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_HLD, k_HSD, v_HSDv, scale: float, block: int):
-        lq, lk = q_HLD.shape[1], k_HSD.shape[1]
+        lq = q_HLD.shape[1]
         o_HLDv = q_HLD.new_empty(*q_HLD.shape[:2], v_HSDv.shape[2])
         lse_HL = q_HLD.new_empty(q_HLD.shape[:2])
         for s in range(0, lq, block):
             rows = slice(s, min(lq, s + block))
-            sc = torch.matmul(q_HLD[:, rows], k_HSD.transpose(1, 2)).mul_(scale)
-            sc.masked_fill_(~bottom_right_causal_mask(lq, lk, q_HLD.device, rows), float("-inf"))
+            sc = _block_scores(q_HLD, k_HSD, scale, rows)
             lse_HL[:, rows] = torch.logsumexp(sc, -1)
             o_HLDv[:, rows] = torch.matmul(sc.sub_(lse_HL[:, rows, None]).exp_(), v_HSDv)
         ctx.save_for_backward(q_HLD, k_HSD, v_HSDv, o_HLDv, lse_HL)
@@ -68,14 +74,12 @@ class _BlockedCausalAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do_HLDv):
         q_HLD, k_HSD, v_HSDv, o_HLDv, lse_HL = ctx.saved_tensors
-        lq, lk = q_HLD.shape[1], k_HSD.shape[1]
+        lq = q_HLD.shape[1]
         delta_HL = (do_HLDv * o_HLDv).sum(-1)  # sum_j P_ij dP_ij, the softmax backward's row term
         dq, dk, dv = torch.empty_like(q_HLD), torch.zeros_like(k_HSD), torch.zeros_like(v_HSDv)
         for s in range(0, lq, ctx.block):
             rows = slice(s, min(lq, s + ctx.block))
-            sc = torch.matmul(q_HLD[:, rows], k_HSD.transpose(1, 2)).mul_(ctx.scale)
-            sc.masked_fill_(~bottom_right_causal_mask(lq, lk, q_HLD.device, rows), float("-inf"))
-            p = sc.sub_(lse_HL[:, rows, None]).exp_()
+            p = _block_scores(q_HLD, k_HSD, ctx.scale, rows).sub_(lse_HL[:, rows, None]).exp_()
             dv += torch.matmul(p.transpose(1, 2), do_HLDv[:, rows])
             ds = torch.matmul(do_HLDv[:, rows], v_HSDv.transpose(1, 2)).sub_(delta_HL[:, rows, None]).mul_(p)
             ds.mul_(ctx.scale)
