@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f]|train2[h|b]|cp|cpgap|gradgap|gradgapt|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|cp|cpgap|gradgap|gradgapt|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -78,6 +78,13 @@ for what in "$@"; do
     # flips make the baseline disagree with itself more than with HARTS); the step's new shapes compile first.
     train1p) step train1_pack2 540 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=20 \
               --harts.enabled=false --harts.capacity=131072 --job.dump_folder=/tmp/train1_pack2 ;;
+    # on nvidia-h200-x2: issue 9's speedup (GPU 0) next to issue 8's train1p control (GPU 1), one call for both
+    # (separate GPUs; the speedup is a ratio of two paths timed in the same process)
+    sp1p) CUDA_VISIBLE_DEVICES=1 step train1_pack2 540 python3 train.py --config configs/ling3_tiny_1gpu.toml \
+              --training.steps=20 --harts.enabled=false --harts.capacity=131072 --job.dump_folder=/tmp/train1_pack2 &
+        CUDA_VISIBLE_DEVICES=0 step speedup 565 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 \
+              --microbatches 16 --time-budget 400 --out "$OUT"
+        wait ;;
     # the fused BF16AdamW update (optimizer.bf16_fused): step minus F/B/Grad against train1h's 0.43 s
     train1f) step train1_fused 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=8 \
               --optimizer.bf16_fused=true --profile.enable=false --job.dump_folder=/tmp/train1_fused ;;
