@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|cp|cpgap|gradgap|gradgapt|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|speedup2|cp|cpgap|gradgap|gradgapt|layouts2 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -21,6 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 # The whole call must leave time to pack the cache: SWEEP_BUDGET (s, default 540) caps every step.
 SWEEP_END=$(( $(date +%s) + ${SWEEP_BUDGET:-540} - 30 ))
+touch /tmp/.sweep_start
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local left=$(( SWEEP_END - $(date +%s) ))
@@ -85,6 +86,18 @@ for what in "$@"; do
         CUDA_VISIBLE_DEVICES=0 step speedup 565 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 \
               --microbatches 16 --time-budget 400 --out "$OUT"
         wait ;;
+    # on nvidia-h200-x2: issue 9's speedup with its 16 microbatches split over the two GPUs (microbatches
+    # 0, 2, ... on GPU 0, which also profiles; 1, 3, ... on GPU 1; merged here), then the fidelity bench on GPU 1.
+    # Each microbatch is timed by one process on one H200, as on one GPU; a run that loaded Triton kernels is
+    # timed again (session 7's first run: three of six microbatches ran 2.2-4.9x slower per raw row than the
+    # others while the Triton cache grew)
+    speedup2) ( CUDA_VISIBLE_DEVICES=1 step speedup_1 540 python3 -m harts.bench.speedup --preset ling3-tiny \
+              --scale 0.2 --microbatches 16 --shard 1/2 --time-budget ${SPEEDUP_BUDGET:-470} --out "$OUT"
+          CUDA_VISIBLE_DEVICES=1 step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 \
+              --out "$OUT" ) &
+        CUDA_VISIBLE_DEVICES=0 step speedup_0 540 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 \
+              --microbatches 16 --shard 0/2 --time-budget ${SPEEDUP_BUDGET:-470} --out "$OUT"
+        wait ;;  # here: python -m harts.bench.speedup --merge DIR/speedup_shard0of2.json DIR/speedup_shard1of2.json
     # the fused BF16AdamW update (optimizer.bf16_fused): step minus F/B/Grad against train1h's 0.43 s
     train1f) step train1_fused 200 python3 train.py --config configs/ling3_tiny_1gpu.toml --training.steps=8 \
               --optimizer.bf16_fused=true --profile.enable=false --job.dump_folder=/tmp/train1_fused ;;
@@ -136,7 +149,8 @@ for what in "$@"; do
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
 for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
-  [ -f "$d/metrics.jsonl" ] || continue
+  # (only this call's runs: a machine can keep /tmp from an earlier call, session 7 got two stale runs back)
+  [ "$d/metrics.jsonl" -nt /tmp/.sweep_start ] || continue
   n=$(basename $d)
   cp "$d/metrics.jsonl" "$OUT/$n.metrics.jsonl"
   t=$(ls "$d"/profile/step*/rank0_trace.json 2>/dev/null | head -1)

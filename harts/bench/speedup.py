@@ -18,7 +18,6 @@ Writes ``speedup.json`` and ``speedup.png``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import defaultdict
 
@@ -32,17 +31,28 @@ def flops_per_row(model) -> float:
     return 2.0 * model.num_params(active=True)
 
 
-def profile_families(fn, device) -> dict:
+def profile_families(fn, device, loads=None, reset=lambda: None) -> dict:
+    """Seconds of ``fn()`` by op family: GPU kernel time on CUDA (kernel events only, each once; summing the CPU
+    ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled again (once) if a kernel load (see
+    ``KernelLoads``) happened during the run, so that no autotuning sweep is counted."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    for _ in range(2):
+        reset()
+        n0 = loads.n if loads is not None else 0
+        with torch.profiler.profile(activities=acts) as prof:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        if loads is None or loads.n == n0:
+            break
     out = defaultdict(float)
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total
+        if device.type == "cuda":  # kernel (and memcpy) events only: a CPU op's device time is its kernels'
+            t = e.device_time_total if e.device_type != torch.autograd.DeviceType.CPU else 0.0
+        else:
+            t = e.self_cpu_time_total
         if t:
             out[family(e.key)] += t / 1e6
     return dict(out)
@@ -99,6 +109,153 @@ def flops_only(args) -> int:
     return 0
 
 
+class KernelLoads:
+    """Counts Triton kernel loads in this process: a compile, an autotuning sweep or a disk-cache load, each the
+    first launch of a new specialisation (Triton specialises integer arguments by divisibility, so a new
+    sequence length can need one). A timed run during which the count grows included one-time work and is
+    timed again (session 7's first H200 run: three of six microbatches ran 2.2-4.9x slower per raw row than
+    the rest while the Triton cache grew)."""
+
+    def __init__(self):
+        self.n, self.available = 0, False
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            return  # reported as "unavailable" in the results
+        prev = knobs.runtime.jit_post_compile_hook
+
+        def hook(**kw):
+            self.n += 1
+            return prev(**kw) if prev is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        self.available = True
+
+
+def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
+    """Seconds of ``fn()`` once no kernel load happens during it (at most ``max_runs`` runs; ``reset()`` before
+    each). ``first_s`` keeps the first run's time when it was repeated; ``clean`` is False when even the last
+    run loaded kernels."""
+    out = {"runs": 0}
+    for _ in range(max_runs):
+        reset()
+        n0 = loads.n
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        t = time.perf_counter() - t0
+        out["runs"] += 1
+        out.setdefault("first_s", t)
+        out["s"], out["loads"], out["clean"] = t, loads.n - n0, loads.n == n0
+        if out["clean"]:
+            break
+    if out["runs"] == 1:
+        del out["first_s"]
+    return out
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 0 <= I < N")
+    return i, n
+
+
+def summarize(meta: dict, records: list[dict], profile: dict | None) -> dict:
+    """The report over timed microbatch records (one process or merged shards)."""
+    res = dict(meta)
+    sums = {k: sum(r[k] for r in records) for k in
+            ("raw", "compact", "replay", "mla_kv", "harts_s", "baseline_s", "calls_plan_s", "flops_harts",
+             "flops_baseline")}
+    raw, compact, t_h, t_b = sums["raw"], sums["compact"], sums["harts_s"], sums["baseline_s"]
+    comp, fcomp = raw / compact, sums["flops_baseline"] / sums["flops_harts"]
+    t_plan = meta["microbatch_plan_s"] * len(records) / meta["planned_microbatches"] + sums["calls_plan_s"]
+    peak = meta["peak_tflops"] * 1e12
+    res.update({
+        "microbatches_timed": len(records), "records": records,
+        "retimed": sum(r["harts_runs"] > 1 for r in records) + sum(r["baseline_runs"] > 1 for r in records),
+        "unclean_timings": sum(not r["harts_clean"] for r in records) + sum(not r["baseline_clean"] for r in records),
+        "raw_rows": raw, "compact_rows": compact, "compression": comp, "replay_rows": sums["replay"],
+        "mla_kv_rows": sums["mla_kv"], "mla_view_expansion": sums["mla_kv"] / compact,
+        "fbgrad_harts_s": t_h, "fbgrad_baseline_s": t_b, "plan_s": t_plan,
+        "speedup_fbgrad": t_b / t_h, "speedup_core": t_b / (t_h + t_plan),
+        # training FLOPs = 3 x forward (recomputation not counted, as MFU conventions do)
+        "mfu_baseline": 3 * meta["flops_per_row"] * raw / t_b / peak,
+        "mfu_harts_useful": 3 * meta["flops_per_row"] * compact / t_h / peak,
+        # FLOP compression (harts.bench.flops): what a HARTS running every op at the baseline's efficiency
+        # would reach; speedup / FLOP compression is the implementation's share of the gap to row compression.
+        "forward_flops_harts": sums["flops_harts"], "forward_flops_baseline": sums["flops_baseline"],
+        "flop_compression": fcomp,
+        "mfu_baseline_flops": 3 * sums["flops_baseline"] / t_b / peak,
+        "mfu_harts_flops": 3 * sums["flops_harts"] / t_h / peak,
+        "harts_peak_gb": max(r["harts_peak_gb"] for r in records),
+        "baseline_peak_gb": max(r["baseline_peak_gb"] for r in records),
+    })
+    res["fbgrad_over_compression"] = res["speedup_fbgrad"] / comp
+    res["core_over_compression"] = res["speedup_core"] / comp
+    res["fbgrad_over_flop_compression"] = res["speedup_fbgrad"] / fcomp
+    if profile is not None:
+        res["profile"] = profile
+    return res
+
+
+def report(res: dict) -> None:
+    print(f"\nmicrobatches {res['microbatches_timed']} timed of {res['microbatches']} (runs repeated after a "
+          f"kernel load: {res['retimed']}; still loading at the last run: {res['unclean_timings']})  "
+          f"raw {res['raw_rows']:,}  compact {res['compact_rows']:,}  compression {res['compression']:.3f}x  "
+          f"replay {res['replay_rows']:,}  MLA KV expansion {res['mla_view_expansion']:.2f}x")
+    print(f"F/B/Grad: baseline {res['fbgrad_baseline_s']:.2f}s  HARTS {res['fbgrad_harts_s']:.2f}s  speedup "
+          f"{res['speedup_fbgrad']:.3f}x ({res['fbgrad_over_compression']:.3f} of compression)")
+    print(f"FLOPs:    compression {res['flop_compression']:.3f}x (row compression {res['compression']:.3f}x); "
+          f"F/B/Grad speedup is {res['fbgrad_over_flop_compression']:.3f} of it; MFU by counted FLOPs: baseline "
+          f"{res['mfu_baseline_flops']:.3f}  HARTS {res['mfu_harts_flops']:.3f}")
+    print(f"Core:     planner {res['plan_s']:.3f}s  speedup {res['speedup_core']:.3f}x "
+          f"({res['core_over_compression']:.3f} of compression)")
+    print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
+          f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
+    if "profile" in res:
+        p = res["profile"]
+        what = "CPU op self time" if res["device"] == "cpu" else "GPU kernel time"
+        print(f"\nprofile of one microbatch (raw {p['raw']:,}, compact {p['compact']:,}; {what} by family; "
+              f"ideal = baseline / its compression {p['compression']:.3f}x)")
+        print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
+        for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
+            print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
+
+
+def merge(paths: list[str], out: str) -> int:
+    """``--merge``: one report from shard JSONs of the same workload (each microbatch timed by one process)."""
+    import json
+
+    shards = [json.load(open(p)) for p in paths]
+    keys = ("preset", "workload", "seed", "scale", "capacity", "dtype", "microbatches")
+    for p, s in zip(paths, shards):
+        diff = [k for k in keys if s["args"][k] != shards[0]["args"][k]]
+        if diff:
+            raise SystemExit(f"--merge: {p} differs from {paths[0]} in {diff}")
+    got = sorted(s["args"]["shard"][0] for s in shards)
+    n = shards[0]["args"]["shard"][1]
+    if got != list(range(n)):
+        raise SystemExit(f"--merge: shards {got} of {n}; every shard 0..{n - 1} exactly once is needed")
+    meta = {k: v for k, v in shards[0].items() if k in ("device", "torch", "microbatch_plan_s", "microbatches",
+                                                         "planned_microbatches", "flops_per_row", "peak_tflops",
+                                                         "kernel_load_detection")}
+    meta["args"] = dict(shards[0]["args"], shard=None, merged=paths)
+    records = sorted((r for s in shards for r in s["records"]), key=lambda r: r["index"])
+    profile = next((s["profile"] for s in shards if "profile" in s), None)
+    res = summarize(meta, records, profile)
+    res["shards"] = n
+    report(res)
+    write_results(out, "speedup", res, _plot)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.speedup", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
@@ -106,141 +263,123 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     ap.add_argument("--out", default="out/bench_speedup")
     ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="seconds of timed microbatches after which no new one starts (0 = time all); the "
-                         "report says how many were timed. For device calls with a hard time limit")
+                    help="seconds since start after which no microbatch starts, nor one whose predicted time "
+                         "(this run's seconds per raw row) would end past it (0 = time all); the report says "
+                         "how many were timed. For device calls with a hard time limit")
+    ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                    help="time only microbatches I, I+N, ... (of the fullest first) and write speedup_shardIofN"
+                         ".json; N processes (one per GPU) then `--merge` them. Shard 0 also profiles")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge shard JSONs into speedup.json and exit")
     ap.add_argument("--flops-only", action="store_true",
                     help="no timing: plan and pack the same microbatches, count forward FLOPs of both paths on a "
                          "meta-device model and print the ceiling speedup / compression = FLOP compression / row "
                          "compression that a HARTS running every op at the baseline's efficiency would reach")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.flops_only:
         return flops_only(args)
+    t_proc = time.perf_counter()
 
+    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from harts.planning.calls import plan_calls
     from harts.runtime import pack
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    os.makedirs(args.out, exist_ok=True)
+    loads = KernelLoads()
+    shard, nshard = args.shard
     mbs, plan, t_mb = planned_microbatches(args)
+    mine = list(range(shard, len(mbs), nshard))
     model = build_model(args.preset, dev, dtype, args.seed, recompute=True)
     B = model.config.kda_chunk_size
+    act = active_matmul_params(model)
 
     def loss_of(lp):
         return -(lp * torch.linspace(-1, 1, lp.shape[0], device=lp.device, dtype=lp.dtype)).mean()
 
-    # Warm-up (kernel compilation / autotuning) on the smallest microbatch, both paths, not timed.
-    small = min(mbs, key=lambda m: sum(len(t) for t in m))
-    for ps in (True, False):
-        for idx in ([list(range(len(small)))] if ps else subbatches(small, args.capacity)):
-            b = pack([small[i] for i in idx], chunk_size=B, prefix_sharing=ps).to(dev)
-            loss_of(model.logprobs(b)).backward()
-    model.zero_grad(set_to_none=True)
-
-    res = {"args": vars(args), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs)}
-    from harts.bench.flops import active_matmul_params, batch_forward_flops
-
-    act = active_matmul_params(model)
-    raw = compact = replay = kv = 0
-    flops_h = flops_b = 0.0
-    t_calls = t_h = t_b = 0.0
-    t_start, timed = time.perf_counter(), 0
-    for trajs in mbs:
-        if args.time_budget and timed and time.perf_counter() - t_start > args.time_budget:
-            print(f"  time budget {args.time_budget:g} s reached: {timed} of {len(mbs)} microbatches timed",
-                  flush=True)
-            break
-        timed += 1
-        t0 = time.perf_counter()
-        from harts.planning.calls import plan_calls
-
-        plan_calls([t.tokens for t in trajs], chunk_size=B)  # planner time charged to Core
-        t_calls += time.perf_counter() - t0
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
+    def run_harts(trajs):
         hb = pack(trajs, chunk_size=B).to(dev, non_blocking=True)
         loss_of(model.logprobs(hb)).backward()
-        sync()
-        t_h += time.perf_counter() - t0
-        res.setdefault("harts_peak_gb", 0.0)
-        if dev.type == "cuda":
-            res["harts_peak_gb"] = max(res["harts_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
-            torch.cuda.reset_peak_memory_stats()
-        flops_h += batch_forward_flops(model, hb, act)["total"]
-        raw += hb.stats["raw_tokens"]
-        compact += hb.num_rows
-        replay += hb.stats["replay_tokens"]
-        kv += hb.stats["mla_kv_rows"]
-        model.zero_grad(set_to_none=True)
-        sync()
-        t0 = time.perf_counter()
+
+    def run_baseline(trajs):
         for idx in subbatches(trajs, args.capacity):
             bb = pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev, non_blocking=True)
             loss_of(model.logprobs(bb)).backward()
-        sync()
-        t_b += time.perf_counter() - t0
-        flops_b += baseline_flops(model, trajs, args.capacity, act)
-        res.setdefault("baseline_peak_gb", 0.0)
-        if dev.type == "cuda":
-            res["baseline_peak_gb"] = max(res["baseline_peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
+
+    def reset():
         model.zero_grad(set_to_none=True)
-        print(f"  microbatch: raw {hb.stats['raw_tokens']:,} compact {hb.num_rows:,}  cumulative HARTS {t_h:.2f}s "
-              f"baseline {t_b:.2f}s", flush=True)
-    comp = raw / compact
-    t_plan = t_mb * timed / len(plan.microbatches) + t_calls
-    fpr = flops_per_row(model)
-    res.update({
-        "microbatches_timed": timed,
-        "raw_rows": raw, "compact_rows": compact, "compression": comp, "replay_rows": replay,
-        "mla_kv_rows": kv, "mla_view_expansion": kv / compact,
-        "fbgrad_harts_s": t_h, "fbgrad_baseline_s": t_b, "plan_s": t_plan,
-        "speedup_fbgrad": t_b / t_h, "speedup_core": t_b / (t_h + t_plan),
-        # training FLOPs = 3 x forward (recomputation not counted, as MFU conventions do)
-        "mfu_baseline": 3 * fpr * raw / t_b / (args.peak_tflops * 1e12),
-        "mfu_harts_useful": 3 * fpr * compact / t_h / (args.peak_tflops * 1e12),
-    })
-    res["fbgrad_over_compression"] = res["speedup_fbgrad"] / comp
-    # FLOP compression (harts.bench.flops): what a HARTS running every op at the baseline's efficiency would
-    # reach; speedup / FLOP compression is then the implementation's share of the gap to row compression.
-    res.update({"forward_flops_harts": flops_h, "forward_flops_baseline": flops_b,
-                "flop_compression": flops_b / flops_h, "fbgrad_over_flop_compression": res["speedup_fbgrad"] / (flops_b / flops_h),
-                "mfu_baseline_flops": 3 * flops_b / t_b / (args.peak_tflops * 1e12),
-                "mfu_harts_flops": 3 * flops_h / t_h / (args.peak_tflops * 1e12)})
-    res["core_over_compression"] = res["speedup_core"] / comp
-    # Where the time goes: one microbatch of each path under the profiler.
-    trajs = mbs[0]
-    hb = pack(trajs, chunk_size=B).to(dev)
-    fam_h = profile_families(lambda: loss_of(model.logprobs(hb)).backward(), dev)
-    model.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
 
-    def base():
-        for idx in subbatches(trajs, args.capacity):
-            bb = pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev)
-            loss_of(model.logprobs(bb)).backward()
+    def peak_gb():
+        return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
 
-    fam_b = profile_families(base, dev)
-    model.zero_grad(set_to_none=True)
-    c0 = hb.stats["raw_tokens"] / hb.num_rows
-    res["profile"] = {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
-                          "ideal_s": fam_b.get(f, 0.0) / c0,
-                          "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
-                      for f in sorted(set(fam_h) | set(fam_b))}
-    print(f"\nmicrobatches {timed} timed of {len(mbs)}  raw {raw:,}  compact {compact:,}  compression {comp:.3f}x  replay {replay:,}  "
-          f"MLA KV expansion {kv / compact:.2f}x")
-    print(f"F/B/Grad: baseline {t_b:.2f}s  HARTS {t_h:.2f}s  speedup {res['speedup_fbgrad']:.3f}x "
-          f"({res['fbgrad_over_compression']:.3f} of compression)")
-    print(f"FLOPs:    compression {res['flop_compression']:.3f}x (row compression {comp:.3f}x); F/B/Grad speedup is "
-          f"{res['fbgrad_over_flop_compression']:.3f} of it; MFU by counted FLOPs: baseline {res['mfu_baseline_flops']:.3f}  "
-          f"HARTS {res['mfu_harts_flops']:.3f}")
-    print(f"Core:     planner {t_plan:.3f}s  speedup {res['speedup_core']:.3f}x ({res['core_over_compression']:.3f} of compression)")
-    print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
-          f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
-    print(f"\n{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
-    for f, v in sorted(res["profile"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
-        print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
-    write_results(args.out, "speedup", res, _plot)
+    # Warm-up (kernel compilation / autotuning) on the smallest microbatch, both paths, not timed.
+    small = min(mbs, key=lambda m: sum(len(t) for t in m))
+    run_harts(small)
+    run_baseline(small)
+    reset()
+
+    meta = {"args": vars(args), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs),
+            "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
+            "peak_tflops": args.peak_tflops,
+            "kernel_load_detection": "triton jit_post_compile_hook" if loads.available else "unavailable"}
+    profile = None
+    if shard == 0:
+        # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,
+        # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
+        j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
+        hb = pack(mbs[j], chunk_size=B)
+        c0 = hb.stats["raw_tokens"] / hb.num_rows
+        fam_h, fam_b = (profile_families(lambda: fn(mbs[j]), dev, loads, reset) for fn in (run_harts, run_baseline))
+        reset()
+        profile = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "compression": c0,
+                   "families": {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
+                                    "ideal_s": fam_b.get(f, 0.0) / c0,
+                                    "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
+                                for f in sorted(set(fam_h) | set(fam_b))}}
+
+    records: list[dict] = []
+    t_loop, raw_done = time.perf_counter(), 0
+    for j in mine:
+        trajs = mbs[j]
+        raw_j = sum(len(t) for t in trajs)
+        if args.time_budget and records:
+            now = time.perf_counter() - t_proc
+            predicted = (time.perf_counter() - t_loop) / raw_done * raw_j
+            if now + predicted > args.time_budget:
+                print(f"  time budget {args.time_budget:g} s: {now:.0f} s elapsed, the next microbatch would take "
+                      f"~{predicted:.0f} s; {len(records)} of {len(mine)} microbatches timed", flush=True)
+                break
+        t0 = time.perf_counter()
+        plan_calls([t.tokens for t in trajs], chunk_size=B)  # planner time charged to Core
+        t_calls = time.perf_counter() - t0
+        h = timed_run(lambda: run_harts(trajs), reset, sync, loads)
+        h_peak = peak_gb()
+        b = timed_run(lambda: run_baseline(trajs), reset, sync, loads)
+        b_peak = peak_gb()
+        reset()
+        hb = pack(trajs, chunk_size=B)
+        rec = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows,
+               "replay": hb.stats["replay_tokens"], "mla_kv": hb.stats["mla_kv_rows"], "calls_plan_s": t_calls,
+               "flops_harts": batch_forward_flops(model, hb, act)["total"],
+               "flops_baseline": baseline_flops(model, trajs, args.capacity, act),
+               "harts_peak_gb": h_peak, "baseline_peak_gb": b_peak}
+        for name, r in (("harts", h), ("baseline", b)):
+            rec.update({f"{name}_{k}" if k != "s" else f"{name}_s": v for k, v in r.items()})
+        records.append(rec)
+        raw_done += raw_j
+        first = "".join(f" ({n} first run {r['first_s']:.2f}s, {r['runs']} runs)" for n, r in
+                        (("HARTS", h), ("baseline", b)) if "first_s" in r)
+        print(f"  microbatch {j}: raw {rec['raw']:,} compact {rec['compact']:,}  HARTS {h['s']:.2f}s baseline "
+              f"{b['s']:.2f}s{first}  [{time.perf_counter() - t_proc:.0f} s]", flush=True)
+    if not records:
+        raise SystemExit("no microbatch timed")
+    res = summarize(meta, records, profile)
+    report(res)
+    write_results(args.out, "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}", res, _plot)
     return 0
 
 
@@ -255,13 +394,15 @@ def _plot(res, path):
           color=["grey", "tab:blue", "tab:orange"])
     a.set_ylabel("x over trajectory-wise")
     a.set_title("HARTS speedup vs non-replay compression")
-    fams = sorted(res["profile"], key=lambda f: -res["profile"][f]["baseline_s"])
-    x = range(len(fams))
-    b.bar([i - 0.2 for i in x], [res["profile"][f]["ideal_s"] for f in fams], 0.4, label="ideal (baseline / compression)")
-    b.bar([i + 0.2 for i in x], [res["profile"][f]["harts_s"] for f in fams], 0.4, label="HARTS")
-    b.set_xticks(list(x), fams, rotation=45, ha="right", fontsize=8)
-    b.set_ylabel("s (one microbatch)")
-    b.legend(fontsize=8)
+    if "profile" in res:
+        fam = res["profile"]["families"]
+        fams = sorted(fam, key=lambda f: -fam[f]["baseline_s"])
+        x = range(len(fams))
+        b.bar([i - 0.2 for i in x], [fam[f]["ideal_s"] for f in fams], 0.4, label="ideal (baseline / compression)")
+        b.bar([i + 0.2 for i in x], [fam[f]["harts_s"] for f in fams], 0.4, label="HARTS")
+        b.set_xticks(list(x), fams, rotation=45, ha="right", fontsize=8)
+        b.set_ylabel("s (one microbatch)")
+        b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
