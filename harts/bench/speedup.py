@@ -117,7 +117,7 @@ class KernelLoads:
     the rest while the Triton cache grew)."""
 
     def __init__(self):
-        self.n, self.available = 0, False
+        self.n, self.available, self.names = 0, False, []
         try:
             from triton import knobs
         except ImportError:
@@ -128,6 +128,7 @@ class KernelLoads:
 
         def hook(**kw):
             self.n += 1
+            self.names.append(getattr(kw.get("fn"), "name", "?"))
             return prev(**kw) if prev is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook
@@ -150,6 +151,8 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
         out["runs"] += 1
         out.setdefault("first_s", t)
         out["s"], out["loads"], out["clean"] = t, loads.n - n0, loads.n == n0
+        if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded, for the report
+            out["loaded"] = sorted(set(getattr(loads, "names", [])[n0:loads.n]))
         if out["clean"]:
             break
     if out["runs"] == 1:
