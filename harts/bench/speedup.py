@@ -117,21 +117,30 @@ class KernelLoads:
     the rest while the Triton cache grew)."""
 
     def __init__(self):
-        self.n, self.available, self.names = 0, False, []
+        self.n, self.available, self.names, self.seconds = 0, False, [], 0.0
         try:
             from triton import knobs
         except ImportError:
             return
         if not hasattr(knobs.runtime, "jit_post_compile_hook"):
             return  # reported as "unavailable" in the results
-        prev = knobs.runtime.jit_post_compile_hook
+        prev, prev_pre = knobs.runtime.jit_post_compile_hook, getattr(knobs.runtime, "jit_cache_hook", None)
+        started = []
+
+        def pre(**kw):  # before the compile (or disk-cache load); a truthy return would skip it, so pass on
+            started.append(time.perf_counter())
+            return prev_pre(**kw) if prev_pre is not None else None
 
         def hook(**kw):
             self.n += 1
             self.names.append(getattr(kw.get("fn"), "name", "?"))
+            if started:
+                self.seconds += time.perf_counter() - started.pop()
             return prev(**kw) if prev is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook
+        if hasattr(knobs.runtime, "jit_cache_hook"):
+            knobs.runtime.jit_cache_hook = pre
         self.available = True
 
 
@@ -142,7 +151,7 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
     out = {"runs": 0}
     for _ in range(max_runs):
         reset()
-        n0 = loads.n
+        n0, s0 = loads.n, getattr(loads, "seconds", 0.0)
         sync()
         t0 = time.perf_counter()
         fn()
@@ -151,8 +160,9 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
         out["runs"] += 1
         out.setdefault("first_s", t)
         out["s"], out["loads"], out["clean"] = t, loads.n - n0, loads.n == n0
-        if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded, for the report
+        if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded and the seconds it took
             out["loaded"] = sorted(set(getattr(loads, "names", [])[n0:loads.n]))
+            out["load_s"] = getattr(loads, "seconds", 0.0) - s0
         if out["clean"]:
             break
     if out["runs"] == 1:
@@ -374,7 +384,8 @@ def main(argv=None) -> int:
             rec.update({f"{name}_{k}" if k != "s" else f"{name}_s": v for k, v in r.items()})
         records.append(rec)
         raw_done += raw_j
-        first = "".join(f" ({n} first run {r['first_s']:.2f}s, {r['runs']} runs)" for n, r in
+        first = "".join(f" ({n} first run {r['first_s']:.2f}s, {r.get('load_s', 0.0):.2f}s of it loading "
+                        f"{len(r.get('loaded', []))} kernels; {r['runs']} runs)" for n, r in
                         (("HARTS", h), ("baseline", b)) if "first_s" in r)
         print(f"  microbatch {j}: raw {rec['raw']:,} compact {rec['compact']:,}  HARTS {h['s']:.2f}s baseline "
               f"{b['s']:.2f}s{first}  [{time.perf_counter() - t_proc:.0f} s]", flush=True)
