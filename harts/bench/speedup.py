@@ -355,6 +355,7 @@ def main(argv=None) -> int:
                                 for f in sorted(set(fam_h) | set(fam_b))}}
 
     records: list[dict] = []
+    out_name = "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}"
     t_loop, raw_done = time.perf_counter(), 0
     for j in mine:
         trajs = mbs[j]
@@ -389,11 +390,14 @@ def main(argv=None) -> int:
                         (("HARTS", h), ("baseline", b)) if "first_s" in r)
         print(f"  microbatch {j}: raw {rec['raw']:,} compact {rec['compact']:,}  HARTS {h['s']:.2f}s baseline "
               f"{b['s']:.2f}s{first}  [{time.perf_counter() - t_proc:.0f} s]", flush=True)
+        # the JSON so far after every microbatch (no PNG): a process killed by a device call's time limit
+        # still leaves its timed microbatches, which --merge accepts
+        write_results(args.out, out_name, summarize(meta, records, profile))
     if not records:
         raise SystemExit("no microbatch timed")
     res = summarize(meta, records, profile)
     report(res)
-    write_results(args.out, "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}", res, _plot)
+    write_results(args.out, out_name, res, _plot)
     return 0
 
 
