@@ -381,8 +381,8 @@ def main(argv=None) -> int:
                "flops_harts": batch_forward_flops(model, hb, act)["total"],
                "flops_baseline": baseline_flops(model, trajs, args.capacity, act),
                "harts_peak_gb": h_peak, "baseline_peak_gb": b_peak}
-        for name, r in (("harts", h), ("baseline", b)):
-            rec.update({f"{name}_{k}" if k != "s" else f"{name}_s": v for k, v in r.items()})
+        for path, r in (("harts", h), ("baseline", b)):  # harts_s, harts_runs, harts_first_s, ...
+            rec.update({f"{path}_{k}": v for k, v in r.items()})
         records.append(rec)
         raw_done += raw_j
         first = "".join(f" ({n} first run {r['first_s']:.2f}s, {r.get('load_s', 0.0):.2f}s of it loading "
