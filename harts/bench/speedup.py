@@ -26,27 +26,30 @@ import torch
 from harts.bench.common import add_workload_args, build_model, family, subbatches, workload_step
 from harts.bench.output import write_results
 
+
 def flops_per_row(model) -> float:
     """Forward matmul FLOPs per row: 2 x active parameters (routed experts counted top-k, LM head included)."""
     return 2.0 * model.num_params(active=True)
 
 
-def profile_families(fn, device, loads=None, reset=lambda: None) -> dict:
-    """Seconds of ``fn()`` by op family: GPU kernel time on CUDA (kernel events only, each once; summing the CPU
-    ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled again (once) if a kernel load (see
-    ``KernelLoads``) happened during the run, so that no autotuning sweep is counted."""
+def profile_families(fn, device, loads, reset) -> dict:
+    """Seconds of ``fn()`` by op family: GPU kernel time on CUDA (kernel events only, each once; summing the
+    CPU ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled
+    again, like a timed run (``timed_run``), if a kernel load happened during it, so that no compilation or
+    autotuning sweep is counted."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    for _ in range(2):
-        reset()
-        n0 = loads.n if loads is not None else 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prof = None
+
+    def profiled():
+        nonlocal prof
         with torch.profiler.profile(activities=acts) as prof:
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        if loads is None or loads.n == n0:
-            break
+            sync()
+
+    timed_run(profiled, reset, sync, loads, max_runs=2)
     out = defaultdict(float)
     for e in prof.key_averages():
         if device.type == "cuda":  # kernel (and memcpy) events only: a CPU op's device time is its kernels'

@@ -73,16 +73,16 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
-def _local_experts(x_MD: torch.Tensor, counts_El: list[int], wg, wu, wd, backend: str = "auto",
-                   counts_El_dev: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU of expert-major rows with the local experts (a per-expert loop, exact like the reference;
-    torch._grouped_mm on the fast path, whose group offsets come from ``counts_El_dev`` when given: a
-    torch.tensor(list, device=cuda) is a pageable host-to-device copy, which synchronises the stream)."""
+def _local_experts(x_MD: torch.Tensor, counts_El: list[int], counts_El_dev: torch.Tensor, wg, wu, wd,
+                   backend: str = "auto") -> torch.Tensor:
+    """SwiGLU of expert-major rows with the local experts (a per-expert loop over the host ``counts_El``,
+    exact like the reference; torch._grouped_mm on the fast path, whose group offsets come from the same
+    counts on the device, ``counts_El_dev``: a torch.tensor(list, device=cuda) would be a pageable
+    host-to-device copy, which synchronises the stream)."""
     if x_MD.shape[0] == 0:
         return x_MD.new_zeros(0, wd.shape[1]) + 0 * (wg.sum() + wu.sum() + wd.sum())
     if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
-        counts = counts_El_dev if counts_El_dev is not None else torch.tensor(counts_El, device=x_MD.device)
-        offs = counts.cumsum(0).to(torch.int32)
+        offs = counts_El_dev.cumsum(0).to(torch.int32)
         g = torch._grouped_mm(x_MD, wg.transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x_MD, wu.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=offs)
@@ -143,8 +143,8 @@ class ExpertParallelMoE(TrainMoE):
             perm = _expert_major_order(recv, ep, El, int(recv_RE.sum()))
         in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
         x_recv = _a2a(x_MD, out_splits, in_splits, group)
-        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd,
-                                  self.cfg.op_backend("moe"), counts_El_dev=recv.view(ep, El).sum(0))
+        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), recv.view(ep, El).sum(0),
+                                  wg, wu, wd, self.cfg.op_backend("moe"))
         y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
         y_back = _a2a(y_recv, in_splits, out_splits, group)
         y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
