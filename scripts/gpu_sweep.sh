@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|speedup2|cp|cpgap|gradgap|gradgapt|layouts2 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -144,11 +144,26 @@ for what in "$@"; do
       step pp2 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 \
         --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 \
         --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/pp2 ;;
+    # the same 4 steps on one GPU (both configs differ only in their degrees: one reference for both), then each
+    # reduced layout's trajectory-wise baseline: HARTS's speedup per layout and its distance from one GPU
+    layouts2b) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      L1="--parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
+      ( CUDA_VISIBLE_DEVICES=1 step ref1_base 240 python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 $L1 \
+          --harts.enabled=false --job.dump_folder=/tmp/ref1_base ) &
+      CUDA_VISIBLE_DEVICES=0 step ref1 150 python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 $L1 \
+          --job.dump_folder=/tmp/ref1
+      wait
+      step tp2_sp_ep2_base 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 \
+        --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2 --harts.enabled=false \
+        --job.dump_folder=/tmp/tp2_sp_ep2_base
+      step pp2_base 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 \
+        --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 \
+        --parallelism.expert_parallel_degree=1 --harts.enabled=false --job.dump_folder=/tmp/pp2_base ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
+for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/ref1 /tmp/ref1_base /tmp/tp2_sp_ep2_base /tmp/pp2_base /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
   # (only this call's runs: a machine can keep /tmp from an earlier call, session 7 got two stale runs back)
   [ "$d/metrics.jsonl" -nt /tmp/.sweep_start ] || continue
   n=$(basename $d)

@@ -18,6 +18,8 @@ Writes ``speedup.json`` and ``speedup.png``.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
 from collections import defaultdict
 
@@ -25,6 +27,7 @@ import torch
 
 from harts.bench.common import add_workload_args, build_model, family, subbatches, workload_step
 from harts.bench.output import write_results
+from harts.bench.trace_summary import device_idle
 
 
 def flops_per_row(model) -> float:
@@ -32,11 +35,12 @@ def flops_per_row(model) -> float:
     return 2.0 * model.num_params(active=True)
 
 
-def profile_families(fn, device, loads, reset) -> dict:
+def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None]:
     """Seconds of ``fn()`` by op family: GPU kernel time on CUDA (kernel events only, each once; summing the
     CPU ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled
     again, like a timed run (``timed_run``), if a kernel load happened during it, so that no compilation or
-    autotuning sweep is counted."""
+    autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
+    the part of the wall time that no kernel explains, and the host op it waited on."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -50,6 +54,12 @@ def profile_families(fn, device, loads, reset) -> dict:
             sync()
 
     timed_run(profiled, reset, sync, loads, max_runs=2)
+    idle = None
+    if device.type == "cuda":  # wall time not spent in kernels: where the device waits, and on which host op
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                idle = device_idle(json.load(f)["traceEvents"])
     out = defaultdict(float)
     for e in prof.key_averages():
         if device.type == "cuda":  # kernel (and memcpy) events only: a CPU op's device time is its kernels'
@@ -58,7 +68,7 @@ def profile_families(fn, device, loads, reset) -> dict:
             t = e.self_cpu_time_total
         if t:
             out[family(e.key)] += t / 1e6
-    return dict(out)
+    return dict(out), idle
 
 
 def planned_microbatches(args):
@@ -243,12 +253,15 @@ def report(res: dict) -> None:
         print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
         for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
             print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
+        for path, idle in (p.get("device_idle") or {}).items():
+            if idle:
+                ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
+                print(f"{path}: device span {idle['span_s']:.3f}s, busy {idle['busy_s']:.3f}s, idle "
+                      f"{idle['idle_s']:.3f}s in {idle['gaps_count']} gaps; idle by host op: {ops}")
 
 
 def merge(paths: list[str], out: str) -> int:
     """``--merge``: one report from shard JSONs of the same workload (each microbatch timed by one process)."""
-    import json
-
     shards = [json.load(open(p)) for p in paths]
     keys = ("preset", "workload", "seed", "scale", "capacity", "dtype", "microbatches")
     for p, s in zip(paths, shards):
@@ -349,9 +362,11 @@ def main(argv=None) -> int:
         j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
         hb = pack(mbs[j], chunk_size=B)
         c0 = hb.stats["raw_tokens"] / hb.num_rows
-        fam_h, fam_b = (profile_families(lambda: fn(mbs[j]), dev, loads, reset) for fn in (run_harts, run_baseline))
+        (fam_h, idle_h), (fam_b, idle_b) = (profile_families(lambda: fn(mbs[j]), dev, loads, reset)
+                                            for fn in (run_harts, run_baseline))
         reset()
         profile = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "compression": c0,
+                   "device_idle": {"harts": idle_h, "baseline": idle_b},
                    "families": {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
                                     "ideal_s": fam_b.get(f, 0.0) / c0,
                                     "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
