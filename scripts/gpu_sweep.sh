@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -86,15 +86,18 @@ for what in "$@"; do
         CUDA_VISIBLE_DEVICES=0 step speedup 565 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 \
               --microbatches 16 --time-budget 400 --out "$OUT"
         wait ;;
+    # the norm launchers' GPU tests (compiled kernels vs torch; no recompile inside an NB/BS size class)
+    normgpu) step normgpu 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ops_norm.py ;;
     # on nvidia-h200-x2: issue 9's speedup with its 16 microbatches split over the two GPUs (microbatches
-    # 0, 2, ... on GPU 0, which also profiles; 1, 3, ... on GPU 1; merged here), then the fidelity bench on GPU 1.
+    # 0, 2, ... on GPU 0, which also profiles; 1, 3, ... on GPU 1; merged here), then (SPEEDUP2_FIDELITY=1) the
+    # fidelity bench on GPU 1.
     # Each microbatch is timed by one process on one H200, as on one GPU; a run that loaded Triton kernels is
     # timed again (session 7's first run: three of six microbatches ran 2.2-4.9x slower per raw row than the
     # others while the Triton cache grew)
     speedup2) ( CUDA_VISIBLE_DEVICES=1 step speedup_1 540 python3 -m harts.bench.speedup --preset ling3-tiny \
               --scale 0.2 --microbatches 16 --shard 1/2 --time-budget ${SPEEDUP_BUDGET:-470} --out "$OUT"
-          CUDA_VISIBLE_DEVICES=1 step fidelity 240 python3 -m harts.bench.fidelity --preset ling3-tiny --scale 0.05 \
-              --out "$OUT" ) &
+          [ -n "${SPEEDUP2_FIDELITY:-}" ] && CUDA_VISIBLE_DEVICES=1 step fidelity 240 python3 -m harts.bench.fidelity \
+              --preset ling3-tiny --scale 0.05 --out "$OUT" ) &
         CUDA_VISIBLE_DEVICES=0 step speedup_0 540 python3 -m harts.bench.speedup --preset ling3-tiny --scale 0.2 \
               --microbatches 16 --shard 0/2 --time-budget ${SPEEDUP_BUDGET:-470} --out "$OUT"
         wait ;;  # here: python -m harts.bench.speedup --merge DIR/speedup_shard0of2.json DIR/speedup_shard1of2.json

@@ -15,7 +15,6 @@ import functools
 import logging
 
 import torch
-from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
 from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
 from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
@@ -28,6 +27,7 @@ from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
 from harts.ops.kda_round.naive import check_round_inputs
+from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class ChunkKDARoundFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
-            q, q_rstd = l2norm_fwd(q)
-            k, k_rstd = l2norm_fwd(k)
+            q, q_rstd = l2norm_fwd_bucketed(q)
+            k, k_rstd = l2norm_fwd_bucketed(k)
         num_chunks = chunk_indices.shape[0]
         if use_gate_in_kernel:
             g_cum = kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
@@ -133,8 +133,8 @@ class ChunkKDARoundFunction(torch.autograd.Function):
         if use_gate:
             dg, dA_log, ddt_bias = kda_gate_bwd(g=g_in, A_log=A_log, dt_bias=dt_bias, dyg=dg, lower_bound=lower_bound)
         if use_l2:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            dq = l2norm_bwd_bucketed(q, q_rstd, dq)
+            dk = l2norm_bwd_bucketed(k, k_rstd, dk)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta), dA_log, ddt_bias, dh0,
                 None, None, None, None, None, None, None, None, None, None, None, None, None)
 
