@@ -153,7 +153,7 @@ def test_bucketed_rms_norm_compiles_once_per_size_class_gpu():
     from harts.ops.norm.fast import _programs, rms_norm_fast
 
     Ts, D = (5000, 6500, 8000), 512
-    assert len({_programs(T, torch.device("cuda"), 32)[1] for T in Ts}) == 1, "pick Ts for this GPU's SM count"
+    assert len({_programs(T, torch.device("cuda", 0), 32)[1] for T in Ts}) == 1, "pick Ts for this GPU's SM count"
     assert len({triton.next_power_of_2(triton.cdiv(T, 2048)) for T in Ts}) == 1
     w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
     loads, prev = [], knobs.runtime.jit_post_compile_hook
