@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -162,11 +162,22 @@ for what in "$@"; do
       step pp2_base 200 torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 \
         --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 \
         --parallelism.expert_parallel_degree=1 --harts.enabled=false --job.dump_folder=/tmp/pp2_base ;;
+    # session 8: TP2 + SP's baseline had a 43 % larger step-1 gradient norm than one GPU (ref1_base); after the
+    # TP/SP boundaries wait on their collectives (harts.train.model.Completed): the same runs, then SP off and
+    # FSDP2 + EP2 without TP, to place any remaining difference
+    tpfix) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.expert_parallel_degree=2"
+      step tp2_sp_ep2_base 150 $T2 --parallelism.data_parallel_shard_degree=1 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
+      step tp2_sp_ep2 90 $T2 --parallelism.data_parallel_shard_degree=1 --job.dump_folder=/tmp/tp2_sp_ep2
+      step tp2_ep2_base 150 $T2 --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false \
+        --harts.enabled=false --job.dump_folder=/tmp/tp2_ep2_base
+      step dp2_ep2_base 150 $T2 --parallelism.data_parallel_shard_degree=2 --parallelism.tensor_parallel_degree=1 \
+        --parallelism.enable_sequence_parallel=false --harts.enabled=false --job.dump_folder=/tmp/dp2_ep2_base ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done
 # Trainer runs: metrics.jsonl and a few-hundred-byte summary of the profiled step's trace come back.
-for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/ref1 /tmp/ref1_base /tmp/tp2_sp_ep2_base /tmp/pp2_base /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
+for d in /tmp/train1_harts /tmp/train1_fused /tmp/train1_base /tmp/train2_harts /tmp/train2_base /tmp/cp2 /tmp/cp1 /tmp/tp2_sp_ep2 /tmp/pp2 /tmp/ref1 /tmp/ref1_base /tmp/tp2_sp_ep2_base /tmp/pp2_base /tmp/tp2_ep2_base /tmp/dp2_ep2_base /tmp/pack2 /tmp/cp1_big /tmp/train1_pack2; do
   # (only this call's runs: a machine can keep /tmp from an earlier call, session 7 got two stale runs back)
   [ "$d/metrics.jsonl" -nt /tmp/.sweep_start ] || continue
   n=$(basename $d)

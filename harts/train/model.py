@@ -36,6 +36,32 @@ __all__ = ["AddRouterLoss", "TrainDecoderLayer", "HartsPolicy", "build_policy", 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def _completed(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class Completed(torch.autograd.Function):
+    """Identity whose output and input gradient are completed plain tensors.
+
+    DTensor's redistribute runs torch's functional collectives, which hand back AsyncCollectiveTensor
+    wrappers that wait only when a torch op touches them. Triton kernels read raw pointers and never
+    trigger that wait, so a kernel reading a region's input, or a layer norm's backward reading the
+    gradient that a region boundary's reduce-scatter is still writing, reads a half-written buffer. On two
+    H200s this made TP2 + SP gradient norms 43 % too large with several microbatches per step (session 8);
+    on CPU the norms are torch ops, which wait. Every TP/SP boundary passes through here both ways."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = _completed(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return _completed(g)
+
+
 class AddRouterLoss(torch.autograd.Function):
     """y -> y in forward; backward also returns ``scale`` for the scalar router term (so it joins the
     loss; scale = 1 / tp inside a tensor-parallel region, whose gradients are summed over tp)."""
@@ -88,10 +114,10 @@ class TrainDecoderLayer(DecoderLayer):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         src = (Shard(0),) if self.sequence_parallel else (Replicate(),)
-        d = DTensor.from_local(x, self.tp_mesh, src)
+        d = DTensor.from_local(Completed.apply(x), self.tp_mesh, src)
         if self.sequence_parallel:
             d = d.redistribute(self.tp_mesh, (Replicate(),))
-        return d.to_local(grad_placements=(Partial(),))
+        return Completed.apply(d.to_local(grad_placements=(Partial(),)))
 
     def tp_exit(self, y: torch.Tensor) -> torch.Tensor:
         """Region output: all-reduce (or reduce-scatter into row shards under SP) of the partial sums."""
@@ -100,7 +126,8 @@ class TrainDecoderLayer(DecoderLayer):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
         dst = (Shard(0),) if self.sequence_parallel else (Replicate(),)
-        return DTensor.from_local(y, self.tp_mesh, (Partial(),)).redistribute(self.tp_mesh, dst).to_local()
+        return Completed.apply(DTensor.from_local(Completed.apply(y), self.tp_mesh, (Partial(),))
+                               .redistribute(self.tp_mesh, dst).to_local())
 
 
 def router_term(st, router: tuple, moe_index: int) -> torch.Tensor:
@@ -159,7 +186,8 @@ class HartsPolicy(LingForCausalLM):
             return h_PD
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        return DTensor.from_local(h_PD, self.sp_mesh, (Replicate(),)).redistribute(self.sp_mesh, (Shard(0),)).to_local()
+        return Completed.apply(DTensor.from_local(Completed.apply(h_PD), self.sp_mesh, (Replicate(),))
+                               .redistribute(self.sp_mesh, (Shard(0),)).to_local())
 
     def sp_gather(self, h_PD: torch.Tensor) -> torch.Tensor:
         """All rows for the (replicated) LM head (backward: each rank keeps its rows' gradient)."""
@@ -167,7 +195,8 @@ class HartsPolicy(LingForCausalLM):
             return h_PD
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        return DTensor.from_local(h_PD, self.sp_mesh, (Shard(0),)).redistribute(self.sp_mesh, (Replicate(),)).to_local()
+        return Completed.apply(DTensor.from_local(Completed.apply(h_PD), self.sp_mesh, (Shard(0),))
+                               .redistribute(self.sp_mesh, (Replicate(),)).to_local())
 
     def run_layers(self, h: torch.Tensor, batch: CompactBatch, router: tuple | None) -> torch.Tensor:
         weight = self.row_weight(batch, h.dtype)
