@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -173,6 +173,16 @@ for what in "$@"; do
         --harts.enabled=false --job.dump_folder=/tmp/tp2_ep2_base
       step dp2_ep2_base 150 $T2 --parallelism.data_parallel_shard_degree=2 --parallelism.tensor_parallel_degree=1 \
         --parallelism.enable_sequence_parallel=false --harts.enabled=false --job.dump_folder=/tmp/dp2_ep2_base ;;
+    # step 1's per-parameter gradient norms (HARTS_DUMP_GRAD_NORMS) of TP2 + EP2 and of one GPU, both modes;
+    # compare here with the JSONs (which parameters carry TP2's excess gradient norm)
+    gdump) G="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.expert_parallel_degree=2 --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
+      L1="python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step gn_tp2_base 90 $T2 --harts.enabled=false --job.dump_folder=/tmp/gn1
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_harts step gn_tp2_harts 70 $T2 --job.dump_folder=/tmp/gn2
+      ( CUDA_VISIBLE_DEVICES=1 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_harts step gn_ref_harts 80 $L1 --job.dump_folder=/tmp/gn3 ) &
+      CUDA_VISIBLE_DEVICES=0 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step gn_ref_base 90 $L1 --harts.enabled=false --job.dump_folder=/tmp/gn4
+      wait ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -343,6 +344,28 @@ class Trainer:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return [g.to_local() if local and isinstance(g, DTensor) else g for g in grads]
 
+    def _dump_grad_norms(self, path: str) -> None:
+        """Debugging a layout (``HARTS_DUMP_GRAD_NORMS=PATH``): step 1's gradient norm of every parameter,
+        written to ``PATH.rank<R>.json``. DTensor gradients as full-tensor norms (a collective: every rank
+        walks the same parameters in the same order), plain ones as this rank's (EP: its own experts)."""
+        from torch.distributed.tensor import DTensor
+
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.bf16_opt:
+            pairs = []
+            for o in self.optimizers:
+                o.accumulate_grads()
+                pairs += [(names.get(id(p), "?"), o._grad(p)) for g in o.param_groups for p in g["params"]]
+        else:
+            pairs = [(n, p.grad) for n, p in self.model.named_parameters()]
+        out = {}
+        for n, g in pairs:
+            if g is not None:
+                out[n] = float((g.full_tensor() if isinstance(g, DTensor) else g).float().norm())
+        with open(f"{path}.rank{self.rank}.json", "w") as f:
+            json.dump(out, f, indent=0)
+        log.info("wrote %d gradient norms to %s.rank%d.json", len(out), path, self.rank)
+
     def _crash_exit(self):
         """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
         self.checkpointer.maybe_wait_for_staging()
@@ -436,6 +459,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
+        if os.environ.get("HARTS_DUMP_GRAD_NORMS") and data.step == 1:
+            self._dump_grad_norms(os.environ["HARTS_DUMP_GRAD_NORMS"])
         if self.bf16_opt:
             grad_norm = par.clip_grad_norm_mixed_(None, cfg.training.max_norm, pp_group=self.pp_group,
                                                   grads=self._grads(local=False))
