@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -183,6 +183,13 @@ for what in "$@"; do
       ( CUDA_VISIBLE_DEVICES=1 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_harts step gn_ref_harts 80 $L1 --job.dump_folder=/tmp/gn3 ) &
       CUDA_VISIBLE_DEVICES=0 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step gn_ref_base 90 $L1 --harts.enabled=false --job.dump_folder=/tmp/gn4
       wait ;;
+    # which fast path carries TP2's excess gradient norm: the fused norms, the grouped-GEMM experts, or EP under
+    # TP (one step each; compare step-1 gnorm with one GPU's 7.741)
+    tpdiag) G="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false --harts.enabled=false"
+      T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
+      step tp2_norm_ref 80 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=norm=reference --job.dump_folder=/tmp/d1
+      step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
+      step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done

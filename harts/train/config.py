@@ -33,6 +33,9 @@ class Ling:
     """Override the KDA chunk size (0 = keep); it is also the HARTS planner's chunk size."""
     backend: str = "auto"
     """Op backends: 'auto' (fast on CUDA, reference on CPU), 'reference' or 'fast'."""
+    op_backends: str = ""
+    """Per-op overrides of ``backend``, e.g. 'norm=reference,moe=reference' (ops: attention, kda, conv,
+    moe, logprobs, norm): to place a numerical difference on one op's fast path."""
     dtype: str = "float32"
     """Parameter dtype: float32 | float64 (CPU exactness tests) | bfloat16 (pure bf16, no master copy)."""
     init_seed: int = 0

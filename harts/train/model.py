@@ -236,6 +236,12 @@ def model_config(ling) -> LingConfig:
         overrides["num_hidden_layers"] = ling.num_hidden_layers
     if ling.kda_chunk_size:
         overrides["kda_chunk_size"] = ling.kda_chunk_size
+    ops = ("attention", "kda", "conv", "moe", "logprobs", "norm")
+    for item in filter(None, (t.strip() for t in ling.op_backends.split(","))):
+        op, _, which = item.partition("=")
+        if op not in ops or not which:
+            raise ValueError(f"ling.op_backends: {item!r} is not op=backend with op one of {', '.join(ops)}")
+        overrides[f"{op}_backend"] = which  # LingConfig checks the backend name
     return LingConfig.preset(ling.preset, **overrides)
 
 
