@@ -183,13 +183,15 @@ for what in "$@"; do
       ( CUDA_VISIBLE_DEVICES=1 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_harts step gn_ref_harts 80 $L1 --job.dump_folder=/tmp/gn3 ) &
       CUDA_VISIBLE_DEVICES=0 HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step gn_ref_base 90 $L1 --harts.enabled=false --job.dump_folder=/tmp/gn4
       wait ;;
-    # which fast path carries TP2's excess gradient norm: the fused norms, the grouped-GEMM experts, or EP under
-    # TP (one step each; compare step-1 gnorm with one GPU's 7.741)
+    # which fast path carries TP2's excess gradient norm (one step each; compare step-1 gnorm with one GPU's
+    # 7.741). On CPU (gloo, session 8) TP2 equals one process with the fused norms, fla's KDA and conv (Triton
+    # interpreter, fp32), the fused log-probs, grouped_mm experts, bf16 + BF16AdamW and full AC: what is left
+    # is CUDA-only (torch varlen attention, CUDA grouped_mm) or size-dependent
     tpdiag) G="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false --harts.enabled=false"
       T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
-      step tp2_norm_ref 80 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=norm=reference --job.dump_folder=/tmp/d1
-      step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
-      step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_attn_ref step tp2_attn_ref 120 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=attention=reference --job.dump_folder=/tmp/d1
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_moe_ref step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_ep1 step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done

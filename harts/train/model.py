@@ -48,9 +48,10 @@ class Completed(torch.autograd.Function):
     DTensor's redistribute runs torch's functional collectives, which hand back AsyncCollectiveTensor
     wrappers that wait only when a torch op touches them. Triton kernels read raw pointers and never
     trigger that wait, so a kernel reading a region's input, or a layer norm's backward reading the
-    gradient that a region boundary's reduce-scatter is still writing, reads a half-written buffer. On two
-    H200s this made TP2 + SP gradient norms 43 % too large with several microbatches per step (session 8);
-    on CPU the norms are torch ops, which wait. Every TP/SP boundary passes through here both ways."""
+    gradient that a region boundary's reduce-scatter may still be writing, could read a half-written
+    buffer (tests/test_train_completed.py shows such a gradient arriving unwaited). Every TP/SP boundary
+    passes through here both ways. (Not the cause of TP2's larger gradient norms on two H200s in session 8:
+    those stayed bit-identical with this in place; see docs/results.md.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
