@@ -9,9 +9,10 @@ size spent tens of seconds compiling. Here NB is rounded up to a power of two (`
 size-aware autotuning is kept per size class, but over a run at most ~log2(max rows / 2048) NB values ever
 compile (6 for up to 65536 rows), instead of one per distinct size.
 
-The non-gated backward kernels also take the rows per program ``BS = cdiv(rows, programs)`` as a
-constexpr, so they recompiled (the tuned config only) at every new size too; the gated ones specialise
-on BS by divisibility. The blocked kernels (D <= 512) walk their BS rows in tiles of BT rows (fla's
+The non-gated backward kernels also take the rows per program ``BS = cdiv(rows, programs)`` and the
+group size ``GS`` (= programs with one group) as constexprs, so they recompiled (the tuned config only) at
+every new size too; GS is passed as one constant (any value >= the program count is the same kernel
+math); the gated ones specialise on BS by divisibility. The blocked kernels (D <= 512) walk their BS rows in tiles of BT rows (fla's
 configs: 32 or 64; gated 16-64), so BS is rounded up to a multiple of the smallest BT: each program runs
 as many tiles as with fla's BS, and there are fewer programs. The per-row kernels (D > 512) loop row by
 row; there BS keeps its top three bits (rounded down: no program gets more rows than with fla's BS, up
@@ -52,6 +53,12 @@ def _block_d(x: torch.Tensor, D: int) -> int:
     if D > BD:
         raise RuntimeError(f"fla's norm kernels take rows under 64 KB, got D={D} of {x.dtype}")
     return BD
+
+
+# The non-gated backward kernels split programs into G groups of GS (fla passes GS = programs / G, one more
+# constexpr that changes with the row count); with one group any GS >= the program count indexes the same
+# rows and dw partials, so a constant keeps it from recompiling.
+_GS = 1 << 16
 
 
 def _round_bs(bs: int, multiple: int | None) -> int:
@@ -100,9 +107,10 @@ class _RMSNorm(torch.autograd.Function):
         x_TD, w_D, rstd_T = ctx.saved_tensors
         T, D = x_TD.shape
         NS, BS = _programs(T, x_TD.device, 32 if _ln_blocked(D) else None)  # fla's BT: 32, 64
+        assert NS <= _GS, (NS, _GS)
         dx_TD, dw_SD = torch.empty_like(x_TD), x_TD.new_empty(NS, D, dtype=torch.float)
         args = dict(x=x_TD, w=w_D, b=None, y=None, dy=dy_TD, dx=dx_TD, dw=dw_SD, db=None, dres=None, dres_in=None,
-                    mean=None, rstd=rstd_T, T=T, G=1, D=D, BS=BS, BD=_block_d(x_TD, D), GS=NS, IS_RMS_NORM=True,
+                    mean=None, rstd=rstd_T, T=T, G=1, D=D, BS=BS, BD=_block_d(x_TD, D), GS=_GS, IS_RMS_NORM=True,
                     HAS_DRESIDUAL=False, STORE_DRESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False)
         if _ln_blocked(D):
             layer_norm_bwd_kernel[(NS,)](NB=_nb(T, LN_ROWS_PER_NB), **args)
