@@ -68,3 +68,26 @@ def test_cp2_config_step_fills_twice_the_one_gpu_capacity():
     assert cfg.harts.capacity == 2 * one_gpu.harts.capacity
     assert rows >= 0.99 * cfg.harts.capacity and rows > 1.98 * one_gpu.harts.capacity, rows
 
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_pipeline_fill_plans_enough_microbatches_at_the_largest_capacity(enabled):
+    """harts.fill_pipeline: a step that fits one microbatch at harts.capacity is replanned so that every DP
+    rank gets >= pp microbatches, at (nearly) the largest capacity that does, and every trajectory is
+    planned exactly once; without pipeline stages the plan is harts.capacity's."""
+    from harts.train.data import StepBuilder
+    from harts.train.model import model_config
+
+    cfg = config.load_config("configs/debug_cpu.toml", **{"harts.capacity": 1_000_000, "harts.enabled": enabled})
+    mc = model_config(cfg.ling)
+    kw = dict(dp_rank=0, vocab_size=mc.vocab_size, chunk_size=mc.kda_chunk_size, conv_width=mc.short_conv_kernel_size)
+    trajs = StepBuilder(cfg, dp_degree=1, **kw).load(1)
+    assert StepBuilder(cfg, dp_degree=1, **kw).plan(trajs).num_slots == 1
+    for D, stages in ((1, 2), (1, 4), (2, 2)):
+        b = StepBuilder(cfg, dp_degree=D, min_slots=stages, **kw)
+        plan = b.plan(trajs)
+        assert plan.num_slots >= stages, (D, stages, plan.num_slots)
+        assert sorted(i for mb in plan.microbatches for i in mb) == list(range(len(trajs)))
+        assert max(plan.work) <= plan.capacity < 1_000_000
+        # the bisection stops within 1.6 % of the largest capacity that fills: 4 % above it no longer does
+        assert b.plan_at(trajs, int(plan.capacity * 1.04) + 1).num_slots < stages

@@ -4,7 +4,8 @@
   (incl. the expert bias, updated from counts summed over DP) to 1e-9 of each tensor's scale. The two
   runs use different plans (D = 2 vs D = 1), so equality also rests on the split-invariant objective.
 - EP = 2 (experts sharded over the two DP ranks, tokens exchanged by all-to-all): same tolerances.
-- PP = 2 with activation checkpointing; on four processes FSDP2 x TP x EP (with AC), FSDP2 x PP x EP,
+- PP = 2 with activation checkpointing, and a step planned as one microbatch replanned to fill the two
+  stages (harts.fill_pipeline); on four processes FSDP2 x TP x EP (with AC), FSDP2 x PP x EP,
   and TP + SP x PP x EP (with AC): same tolerances.
 - The paper's three 8-GPU layouts at full degree on eight processes (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
   DP2 x TP2 + SP x PP2 x EP4, full AC): same tolerances.
@@ -109,6 +110,15 @@ def test_pipeline_parallel_with_activation_checkpointing(runs):
     _same(one, d / "pp")
     recs = records(d / "pp")
     assert all((r["world"], r["pp"]) == (2, 2) for r in recs) and max(r["microbatches"] for r in recs) >= 2
+
+
+def test_pipeline_fill_replans_a_one_microbatch_step(runs):
+    """harts.capacity holds each whole step in one microbatch; under PP = 2 the trainer plans >= 2 per step
+    (harts.fill_pipeline, so the stages can overlap) and still equals one process at the default capacity."""
+    d, cfg, one = runs
+    torchrun(cfg, d / "ppfill", "--parallelism.pipeline_parallel_degree=2", "--harts.capacity=1000000")
+    _same(one, d / "ppfill")
+    assert all(r["pp"] == 2 and r["microbatches"] >= 2 for r in records(d / "ppfill"))
 
 
 def test_pipeline_parallel_ppo_recomputes_old_logprobs(runs):

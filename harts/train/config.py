@@ -58,6 +58,10 @@ class Harts:
     """Planner N0: largest trajectory count planned with the exact DP."""
     check_plan: bool = True
     """All-reduce a hash of the step's plan and fail if ranks disagree (one tiny collective per step)."""
+    fill_pipeline: bool = True
+    """With pipeline parallelism: plan at the largest capacity (<= ``capacity``) that gives every DP rank at
+    least as many microbatches as there are stages; with fewer, the stages wait for each other (on two
+    H200s, PP2 with one HARTS microbatch ran at 0.48 of compression)."""
 
 
 @dataclass

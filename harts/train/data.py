@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,8 @@ from harts.rl.losses import StepNormalizer, microbatch_coefficients, step_normal
 from harts.runtime.batch import CompactBatch, pack
 
 __all__ = ["Microbatch", "StepData", "StepBuilder", "Prefetcher", "plan_trajectory_wise", "truncate"]
+
+log = logging.getLogger("harts.train")
 
 
 @dataclass
@@ -160,8 +163,10 @@ class StepBuilder:
     """Everything for step s on one DP replica; pure function of (config, s), identical on every rank."""
 
     def __init__(self, cfg, *, dp_degree: int, dp_rank: int, vocab_size: int, chunk_size: int, conv_width: int,
-                 row_multiple: int = 1, cp_group=None):
+                 row_multiple: int = 1, cp_group=None, min_slots: int = 1):
         self.cfg, self.D, self.d = cfg, dp_degree, dp_rank
+        self.min_slots = min_slots  # microbatches each DP rank needs (pipeline stages), see plan()
+        self._told_fill = False
         # context and sequence parallelism split every microbatch's rows evenly (cp x tp shares)
         self.row_multiple = row_multiple
         self.cp_group = cp_group  # every CP rank of a replica packs the same microbatches, then keeps its rows
@@ -200,13 +205,51 @@ class StepBuilder:
                     raise ValueError(f"step {step}: trajectory {i} has no 'advantage(s)' and rl.advantages = 'data'")
         return trajs
 
-    def plan(self, trajs) -> MicrobatchPlan:
+    def plan_at(self, trajs, capacity: int) -> MicrobatchPlan:
         h = self.cfg.harts
         if h.enabled:
             from harts.planning.microbatch import plan_microbatches
 
-            return plan_microbatches(trajs, dp_degree=self.D, capacity=h.capacity, exact_threshold=h.exact_threshold)
-        return plan_trajectory_wise([len(t) for t in trajs], dp_degree=self.D, capacity=h.capacity)
+            return plan_microbatches(trajs, dp_degree=self.D, capacity=capacity, exact_threshold=h.exact_threshold)
+        return plan_trajectory_wise([len(t) for t in trajs], dp_degree=self.D, capacity=capacity)
+
+    def plan(self, trajs) -> MicrobatchPlan:
+        """The step's plan at ``harts.capacity``; under pipeline parallelism (``min_slots`` = stages), at the
+        largest capacity that still gives every DP rank ``min_slots`` microbatches, found by bisection
+        between the longest trajectory (a plan always exists there: any trajectory fits its own microbatch)
+        and ``harts.capacity``. Larger microbatches share more, so the largest such capacity is kept."""
+        cap = self.cfg.harts.capacity
+        plan = self.plan_at(trajs, cap)
+        if plan.num_slots >= self.min_slots:
+            return plan
+        # compact rows of a microbatch holding one trajectory alone <= its length; a capacity that small can
+        # still be infeasible (the baseline needs a multiple of D microbatches), so grow it until it plans
+        lo_ok, best = max(len(t) for t in trajs), None
+        while best is None:
+            try:
+                best = self.plan_at(trajs, lo_ok)
+            except PlanningError:
+                if lo_ok >= cap:
+                    raise
+                lo_ok = min(cap, lo_ok + max(1, lo_ok // 8))
+        if best.num_slots < self.min_slots:  # too few trajectories: the fullest split there is
+            return best
+        hi_bad = cap
+        while hi_bad - lo_ok > max(1, lo_ok // 64):  # to within 1.6 % of the largest capacity that fills
+            mid = (lo_ok + hi_bad) // 2
+            try:
+                p = self.plan_at(trajs, mid)
+            except PlanningError:
+                p = None
+            if p is not None and p.num_slots >= self.min_slots:
+                lo_ok, best = mid, p
+            else:
+                hi_bad = mid
+        (log.debug if self._told_fill else log.info)(
+            "pipeline of %d stages: planned at capacity %d instead of harts.capacity = %d (%d microbatches per DP "
+            "rank; harts.fill_pipeline)", self.min_slots, lo_ok, cap, best.num_slots)
+        self._told_fill = True
+        return best
 
     def build(self, step: int) -> StepData:
         t0 = time.perf_counter()

@@ -139,7 +139,8 @@ class Trainer:
         self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
                                    vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
                                    conv_width=self.model_cfg.short_conv_kernel_size,
-                                   row_multiple=self.row_split, cp_group=self.cp_group)
+                                   row_multiple=self.row_split, cp_group=self.cp_group,
+                                   min_slots=d.pp if cfg.harts.fill_pipeline else 1)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
         self.pipe = None
         if d.pp > 1:
@@ -422,6 +423,13 @@ class Trainer:
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
         if self.pipe is not None:
+            if len(mbs) < self.dims.pp and not getattr(self, "_warned_pp_fill", False):
+                self._warned_pp_fill = True  # once per run
+                log.warning("step %d: %d microbatch(es) on this DP rank for %d pipeline stages, so the stages "
+                            "cannot overlap (on two H200s, PP2 with one HARTS microbatch ran at 0.48 of "
+                            "compression); %s", step, len(mbs), self.dims.pp,
+                            "the step has too few trajectories to split further" if cfg.harts.fill_pipeline
+                            else "harts.fill_pipeline = true plans enough of them")
             sums, counts = self._pipeline_slots(step, mbs, router, sums, old_pp)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"):
