@@ -186,9 +186,12 @@ for what in "$@"; do
     # which fast path carries TP2's excess gradient norm (one step each; compare step-1 gnorm with one GPU's
     # 7.741). On CPU (gloo, session 8) TP2 equals one process with the fused norms, fla's KDA and conv (Triton
     # interpreter, fp32), the fused log-probs, grouped_mm experts, bf16 + BF16AdamW and full AC: what is left
-    # is CUDA-only (torch varlen attention, CUDA grouped_mm) or size-dependent
+    # is CUDA-only (torch varlen attention, CUDA grouped_mm) or size-dependent. First the baseline at capacity
+    # 131072 (3 microbatches instead of 5): session 8's per-parameter norms were a uniform 1.25x, as if one of
+    # five microbatches' gradients were counted twice
     tpdiag) G="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false --harts.enabled=false"
       T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_cap131k step tp2_cap131k 90 $T2 --parallelism.expert_parallel_degree=2 --harts.capacity=131072 --job.dump_folder=/tmp/d0
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_attn_ref step tp2_attn_ref 120 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=attention=reference --job.dump_folder=/tmp/d1
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_moe_ref step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ep1 step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
