@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -195,6 +195,9 @@ for what in "$@"; do
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_attn_ref step tp2_attn_ref 120 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=attention=reference --job.dump_folder=/tmp/d1
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_moe_ref step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ep1 step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
+    # the KDA GPU tests at H = 8 (one rank's heads under TP2) with every gradient, A_log and dt_bias included
+    kdah8) step kdah8 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_ops_kda.py \
+              tests/test_kernels_kda_round.py -k "matches_reference_bf16 or bf16_vs_fp32_reference" ;;
     *) echo "unknown step $what" >&2 ;;
   esac
 done

@@ -126,18 +126,22 @@ def test_fla_chunk_kda_call_matches_reference_interpreted(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_chunk_kda_gpu_matches_reference_bf16():
-    # H, K, V as in ling3-tiny: fla compiles and autotunes per shape family, the benchmark reuses it
-    x = _inputs([1000, 64, 3, 700], H=16, K=128, V=128, dtype=torch.float32, device="cuda")
+@pytest.mark.parametrize("H", [16, 8])
+def test_chunk_kda_gpu_matches_reference_bf16(H):
+    """H, K, V as in ling3-tiny (fla compiles and autotunes per shape family, the benchmark reuses it), and
+    H = 8: one rank's heads under TP2, where session 8 saw A_log's gradient halved on the GPU. Gradients of
+    every input, the gate parameters (A_log, dt_bias) and beta included."""
+    x = _inputs([1000, 64, 3, 700], H=H, K=128, V=128, dtype=torch.float32, device="cuda")
     bf = {k: (v.bfloat16() if v.is_floating_point() and k not in ("A_log", "dt_bias", "h0") else v)
           for k, v in x.items()}
-    leaves = [bf[k].requires_grad_(True) for k in ("q", "k", "v", "f")]
+    names = ("q", "k", "v", "f", "beta", "A_log", "dt_bias")
+    leaves = [bf[k].requires_grad_(True) for k in names]
     o, h = kda(bf["q"], bf["k"], bf["v"], bf["f"], bf["beta"], bf["A_log"], bf["dt_bias"], bf["cu"],
                chunk_size=64, initial_state_NHKV=bf["h0"], output_final_state=True, backend="fast")
     do = torch.randn_like(o)
     g_fast = torch.autograd.grad((o * do).sum(), leaves)
     x64 = {k: (bf[k].detach().double() if bf[k].is_floating_point() else bf[k]) for k in bf}
-    l64 = [x64[k].requires_grad_(True) for k in ("q", "k", "v", "f")]
+    l64 = [x64[k].requires_grad_(True) for k in names]
     o_ref, h_ref = kda(x64["q"], x64["k"], x64["v"], x64["f"], x64["beta"], x64["A_log"], x64["dt_bias"], x64["cu"],
                        chunk_size=64, initial_state_NHKV=x64["h0"], output_final_state=True, backend="reference")
     g_ref = torch.autograd.grad((o_ref * do.double()).sum(), l64)
@@ -147,5 +151,6 @@ def test_chunk_kda_gpu_matches_reference_bf16():
 
     assert rel(o, o_ref) < 2e-2
     assert rel(h, h_ref) < 2e-2
-    for a, b in zip(g_fast, g_ref):
-        assert rel(a, b) < 5e-2
+    errs = {n: rel(a, b) for n, a, b in zip(names, g_fast, g_ref)}
+    print(f"H={H} gradient rel. error vs float64:", {n: f"{e:.2e}" for n, e in errs.items()})
+    assert all(e < 5e-2 for e in errs.values()), errs
