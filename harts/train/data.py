@@ -216,8 +216,9 @@ class StepBuilder:
     def plan(self, trajs) -> MicrobatchPlan:
         """The step's plan at ``harts.capacity``; under pipeline parallelism (``min_slots`` = stages), at the
         largest capacity that still gives every DP rank ``min_slots`` microbatches, found by bisection
-        between the longest trajectory (a plan always exists there: any trajectory fits its own microbatch)
-        and ``harts.capacity``. Larger microbatches share more, so the largest such capacity is kept."""
+        between the smallest capacity that plans (from the longest trajectory up) and ``harts.capacity``.
+        Larger microbatches share more, so the largest such capacity is kept; pipeline stages still compute
+        only a microbatch's own rows (harts.train.pipeline pads the transfers alone)."""
         cap = self.cfg.harts.capacity
         plan = self.plan_at(trajs, cap)
         if plan.num_slots >= self.min_slots:
