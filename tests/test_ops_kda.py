@@ -102,27 +102,35 @@ def test_bad_inputs_are_named():
                             initial_state_NHKV=x["h0"][:1])
 
 
-def test_fla_chunk_kda_call_matches_reference_interpreted(monkeypatch):
+def test_fla_chunk_kda_call_matches_reference_interpreted(fla_interpreter_patches):
     """Our fla call (gate + l2norm in kernel, safe gate) under the Triton interpreter, fp32, small shape.
 
     The safe-gate sub-chunk kernel reads the chunk's first gate row via ``tl.gather`` when the platform
-    supports it; the interpreter cannot, so the test selects fla's equivalent plain-load branch."""
+    supports it; the interpreter cannot, so the test selects fla's equivalent plain-load branch (and 'ieee'
+    dots; the fla_interpreter_patches fixture)."""
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU test covers the compiled kernel")
-    import fla.ops.kda.chunk_intra as ci
-
-    monkeypatch.setattr(ci, "IS_GATHER_SUPPORTED", False)
     from harts.ops.kda.fast import kda_fast
 
-    x = _inputs([40, 24], H=1, K=16, V=16, dtype=torch.float32)
-    o, h = kda_fast(x["q"], x["k"], x["v"], x["f"], x["beta"], x["A_log"], x["dt_bias"], x["cu"],
-                    chunk_size=32, initial_state_NHKV=x["h0"], output_final_state=True)
-    x64 = {k: (v.double() if v.is_floating_point() else v) for k, v in x.items()}
-    o_ref, h_ref = kda_chunk_reference(x64["q"], x64["k"], x64["v"], x64["f"], x64["beta"], x64["A_log"],
-                                       x64["dt_bias"], x64["cu"], chunk_size=32, initial_state_NHKV=x64["h0"],
-                                       output_final_state=True)
+    names = ("q", "k", "v", "f", "beta", "A_log", "dt_bias", "h0")
+    x = _inputs([40, 24], H=2, K=16, V=16, dtype=torch.float32)
+    leaves = [x[n].clone().requires_grad_(True) for n in names]
+    d = dict(zip(names, leaves))
+    o, h = kda_fast(d["q"], d["k"], d["v"], d["f"], d["beta"], d["A_log"], d["dt_bias"], x["cu"],
+                    chunk_size=32, initial_state_NHKV=d["h0"], output_final_state=True)
+    l64 = [x[n].double().clone().requires_grad_(True) for n in names]
+    e = dict(zip(names, l64))
+    o_ref, h_ref = kda_chunk_reference(e["q"], e["k"], e["v"], e["f"], e["beta"], e["A_log"], e["dt_bias"], x["cu"],
+                                       chunk_size=32, initial_state_NHKV=e["h0"], output_final_state=True)
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h.double(), h_ref, rtol=1e-4, atol=1e-4)
+    # every gradient, the gate parameters and beta included (the GPU test compared only q, k, v, f before)
+    gen = torch.Generator().manual_seed(5)
+    do, dh = torch.randn(o.shape, generator=gen), torch.randn(h.shape, generator=gen)
+    g_fast = torch.autograd.grad((o * do).sum() + (h * dh).sum(), leaves)
+    g_ref = torch.autograd.grad((o_ref * do.double()).sum() + (h_ref * dh.double()).sum(), l64)
+    for n, a, b in zip(names, g_fast, g_ref):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4, n
 
 
 @pytest.mark.gpu
