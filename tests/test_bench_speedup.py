@@ -8,7 +8,7 @@ from harts.bench.speedup import main, parse_shard, timed_run
 
 
 class _Loads:
-    n = 0
+    n, names, seconds = 0, [], 0.0
 
 
 def test_timed_run_repeats_until_no_kernel_load():

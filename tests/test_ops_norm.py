@@ -50,7 +50,7 @@ def test_fast_matches_reference_interpreter_fp32(gated):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(CUDA, reason="interpreter case")
+@pytest.mark.skipif(CUDA, reason="interpreter case; on CUDA the gpu-marked tests below run the compiled launchers")
 def test_fast_on_a_column_slice_interpreter():
     """MLA normalises a column slice of the kv_a output (row stride > width): the fused path must not read
     across rows."""
@@ -104,7 +104,7 @@ def eight_sms(monkeypatch):
     return fast
 
 
-@pytest.mark.skipif(CUDA, reason="interpreter case")
+@pytest.mark.skipif(CUDA, reason="interpreter case; on CUDA the gpu-marked tests below run the compiled launchers")
 @pytest.mark.parametrize("gated", [False, True])
 def test_bucketed_launchers_match_reference_interpreter_fp32(gated, eight_sms, monkeypatch):
     """Row counts in two NB buckets (the gated divisor shrunk to 64 rows, as 2x65536 rows are too slow
@@ -124,7 +124,7 @@ def test_bucketed_launchers_match_reference_interpreter_fp32(gated, eight_sms, m
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(CUDA, reason="interpreter case")
+@pytest.mark.skipif(CUDA, reason="interpreter case; on CUDA the gpu-marked tests below run the compiled launchers")
 def test_bucketed_l2norm_matches_fla_interpreter_fp32(monkeypatch):
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
 

@@ -164,7 +164,7 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
     out = {"runs": 0}
     for _ in range(max_runs):
         reset()
-        n0, s0 = loads.n, getattr(loads, "seconds", 0.0)
+        n0, s0 = loads.n, loads.seconds
         sync()
         t0 = time.perf_counter()
         fn()
@@ -174,8 +174,8 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
         out.setdefault("first_s", t)
         out["s"], out["loads"], out["clean"] = t, loads.n - n0, loads.n == n0
         if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded and the seconds it took
-            out["loaded"] = sorted(set(getattr(loads, "names", [])[n0:loads.n]))
-            out["load_s"] = getattr(loads, "seconds", 0.0) - s0
+            out["loaded"] = sorted(set(loads.names[n0:loads.n]))
+            out["load_s"] = loads.seconds - s0
         if out["clean"]:
             break
     if out["runs"] == 1:

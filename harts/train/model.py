@@ -63,6 +63,17 @@ class Completed(torch.autograd.Function):
         return _completed(g)
 
 
+def redistribute(x: torch.Tensor, mesh, src: tuple, dst: tuple, grad_placements: tuple | None = None) -> torch.Tensor:
+    """This rank's tensor placed as ``src`` on ``mesh``, moved to ``dst``, back as a local tensor: the one
+    path of every TP/SP boundary, completed both ways (``Completed``)."""
+    from torch.distributed.tensor import DTensor
+
+    d = DTensor.from_local(Completed.apply(x), mesh, src)
+    if dst != src:
+        d = d.redistribute(mesh, dst)
+    return Completed.apply(d.to_local(grad_placements=grad_placements))
+
+
 class AddRouterLoss(torch.autograd.Function):
     """y -> y in forward; backward also returns ``scale`` for the scalar router term (so it joins the
     loss; scale = 1 / tp inside a tensor-parallel region, whose gradients are summed over tp)."""
@@ -112,23 +123,19 @@ class TrainDecoderLayer(DecoderLayer):
         which every rank produces a part, is all-reduced (or reduce-scattered)."""
         if self.tp_mesh is None:
             return x
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor import Partial, Replicate, Shard
 
         src = (Shard(0),) if self.sequence_parallel else (Replicate(),)
-        d = DTensor.from_local(Completed.apply(x), self.tp_mesh, src)
-        if self.sequence_parallel:
-            d = d.redistribute(self.tp_mesh, (Replicate(),))
-        return Completed.apply(d.to_local(grad_placements=(Partial(),)))
+        return redistribute(x, self.tp_mesh, src, (Replicate(),), grad_placements=(Partial(),))
 
     def tp_exit(self, y: torch.Tensor) -> torch.Tensor:
         """Region output: all-reduce (or reduce-scatter into row shards under SP) of the partial sums."""
         if self.tp_mesh is None:
             return y
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor import Partial, Replicate, Shard
 
         dst = (Shard(0),) if self.sequence_parallel else (Replicate(),)
-        return Completed.apply(DTensor.from_local(Completed.apply(y), self.tp_mesh, (Partial(),))
-                               .redistribute(self.tp_mesh, dst).to_local())
+        return redistribute(y, self.tp_mesh, (Partial(),), dst)
 
 
 def router_term(st, router: tuple, moe_index: int) -> torch.Tensor:
@@ -185,19 +192,17 @@ class HartsPolicy(LingForCausalLM):
         """Keep this TP rank's rows (backward: all-gather the row gradients)."""
         if self.sp_mesh is None:
             return h_PD
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import Replicate, Shard
 
-        return Completed.apply(DTensor.from_local(Completed.apply(h_PD), self.sp_mesh, (Replicate(),))
-                               .redistribute(self.sp_mesh, (Shard(0),)).to_local())
+        return redistribute(h_PD, self.sp_mesh, (Replicate(),), (Shard(0),))
 
     def sp_gather(self, h_PD: torch.Tensor) -> torch.Tensor:
         """All rows for the (replicated) LM head (backward: each rank keeps its rows' gradient)."""
         if self.sp_mesh is None:
             return h_PD
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import Replicate, Shard
 
-        return Completed.apply(DTensor.from_local(Completed.apply(h_PD), self.sp_mesh, (Shard(0),))
-                               .redistribute(self.sp_mesh, (Replicate(),)).to_local())
+        return redistribute(h_PD, self.sp_mesh, (Shard(0),), (Replicate(),))
 
     def run_layers(self, h: torch.Tensor, batch: CompactBatch, router: tuple | None) -> torch.Tensor:
         weight = self.row_weight(batch, h.dtype)

@@ -142,7 +142,7 @@ class Trainer:
                                    row_multiple=self.row_split, cp_group=self.cp_group,
                                    min_slots=d.pp if cfg.harts.fill_pipeline else 1)
         self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
-        self.pipe = None
+        self.pipe, self._warned_pp_fill = None, False
         if d.pp > 1:
             from harts.train.pipeline import PipelineRunner
 
@@ -428,7 +428,7 @@ class Trainer:
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
         if self.pipe is not None:
-            if len(mbs) < self.dims.pp and not getattr(self, "_warned_pp_fill", False):
+            if len(mbs) < self.dims.pp and not self._warned_pp_fill:
                 self._warned_pp_fill = True  # once per run
                 log.warning("step %d: %d microbatch(es) on this DP rank for %d pipeline stages, so the stages "
                             "cannot overlap (on two H200s, PP2 with one HARTS microbatch ran at 0.48 of "

@@ -71,8 +71,7 @@ def _round_bs(bs: int, multiple: int | None) -> int:
 
 def _programs(T: int, device: torch.device, multiple: int | None) -> tuple[int, int]:
     """(programs NS, rows per program BS) for the backward kernels; fla's split is one program per SM."""
-    idx = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
-    BS = _round_bs(triton.cdiv(T, min(get_multiprocessor_count(idx or 0), T)), multiple)
+    BS = _round_bs(triton.cdiv(T, min(get_multiprocessor_count(device.index or 0), T)), multiple)
     return triton.cdiv(T, BS), BS
 
 
