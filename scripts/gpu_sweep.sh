@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|tpgloo [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|tpgloo|ref1n|layouts9|dist211 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -201,6 +201,25 @@ for what in "$@"; do
       T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.expert_parallel_degree=2 --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
       HARTS_DIST_BACKEND=gloo HARTS_DUMP_GRAD_NORMS=$OUT/gn_gloo_base step gn_gloo_base ${TPGLOO_LIMIT:-300} $T2 --harts.enabled=false \
         --comm.init_timeout_seconds=1200 --job.dump_folder=/tmp/gn_gloo ;;
+    # session 9: the one-GPU references of the reduced layouts after the init fix (every tensor from its own
+    # generator: layouts now start from one GPU's weights), 4 steps each with step-1 gradient-norm dumps
+    ref1n) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      L1="python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_harts step ref1 150 $L1 --job.dump_folder=/tmp/ref1
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step ref1_base 240 $L1 --harts.enabled=false --job.dump_folder=/tmp/ref1_base ;;
+    # session 9, two GPUs: TP2 + SP + EP2 and PP2 (pipeline filled), both modes, step-1 gradient-norm dumps;
+    # compare with ref1n's (scripts/compare_grad_norms.py)
+    layouts9) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2"
+      P2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 --parallelism.expert_parallel_degree=1"
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_harts step tp2_sp_ep2 100 $T2 --job.dump_folder=/tmp/tp2_sp_ep2
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step tp2_sp_ep2_base 150 $T2 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_harts step pp2 120 $P2 --job.dump_folder=/tmp/pp2
+      HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_base step pp2_base 150 $P2 --harts.enabled=false --job.dump_folder=/tmp/pp2_base ;;
+    # the multi-process trainer tests on this image's torch (2.11), on its CPUs (gloo, float64): the
+    # meta-device init's sharding (FSDP2 x TP strided shards included) on the GPU image's DTensor
+    dist211) CUDA_VISIBLE_DEVICES= step dist211 ${DIST211_LIMIT:-420} python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_train_distributed.py tests/test_model_ling.py ;;
     # the KDA GPU tests at H = 8 (one rank's heads under TP2) with every gradient, A_log and dt_bias included
     kdah8) step kdah8 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_ops_kda.py \
               tests/test_kernels_kda_round.py -k "matches_reference_bf16 or bf16_vs_fp32_reference" ;;

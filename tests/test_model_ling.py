@@ -247,3 +247,38 @@ def test_fast_kernels_alone_equals_packed_interpreter_fp32(fla_interpreter_patch
     first, second = logprobs([a, b])[:44], logprobs([b, a])[20:-1]
     assert (alone - first).abs().max().item() < 1e-5
     assert (alone - second).abs().max().item() < 1e-5
+
+
+def test_each_tensor_has_its_own_generator():
+    """A parameter's initial value depends on the seed and its name only (harts.models.ling.blocks.param_seed):
+    a model initialised shard by shard on each rank, in any module order, draws the same values as one built
+    whole. Same-shaped parameters still differ, and a different seed changes every random tensor."""
+    from harts.models.ling.blocks import param_seed
+
+    from harts.models.ling.blocks import init_targets, initial_value
+
+    cfg = LingConfig.preset("ling3-tiny-debug")
+    a = LingForCausalLM(cfg).init_weights(seed=3)
+    for name, m, attr, t in reversed(list(init_targets(a))):  # one tensor at a time, in another order
+        g = torch.Generator().manual_seed(param_seed(3, name))
+        assert torch.equal(initial_value(m, attr, t.shape, cfg, g), t), name
+    attn = a.model.layers[0].attention
+    assert not torch.equal(attn.q_proj.weight, attn.k_proj.weight)
+    c = LingForCausalLM(cfg).init_weights(seed=4)
+    random = [k for k, v in a.state_dict().items() if v.unique().numel() > 1]
+    assert random and all(not torch.equal(a.state_dict()[k], c.state_dict()[k]) for k in random)
+    assert param_seed(3, "lm_head.weight") != param_seed(3, "model.norm.weight") < 2 ** 63
+
+
+def test_init_sharded_on_one_process_equals_the_host_init():
+    """The trainer's meta-device path (ling.init_on_meta) on one process: exactly init_weights(seed)."""
+    from harts.train.model import build_policy, init_sharded
+
+    cfg = LingConfig.preset("ling3-tiny-debug")
+    host = build_policy(cfg, device=torch.device("cpu"), dtype=torch.float64, seed=7)
+    meta = build_policy(cfg, device=torch.device("cpu"), dtype=torch.float64, seed=7, on_meta=True)
+    init_sharded(meta, torch.device("cpu"), seed=7)
+    sa, sb = host.state_dict(), meta.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k

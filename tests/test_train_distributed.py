@@ -8,7 +8,8 @@
   stages (harts.fill_pipeline); on four processes FSDP2 x TP x EP (with AC), FSDP2 x PP x EP,
   and TP + SP x PP x EP (with AC): same tolerances.
 - The paper's three 8-GPU layouts at full degree on eight processes (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
-  DP2 x TP2 + SP x PP2 x EP4, full AC): same tolerances.
+  DP2 x TP2 + SP x PP2 x EP4, full AC), each rank initialising its own shards (ling.init_on_meta): same
+  tolerances.
 - Kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 """
@@ -195,10 +196,14 @@ LAYOUTS_8 = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
 def test_paper_8gpu_layouts_on_eight_processes(runs, layout):
-    """Full AC, as the paper's runs; ~25-35 s each on 2 cores."""
+    """Full AC, as the paper's runs; ~25-35 s each on 2 cores. Built on the meta device and initialised
+    shard by shard on each rank (ling.init_on_meta, as the GPU configs of these layouts): the one process
+    initialised its whole model on the host, so this also checks that every rank's shards, and every
+    replica of the replicated tensors, hold the one-process weights."""
     d, cfg, one = runs
     want, args = LAYOUTS_8[layout]
-    torchrun(cfg, d / layout, "--checkpoint.enable", "--activation_checkpoint.mode=full", *args, nproc=8)
+    torchrun(cfg, d / layout, "--checkpoint.enable", "--activation_checkpoint.mode=full", "--ling.init_on_meta=true",
+             *args, nproc=8)
     _same(one, d / layout)
     assert all(r["world"] == 8 and all(r[k] == v for k, v in want.items()) for r in records(d / layout)), layout
 

@@ -39,11 +39,13 @@ class Ling:
     dtype: str = "float32"
     """Parameter dtype: float32 | float64 (CPU exactness tests) | bfloat16 (pure bf16, no master copy)."""
     init_seed: int = 0
-    """Weight init seed. Small models are built on the host and every rank inits the same full tensors
-    (so any parallel layout starts from the same weights as one process); see init_on_meta."""
+    """Weight init seed. Every tensor draws from its own generator, seeded by this seed and the tensor's
+    name, so any parallel layout starts from the same weights as one process; see init_on_meta."""
     init_on_meta: bool = False
-    """Build on the meta device and initialise each rank's shards in place (for models too large to
-    materialise per rank; shard values then differ from a one-process init)."""
+    """Build on the meta device and initialise each rank's shards in place on the training device (for
+    models too large to materialise on the host per rank). The weights equal a one-process init on the
+    same device type, whatever the layout; host (CPU) and CUDA random streams differ, so they do not
+    equal the init_on_meta = false weights on a GPU."""
     load_hf: str = ""
     """Start from an HF safetensors checkpoint directory (official layout) instead of random init."""
 

@@ -21,7 +21,6 @@ share under context parallelism), D hidden, S predicted positions.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -266,33 +265,24 @@ def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, s
     return model.to(device)
 
 
-@contextlib.contextmanager
-def _local_params(model: torch.nn.Module):
-    """Temporarily expose each DTensor parameter as a plain Parameter over its local shard (same
-    storage), so the model's in-place init functions write the shards."""
-    from torch.distributed.tensor import DTensor
-
-    saved = []
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if isinstance(p, DTensor):
-                saved.append((mod, name, p))
-                mod._parameters[name] = torch.nn.Parameter(p._local_tensor, requires_grad=False)
-    try:
-        yield
-    finally:
-        for mod, name, p in saved:
-            mod._parameters[name] = p
-
-
 @torch.no_grad()
-def init_sharded(model: HartsPolicy, device: torch.device, seed: int, rank: int) -> None:
-    """Materialise a meta-built, already sharded model and initialise each rank's shards (seed + rank)."""
-    from harts.models.ling.blocks import init_module_weights
+def init_sharded(model: HartsPolicy, device: torch.device, seed: int) -> None:
+    """Materialise a meta-built, already parallelised model: each rank draws every tensor whole on
+    ``device`` from that tensor's own generator (``param_seed``: model seed and qualified name) and keeps
+    its shard. So replicated tensors agree across ranks (TP replicas, DP replicas), and every layout
+    holds the weights of a one-process model initialised on the same device type (on one device:
+    exactly ``init_weights(seed)``). Session 8's trainer seeded each rank's shards with seed + rank: TP
+    ranks then held different replicas of the embeddings, LM head and router, and TP2 training on GPUs
+    diverged from one GPU (docs/results.md)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from harts.models.ling.blocks import init_targets, initial_value, param_seed
 
     model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed + rank)
-    with _local_params(model):  # (a pipeline stage may lack the LM head init_weights keys its device on)
-        init_module_weights(model, model.config, gen)
-    for m in model.moe_layers():
-        m.gate.expert_bias.zero_()
+    for name, m, attr, t in init_targets(model):
+        gen = torch.Generator(device=device).manual_seed(param_seed(seed, name))
+        full = initial_value(m, attr, t.shape, model.config, gen, device)  # a DTensor's shape is global
+        if isinstance(t, DTensor):  # no communication: every rank slices its own shard of the same tensor
+            t._local_tensor.copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)._local_tensor)
+        else:
+            t.copy_(full)

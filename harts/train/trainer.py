@@ -112,7 +112,7 @@ class Trainer:
             prune_to_stage(self.model, self.pp_rank, d.pp)
         self._parallelize()
         if lc.init_on_meta:
-            init_sharded(self.model, self.device, lc.init_seed, self.rank)
+            init_sharded(self.model, self.device, lc.init_seed)
 
         from torchtitan.components.lr_scheduler import build_lr_schedulers
         from torchtitan.components.optimizer import build_optimizers
@@ -173,14 +173,10 @@ class Trainer:
 
             self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device))
         self.history: list[dict] = []
-        if self.rank == 0 and d.tp > 1 and self.device.type == "cuda":
-            log.warning("tensor parallelism on CUDA: in session 8 TP2's gradients on two H200s differed from one "
-                        "GPU's (step-1 norm +43 %% in the trajectory-wise baseline, +2.6 %% with HARTS) while "
-                        "gloo/CPU runs match exactly; the cause is open (docs/results.md), so check "
-                        "losses and gradient norms against a run without TP before relying on this one")
         if self.rank == 0:
-            log.info("HARTS trainer: world %d (dp %d, cp %d, ep %d), device %s, dtype %s, harts.enabled=%s, model %s "
-                     "(%d layers, %.2fM params)", self.world_size, self.dp_degree, d.cp, d.ep, self.device, lc.dtype,
+            log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, harts.enabled=%s, "
+                     "model %s (%d layers, %.2fM params)", self.world_size, self.dp_degree, d.tp, d.pp, d.cp, d.ep,
+                     self.device, lc.dtype,
                      cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers, self._num_params() / 1e6)
 
     @property

@@ -14,6 +14,7 @@ only the core: ``KDA.project`` returns already convolved q, k, v plus f (raw gat
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -285,28 +286,58 @@ class DecoderLayer(nn.Module):
         return h_TD + y
 
 
-@torch.no_grad()
-def init_module_weights(module: nn.Module, cfg: LingConfig, generator: torch.Generator | None = None) -> None:
-    """Scratch-training init (transformers' BailingHybrid choices; official code leaves some unspecified):
-    Linear/Embedding/router/experts N(0, initializer_range), norms 1, expert bias 0, A_log = log U(1, 16),
-    dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1), conv U(+-1/sqrt(W)) (nn.Conv1d's default bound)."""
+def param_seed(seed: int, name: str) -> int:
+    """One parameter's RNG seed, from the model seed and the parameter's qualified name.
+
+    Every parameter draws from its own generator, so its initial value depends on neither the order in
+    which modules are visited nor on which rank (or shard) initialises it: a model built on the meta
+    device and initialised shard by shard on each rank (harts.train.model.init_sharded) equals the one
+    built whole on one device, and replicated tensors agree across ranks."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**63
+
+
+def initial_value(module: nn.Module, attr: str, shape, cfg: LingConfig, generator: torch.Generator | None,
+                  device=None) -> torch.Tensor:
+    """The whole float32 initial tensor of ``module``'s parameter or buffer ``attr`` (``shape`` is the
+    full, unsharded shape). Scratch-training init (transformers' BailingHybrid choices; official code
+    leaves some unspecified): Linear/Embedding/router/experts N(0, initializer_range), norms 1, expert
+    bias 0, A_log = log U(1, 16), dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1), conv U(+-1/sqrt(W))
+    (nn.Conv1d's default bound)."""
+    t = torch.empty(tuple(shape), dtype=torch.float32, device=device)
     std = cfg.initializer_range
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            m.weight.normal_(0.0, std, generator=generator)
-        elif isinstance(m, (RMSNorm, GatedRMSNorm)):
-            m.weight.fill_(1.0)
-        elif isinstance(m, Router):
-            m.weight.normal_(0.0, std, generator=generator)
-            m.expert_bias.zero_()
-        elif isinstance(m, Experts):
-            for p in (m.gate_proj, m.up_proj, m.down_proj):
-                p.normal_(0.0, std, generator=generator)
-        elif isinstance(m, ShortConvWeight):
-            bound = 1.0 / math.sqrt(m.weight.shape[-1])
-            m.weight.uniform_(-bound, bound, generator=generator)
-        elif isinstance(m, KDA):
-            m.A_log.copy_(torch.empty_like(m.A_log).uniform_(1.0, 16.0, generator=generator).log())
-            dt = torch.empty_like(m.dt_bias).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
-            dt = dt.clamp_min(1e-4)
-            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding, Router)):
+        return t.normal_(0.0, std, generator=generator)
+    if attr in ("gate_proj", "up_proj", "down_proj") and isinstance(module, Experts):
+        return t.normal_(0.0, std, generator=generator)
+    if attr == "weight" and isinstance(module, (RMSNorm, GatedRMSNorm)):
+        return t.fill_(1.0)
+    if attr == "expert_bias" and isinstance(module, Router):
+        return t.zero_()
+    if attr == "weight" and isinstance(module, ShortConvWeight):
+        bound = 1.0 / math.sqrt(t.shape[-1])
+        return t.uniform_(-bound, bound, generator=generator)
+    if attr == "A_log" and isinstance(module, KDA):
+        return t.uniform_(1.0, 16.0, generator=generator).log()
+    if attr == "dt_bias" and isinstance(module, KDA):
+        dt = t.uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp_min(1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
+    raise ValueError(f"no initial value defined for {type(module).__name__}.{attr}")
+
+
+def init_targets(model: nn.Module):
+    """(qualified name, owning module, attribute, tensor) of every parameter and buffer to initialise."""
+    for mname, m in model.named_modules():
+        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None:
+                yield (f"{mname}.{attr}" if mname else attr), m, attr, t
+
+
+@torch.no_grad()
+def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None) -> None:
+    """Initialise every parameter and buffer of ``model`` in place (see ``initial_value``): with a seed,
+    each tensor from its own generator (``param_seed``), without one from torch's global generator.
+    Names are qualified from ``model``, so pass the root model to reproduce a whole model's init."""
+    for name, m, attr, t in init_targets(model):
+        gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
+        t.copy_(initial_value(m, attr, t.shape, cfg, gen, t.device))

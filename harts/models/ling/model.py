@@ -78,10 +78,7 @@ class LingForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ setup
     def init_weights(self, seed: int | None = None) -> "LingForCausalLM":
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
-        init_module_weights(self, self.config, gen)
+        init_module_weights(self, self.config, seed)
         return self
 
     def cast_(self, dtype: torch.dtype) -> "LingForCausalLM":
