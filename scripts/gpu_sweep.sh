@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|tpgloo|ref1n|layouts9|dist211 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|tpgloo|ref1n|layouts9|dist211|layouts8 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -216,6 +216,19 @@ for what in "$@"; do
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step tp2_sp_ep2_base 150 $T2 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_harts step pp2 120 $P2 --job.dump_folder=/tmp/pp2
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_base step pp2_base 150 $P2 --harts.enabled=false --job.dump_folder=/tmp/pp2_base ;;
+    # issue 10 on nvidia-h200-x8 (never lent so far), one layout per call: L8=dp4_tp2_ep8 | dp2_pp4_ep2 |
+    # dp2_tp2_pp2_ep4 (configs/ling3_tiny_8gpu_$L8.toml, full AC), both modes on the same fixed step, then the
+    # trainer-level speedup (F/B/Grad, compression, FLOP compression, MFU). L8_SCALE (default 0.25 of the
+    # swe-step, so both modes fit one call) and L8_STEPS (4; step 1 skipped as warm-up) size it.
+    layouts8) L8=${L8:?set L8 to a layout tag}; C8="configs/ling3_tiny_8gpu_$L8.toml"
+      [ -f "$C8" ] || { echo "no config $C8" | tee -a "$OUT/sweep.log"; continue; }
+      A8="--data.scale=${L8_SCALE:-0.25} --data.fixed_step=true --training.steps=${L8_STEPS:-4} --checkpoint.enable=false"
+      step l8_harts ${L8_LIMIT_H:-200} torchrun --nproc_per_node 8 train.py --config $C8 $A8 --job.dump_folder=/tmp/l8_harts
+      step l8_base ${L8_LIMIT_B:-300} torchrun --nproc_per_node 8 train.py --config $C8 $A8 --harts.enabled=false \
+        --job.dump_folder=/tmp/l8_base
+      for m in harts base; do [ -f /tmp/l8_$m/metrics.jsonl ] && cp /tmp/l8_$m/metrics.jsonl "$OUT/l8_${L8}_$m.metrics.jsonl"; done
+      step l8_speedup 120 python3 -m harts.bench.train_speedup --skip 1 --harts /tmp/l8_harts/metrics.jsonl \
+        --baseline /tmp/l8_base/metrics.jsonl --out "$OUT/train_speedup_$L8" --config $C8 $A8 ;;
     # the multi-process trainer tests on this image's torch (2.11), on its CPUs (gloo, float64): the
     # meta-device init's sharding (FSDP2 x TP strided shards included) on the GPU image's DTensor
     dist211) CUDA_VISIBLE_DEVICES= step dist211 ${DIST211_LIMIT:-420} python3 -m pytest -q -x -p no:cacheprovider \
