@@ -91,3 +91,8 @@ def test_pipeline_fill_plans_enough_microbatches_at_the_largest_capacity(enabled
         assert max(plan.work) <= plan.capacity < 1_000_000
         # the bisection stops within 1.6 % of the largest capacity that fills: 4 % above it no longer does
         assert b.plan_at(trajs, int(plan.capacity * 1.04) + 1).num_slots < stages
+
+
+def test_unknown_synthetic_preset_is_named():
+    with pytest.raises(ValueError, match=r"data.preset = 'ling3-tiny-debug'.*known: .*swe-step.*tiny"):
+        config.load_config("configs/debug_cpu.toml", **{"data.preset": "ling3-tiny-debug"})

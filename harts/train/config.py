@@ -275,6 +275,12 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
             raise ValueError(f"config: {sec}.{name} = {v!r}; expected one of {ok}")
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
+    if cfg.data.source == "synthetic":
+        from harts.data.synthetic import PRESETS
+
+        if cfg.data.preset not in PRESETS:
+            raise ValueError(f"config: data.preset = {cfg.data.preset!r} is not a synthetic workload preset; "
+                             f"known: {', '.join(sorted(PRESETS))}")
     if cfg.training.steps < 1:
         raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
     if cfg.harts.capacity < 1:

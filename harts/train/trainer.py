@@ -175,9 +175,10 @@ class Trainer:
         self.history: list[dict] = []
         if self.rank == 0:
             log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, harts.enabled=%s, "
-                     "model %s (%d layers, %.2fM params)", self.world_size, self.dp_degree, d.tp, d.pp, d.cp, d.ep,
-                     self.device, lc.dtype,
-                     cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers, self._num_params() / 1e6)
+                     "model %s (%d layers, %.2fM params%s)", self.world_size, self.dp_degree, d.tp, d.pp, d.cp, d.ep,
+                     self.device, lc.dtype, cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers,
+                     self._whole_model().num_params() / 1e6,
+                     f"; pipeline stage 0 holds {self._stage_params() / 1e6:.2f}M" if d.pp > 1 else "")
 
     @property
     def row_split(self) -> int:
@@ -262,17 +263,19 @@ class Trainer:
 
             self.amp = maybe_enable_amp(d, cfg.training.mixed_precision_param, "cuda")
 
-    def _num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())  # local shards under FSDP; for logging
+    def _stage_params(self) -> int:
+        """Parameters this rank's model holds (a DTensor counts whole: the pipeline stage's share)."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _whole_model(self):
+        from harts.models.ling import LingForCausalLM
+
+        c = self.model_cfg
+        with torch.device("meta"):
+            return LingForCausalLM(LingConfig.preset(self.cfg.ling.preset, num_hidden_layers=c.num_hidden_layers))
 
     def _active_nonembed_params(self) -> int:
-        c = self.model_cfg
-        probe = LingConfig.preset(self.cfg.ling.preset, num_hidden_layers=c.num_hidden_layers)
-        with torch.device("meta"):
-            from harts.models.ling import LingForCausalLM
-
-            m = LingForCausalLM(probe)
-        return m.num_params(active=True, embeddings=False)
+        return self._whole_model().num_params(active=True, embeddings=False)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
