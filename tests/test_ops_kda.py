@@ -103,7 +103,9 @@ def test_bad_inputs_are_named():
 
 
 def test_fla_chunk_kda_call_matches_reference_interpreted(fla_interpreter_patches):
-    """Our fla call (gate + l2norm in kernel, safe gate) under the Triton interpreter, fp32, small shape.
+    """Our fla call (gate in the kernel, safe gate, the q/k L2 norm through our bucketed launcher just
+    before) under the Triton interpreter, fp32, small shape: against the float64 reference, and bit for bit
+    against fla's own call with the L2 norm inside (``use_qk_l2norm_in_kernel``), gradients included.
 
     The safe-gate sub-chunk kernel reads the chunk's first gate row via ``tl.gather`` when the platform
     supports it; the interpreter cannot, so the test selects fla's equivalent plain-load branch (and 'ieee'
@@ -131,6 +133,19 @@ def test_fla_chunk_kda_call_matches_reference_interpreted(fla_interpreter_patche
     g_ref = torch.autograd.grad((o_ref * do.double()).sum() + (h_ref * dh.double()).sum(), l64)
     for n, a, b in zip(names, g_fast, g_ref):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4, n
+
+    from fla.ops.kda import chunk_kda
+
+    l_fla = [x[n].clone().requires_grad_(True) for n in names]
+    f = dict(zip(names, l_fla))
+    o_fla, h_fla = chunk_kda(q=f["q"][None], k=f["k"][None], v=f["v"][None], g=f["f"][None], beta=f["beta"][None],
+                             initial_state=f["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, cu_seqlens=x["cu"].long(),
+                             A_log=f["A_log"], dt_bias=f["dt_bias"], chunk_size=32)
+    assert torch.equal(o, o_fla[0]) and torch.equal(h, h_fla)
+    g_fla = torch.autograd.grad((o_fla[0] * do).sum() + (h_fla * dh).sum(), l_fla)
+    for n, a, b in zip(names, g_fast, g_fla):
+        assert torch.equal(a, b), n
 
 
 @pytest.mark.gpu

@@ -190,3 +190,25 @@ def l2norm_bwd_bucketed(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, e
     else:
         l2norm_bwd_kernel_row[(T,)](**args)
     return dx_TD.view(y.shape)
+
+
+class _L2Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):
+        y, rstd = l2norm_fwd_bucketed(x, eps)
+        ctx.save_for_backward(y, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd = ctx.saved_tensors
+        return l2norm_bwd_bucketed(y, rstd, dy, ctx.eps), None
+
+
+def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x|| over the last dim, differentiable: what fla's ``chunk_kda`` does inside with
+    ``use_qk_l2norm_in_kernel`` (same kernels, same saved tensors), with the bucketed size classes, so a
+    new sequence length does not compile and autotune the L2 norm again."""
+    return _L2Norm.apply(x, eps)
+
