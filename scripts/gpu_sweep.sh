@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|tpgloo|ref1n|layouts9|dist211|layouts8 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|ref1n|layouts9|dist211|layouts8 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -195,12 +195,6 @@ for what in "$@"; do
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_attn_ref step tp2_attn_ref 120 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=attention=reference --job.dump_folder=/tmp/d1
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_moe_ref step tp2_moe_ref 100 $T2 --parallelism.expert_parallel_degree=2 --ling.op_backends=moe=reference --job.dump_folder=/tmp/d2
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ep1 step tp2_ep1 80 $T2 --parallelism.expert_parallel_degree=1 --job.dump_folder=/tmp/d3 ;;
-    # TP2's excess gradient norm with both ranks on ONE GPU and gloo (HARTS_DIST_BACKEND): same config as
-    # gdump's gn_tp2_base (NCCL, two GPUs: 9.76 against one GPU's 7.74). Reproduces -> compute; gone -> NCCL/streams
-    tpgloo) G="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
-      T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $G --parallelism.expert_parallel_degree=2 --parallelism.data_parallel_shard_degree=1 --parallelism.enable_sequence_parallel=false"
-      HARTS_DIST_BACKEND=gloo HARTS_DUMP_GRAD_NORMS=$OUT/gn_gloo_base step gn_gloo_base ${TPGLOO_LIMIT:-300} $T2 --harts.enabled=false \
-        --comm.init_timeout_seconds=1200 --job.dump_folder=/tmp/gn_gloo ;;
     # session 9: the one-GPU references of the reduced layouts after the init fix (every tensor from its own
     # generator: layouts now start from one GPU's weights), 4 steps each with step-1 gradient-norm dumps
     ref1n) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"

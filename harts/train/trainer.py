@@ -201,27 +201,19 @@ class Trainer:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        # HARTS_DIST_BACKEND=gloo (debugging a layout's numerics on fewer GPUs than ranks): ranks share GPUs
-        # round-robin and gloo moves CUDA tensors through host memory. Slow; NCCL refuses two ranks per GPU.
-        backend = os.environ.get("HARTS_DIST_BACKEND", "")
-        if backend not in ("", "nccl", "gloo"):
-            raise ValueError(f"HARTS_DIST_BACKEND={backend!r}: expected nccl or gloo")
         if torch.cuda.is_available():
             n = torch.cuda.device_count()
-            if local >= n and backend != "gloo":
-                raise RuntimeError(f"LOCAL_RANK={local} but only {n} CUDA devices are visible; NCCL needs one GPU "
-                                   "per rank (HARTS_DIST_BACKEND=gloo shares GPUs, for debugging only)")
-            self.device = torch.device("cuda", local % n)
+            if local >= n:
+                raise RuntimeError(f"LOCAL_RANK={local} but only {n} CUDA devices are visible: NCCL needs one GPU "
+                                   "per rank (lower --nproc_per_node or the parallel degrees)")
+            self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         if "RANK" in os.environ and not dist.is_initialized():
             from datetime import timedelta
 
-            backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-            if backend == "gloo" and self.device.type == "cuda":
-                log.warning("HARTS_DIST_BACKEND=gloo on CUDA: collectives go through host memory (debugging only)")
-            dist.init_process_group(backend=backend,
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=self.cfg.comm.init_timeout_seconds))
         self.distributed = dist.is_initialized() and self.world_size > 1
 
