@@ -153,6 +153,9 @@ def test_train_speedup_reads_both_runs(make, tmp_path):
     assert abs(res["compression"] - sum(r["raw_tokens"] for r in h) / sum(r["compact_rows"] for r in h)) < 1e-12
     want = (sum(r["fbgrad_s"] for r in recs[False][1:]) / sum(r["fbgrad_s"] for r in h))
     assert abs(res["speedup_fbgrad"] - want) < 1e-9 * want
+    core = lambda rs: sum(r["fbgrad_s"] + r["plan_s"] + r["pack_s"] for r in rs)  # noqa: E731
+    want = core(recs[False][1:]) / core(h)
+    assert abs(res["speedup_core"] - want) < 1e-9 * want and res["harts"]["tp"] == res["harts"]["pp"] == 1
     # --config: the step's forward FLOPs of both paths (the baseline's are the sum over its trajectories
     # whatever the grouping), and the speedups against the FLOP compression
     cfg = ["--config", str(tmp_path / "base.toml"), "--data.fixed_step=true"]

@@ -5,8 +5,9 @@
 Compares two runs of ``train.py`` with the same config and data except ``--harts.enabled`` (use
 ``data.fixed_step = true`` so every step trains the same rollouts). Per run, over the steps after
 ``--skip`` warm-up steps (compilation, autotuning, allocator growth): mean F/B/Grad seconds (plan ready to
-gradients, optimizer excluded), mean step seconds (optimizer included), raw tokens, compact rows, peak
-memory and MFU. The speedups are the baseline's time over HARTS's; "of compression" divides by the
+gradients, optimizer excluded), Core seconds (F/B/Grad plus the step's planning and packing, which the
+trainer's data worker overlaps with the previous step: the paper's Core charges them), mean step seconds
+(optimizer included), raw tokens, compact rows, peak memory and MFU. The speedups are the baseline's time over HARTS's; "of compression" divides by the
 non-replay compression raw / compact. Writes ``train_speedup.json`` and ``train_speedup.png``.
 
 ``--config X.toml [--section.key=value ...]`` (the runs' config and overrides) also counts the step's
@@ -56,10 +57,14 @@ def summarize(recs: list[dict], skip: int, path: str) -> dict:
         vals = [r[k] for r in kept if r.get(k) is not None]
         return statistics.fmean(vals) if vals else None
 
+    cores = [r["fbgrad_s"] + r["plan_s"] + r["pack_s"] for r in kept
+             if all(r.get(k) is not None for k in ("fbgrad_s", "plan_s", "pack_s"))]
     return {"path": path, "harts": bool(kept[0]["harts"]), "steps": [r["step"] for r in kept],
-            "world": kept[0].get("world"), "dp": kept[0].get("dp"), "ep": kept[0].get("ep"),
+            **{k: kept[0].get(k) for k in ("world", "dp", "tp", "pp", "cp", "ep")},
             "step_s": mean("step_s"), "step_s_min": min(r["step_s"] for r in kept),
-            "fbgrad_s": mean("fbgrad_s"), "raw_tokens": mean("raw_tokens"),
+            "fbgrad_s": mean("fbgrad_s"), "plan_s": mean("plan_s"), "pack_s": mean("pack_s"),
+            "core_s": statistics.fmean(cores) if len(cores) == len(kept) else None,
+            "raw_tokens": mean("raw_tokens"),
             "compact_rows": mean("compact_rows"), "peak_mem_gib": max(r.get("peak_mem_gib") or 0.0 for r in kept),
             "mfu": mean("mfu"), "microbatches": mean("microbatches"), "loss": [r.get("loss") for r in kept]}
 
@@ -77,10 +82,13 @@ def compare(h: dict, b: dict) -> dict:
     if h["fbgrad_s"] and b["fbgrad_s"]:
         out["speedup_fbgrad"] = b["fbgrad_s"] / h["fbgrad_s"]
         out["fbgrad_over_compression"] = out["speedup_fbgrad"] / comp
+    if h["core_s"] and b["core_s"]:
+        out["speedup_core"] = b["core_s"] / h["core_s"]
+        out["core_over_compression"] = out["speedup_core"] / comp
     return out
 
 
-def step_flops(cfg, dp: int) -> dict:
+def step_flops(cfg, dp: int, pp: int = 1) -> dict:
     """Forward FLOPs of one training step, HARTS and baseline, as the trainer plans and packs it (all DP
     replicas' microbatches); needs ``data.fixed_step`` (every step trains the same rollouts)."""
     import dataclasses
@@ -102,7 +110,8 @@ def step_flops(cfg, dp: int) -> dict:
     out, trajs = {}, None
     for name, enabled in (("harts", True), ("baseline", False)):
         run_cfg = dataclasses.replace(cfg, harts=dataclasses.replace(cfg.harts, enabled=enabled))
-        builder = StepBuilder(run_cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W)
+        builder = StepBuilder(run_cfg, dp_degree=dp, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=B, conv_width=W,
+                              min_slots=pp if cfg.harts.fill_pipeline else 1)  # as the trainer plans it
         trajs = builder.load(1) if trajs is None else trajs
         out[name] = sum(batch_forward_flops(model, pack([trajs[i] for i in mb], chunk_size=B, conv_width=W,
                                                         prefix_sharing=enabled), act)["total"]
@@ -128,29 +137,32 @@ def main(argv=None) -> int:
     if args.config:
         from harts.train.config import parse_args
 
-        f = step_flops(parse_args(["--config", args.config, *rest]), dp=h["dp"] or 1)
+        f = step_flops(parse_args(["--config", args.config, *rest]), dp=h["dp"] or 1, pp=h["pp"] or 1)
         if f["raw_tokens"] != round(h["raw_tokens"]):
             raise ValueError(f"--config {args.config}: its step has {f['raw_tokens']:,} raw tokens, the runs trained "
                              f"{h['raw_tokens']:,.0f} per step; pass the runs' overrides too")
         res.update(forward_flops_harts=f["harts"], forward_flops_baseline=f["baseline"],
                    flop_compression=f["baseline"] / f["harts"])
-        for k in ("step", "fbgrad"):
+        for k in ("step", "fbgrad", "core"):
             if res.get(f"speedup_{k}"):
                 res[f"{k}_over_flop_compression"] = res[f"speedup_{k}"] / res["flop_compression"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"world {h['world']} (dp {h['dp']}, ep {h['ep']}), steps {h['steps'][0]}..{h['steps'][-1]} "
+    print(f"world {h['world']} (dp {h['dp']}, tp {h['tp']}, pp {h['pp']}, cp {h['cp']}, ep {h['ep']}), steps {h['steps'][0]}..{h['steps'][-1]} "
           f"(first {args.skip} skipped), raw tokens/step {h['raw_tokens']:,.0f}, compact rows/step "
           f"{h['compact_rows']:,.0f}, compression {res['compression']:.3f}x")
-    print("| run | F/B/Grad s | step s | peak GiB | MFU |\n|---|---|---|---|---|")
+    print("| run | F/B/Grad s | plan + pack s | Core s | step s | peak GiB | MFU |\n|---|---|---|---|---|---|---|")
     for name, r in (("baseline", b), ("HARTS", h)):
-        print(f"| {name} | {fmt(r['fbgrad_s'], '.3f')} | {r['step_s']:.3f} | {r['peak_mem_gib']:.1f} | "
-              f"{fmt(r['mfu'], '.3f')} |")
+        pl = None if r["plan_s"] is None or r["pack_s"] is None else r["plan_s"] + r["pack_s"]
+        print(f"| {name} | {fmt(r['fbgrad_s'], '.3f')} | {fmt(pl, '.3f')} | {fmt(r['core_s'], '.3f')} | "
+              f"{r['step_s']:.3f} | {r['peak_mem_gib']:.1f} | {fmt(r['mfu'], '.3f')} |")
     print(f"speedup: F/B/Grad {fmt(res.get('speedup_fbgrad'), '.3f')}x "
-          f"({fmt(res.get('fbgrad_over_compression'), '.3f')} of compression), step {res['speedup_step']:.3f}x "
-          f"({res['step_over_compression']:.3f} of compression)")
+          f"({fmt(res.get('fbgrad_over_compression'), '.3f')} of compression), Core "
+          f"{fmt(res.get('speedup_core'), '.3f')}x ({fmt(res.get('core_over_compression'), '.3f')}), step "
+          f"{res['speedup_step']:.3f}x ({res['step_over_compression']:.3f} of compression)")
     if "flop_compression" in res:
         print(f"FLOP compression {res['flop_compression']:.3f}x (row {res['compression']:.3f}x): F/B/Grad "
-              f"{fmt(res.get('fbgrad_over_flop_compression'), '.3f')}, step {res['step_over_flop_compression']:.3f} of it")
+              f"{fmt(res.get('fbgrad_over_flop_compression'), '.3f')}, Core "
+              f"{fmt(res.get('core_over_flop_compression'), '.3f')}, step {res['step_over_flop_compression']:.3f} of it")
     write_results(args.out, "train_speedup", res, _plot)
     return 0
 
@@ -161,12 +173,13 @@ def _plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["compression", "F/B/Grad", "step"]
-    vals = [res["compression"], res.get("speedup_fbgrad") or 0.0, res["speedup_step"]]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(names, vals, color=["grey", "tab:blue", "tab:orange"])
+    names = ["compression", "F/B/Grad", "Core", "step"]
+    vals = [res["compression"], res.get("speedup_fbgrad") or 0.0, res.get("speedup_core") or 0.0, res["speedup_step"]]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.bar(names, vals, color=["grey", "tab:blue", "tab:green", "tab:orange"])
     ax.set_ylabel("x over trajectory-wise")
-    ax.set_title(f"train.py, world {res['harts']['world']} (dp {res['harts']['dp']}, ep {res['harts']['ep']})")
+    h = res["harts"]
+    ax.set_title(f"train.py, world {h['world']} (dp {h['dp']}, tp {h['tp']}, pp {h['pp']}, ep {h['ep']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
