@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     if "flop_compression" in res:
         print(f"FLOP compression {res['flop_compression']:.3f}x (row {res['compression']:.3f}x): F/B/Grad "
               f"{fmt(res.get('fbgrad_over_flop_compression'), '.3f')}, Core "
-              f"{fmt(res.get('core_over_flop_compression'), '.3f')}, step {res['step_over_flop_compression']:.3f} of it")
+              f"{fmt(res.get('core_over_flop_compression'), '.3f')}, "
+              f"step {res['step_over_flop_compression']:.3f} of it")
     write_results(args.out, "train_speedup", res, _plot)
     return 0
 

@@ -283,6 +283,7 @@ def init_sharded(model: HartsPolicy, device: torch.device, seed: int) -> None:
         gen = torch.Generator(device=device).manual_seed(param_seed(seed, name))
         full = initial_value(m, attr, t.shape, model.config, gen, device)  # a DTensor's shape is global
         if isinstance(t, DTensor):  # no communication: every rank slices its own shard of the same tensor
-            t._local_tensor.copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)._local_tensor)
+            shard = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+            t._local_tensor.copy_(shard._local_tensor)
         else:
             t.copy_(full)

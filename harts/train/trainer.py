@@ -174,9 +174,9 @@ class Trainer:
             self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device))
         self.history: list[dict] = []
         if self.rank == 0:
-            log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, harts.enabled=%s, "
-                     "model %s (%d layers, %.2fM params%s)", self.world_size, self.dp_degree, d.tp, d.pp, d.cp, d.ep,
-                     self.device, lc.dtype, cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers,
+            log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, "
+                     "harts.enabled=%s, model %s (%d layers, %.2fM params%s)", self.world_size, self.dp_degree,
+                     d.tp, d.pp, d.cp, d.ep, self.device, lc.dtype, cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers,
                      self._whole_model().num_params() / 1e6,
                      f"; pipeline stage 0 holds {self._stage_params() / 1e6:.2f}M" if d.pp > 1 else "")
 
