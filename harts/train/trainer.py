@@ -176,8 +176,8 @@ class Trainer:
         if self.rank == 0:
             log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, "
                      "harts.enabled=%s, model %s (%d layers, %.2fM params%s)", self.world_size, self.dp_degree,
-                     d.tp, d.pp, d.cp, d.ep, self.device, lc.dtype, cfg.harts.enabled, lc.preset, self.model_cfg.num_hidden_layers,
-                     self._whole_model().num_params() / 1e6,
+                     d.tp, d.pp, d.cp, d.ep, self.device, lc.dtype, cfg.harts.enabled, lc.preset,
+                     self.model_cfg.num_hidden_layers, self._whole_model().num_params() / 1e6,
                      f"; pipeline stage 0 holds {self._stage_params() / 1e6:.2f}M" if d.pp > 1 else "")
 
     @property
