@@ -206,20 +206,26 @@ for what in "$@"; do
     layouts9) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
       T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2"
       P2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 --parallelism.expert_parallel_degree=1"
-      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_harts step tp2_sp_ep2 100 $T2 --job.dump_folder=/tmp/tp2_sp_ep2
-      HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step tp2_sp_ep2_base 150 $T2 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
-      HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_harts step pp2 120 $P2 --job.dump_folder=/tmp/pp2
-      HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_base step pp2_base 150 $P2 --harts.enabled=false --job.dump_folder=/tmp/pp2_base ;;
+      export HARTS_DUMP_HIDDEN_STRIDE=4  # step 1's final hidden states at a quarter of the positions (fidelity)
+      HARTS_DUMP_HIDDEN=/tmp/hd_tp2_harts HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_harts step tp2_sp_ep2 100 $T2 --job.dump_folder=/tmp/tp2_sp_ep2
+      HARTS_DUMP_HIDDEN=/tmp/hd_tp2_base HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step tp2_sp_ep2_base 150 $T2 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
+      step fid_tp2 60 python3 -m harts.bench.layout_fidelity /tmp/hd_tp2_base /tmp/hd_tp2_harts --out $OUT/fid_tp2
+      HARTS_DUMP_HIDDEN=/tmp/hd_pp2_harts HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_harts step pp2 120 $P2 --job.dump_folder=/tmp/pp2
+      HARTS_DUMP_HIDDEN=/tmp/hd_pp2_base HARTS_DUMP_GRAD_NORMS=$OUT/gn_pp2_base step pp2_base 150 $P2 --harts.enabled=false --job.dump_folder=/tmp/pp2_base
+      step fid_pp2 60 python3 -m harts.bench.layout_fidelity /tmp/hd_pp2_base /tmp/hd_pp2_harts --out $OUT/fid_pp2 ;;
     # issue 10 on nvidia-h200-x8 (never lent so far), one layout per call: L8=dp4_tp2_ep8 | dp2_pp4_ep2 |
     # dp2_tp2_pp2_ep4 (configs/ling3_tiny_8gpu_$L8.toml, full AC), both modes on the same fixed step, then the
-    # trainer-level speedup (F/B/Grad, compression, FLOP compression, MFU). L8_SCALE (default 0.25 of the
+    # trainer-level speedup (F/B/Grad, Core, compression, FLOP compression, MFU) and step 1's logit fidelity. L8_SCALE (default 0.25 of the
     # swe-step, so both modes fit one call) and L8_STEPS (4; step 1 skipped as warm-up) size it.
     layouts8) L8=${L8:?set L8 to a layout tag}; C8="configs/ling3_tiny_8gpu_$L8.toml"
       [ -f "$C8" ] || { echo "no config $C8" | tee -a "$OUT/sweep.log"; continue; }
       A8="--data.scale=${L8_SCALE:-0.25} --data.fixed_step=true --training.steps=${L8_STEPS:-4} --checkpoint.enable=false"
-      step l8_harts ${L8_LIMIT_H:-200} torchrun --nproc_per_node 8 train.py --config $C8 $A8 --job.dump_folder=/tmp/l8_harts
-      step l8_base ${L8_LIMIT_B:-300} torchrun --nproc_per_node 8 train.py --config $C8 $A8 --harts.enabled=false \
-        --job.dump_folder=/tmp/l8_base
+      export HARTS_DUMP_HIDDEN_STRIDE=${L8_STRIDE:-16}  # Table 5: step 1's final hidden states, 1/16 of the positions
+      HARTS_DUMP_HIDDEN=/tmp/hd8_harts step l8_harts ${L8_LIMIT_H:-200} torchrun --nproc_per_node 8 train.py --config $C8 $A8 \
+        --job.dump_folder=/tmp/l8_harts
+      HARTS_DUMP_HIDDEN=/tmp/hd8_base step l8_base ${L8_LIMIT_B:-300} torchrun --nproc_per_node 8 train.py --config $C8 $A8 \
+        --harts.enabled=false --job.dump_folder=/tmp/l8_base
+      step l8_fidelity 90 python3 -m harts.bench.layout_fidelity /tmp/hd8_base /tmp/hd8_harts --out "$OUT/fid_$L8"
       for m in harts base; do [ -f /tmp/l8_$m/metrics.jsonl ] && cp /tmp/l8_$m/metrics.jsonl "$OUT/l8_${L8}_$m.metrics.jsonl"; done
       step l8_speedup 120 python3 -m harts.bench.train_speedup --skip 1 --harts /tmp/l8_harts/metrics.jsonl \
         --baseline /tmp/l8_base/metrics.jsonl --out "$OUT/train_speedup_$L8" --config $C8 $A8 ;;

@@ -226,11 +226,16 @@ class HartsPolicy(LingForCausalLM):
         rows: 0), for the rows this CP rank holds (all rows without CP)."""
         return batch.local_rows(batch.multiplicity).to(torch.promote_types(dtype, torch.float32))
 
+    head_capture: list | None = None  # set to a list: head() appends (batch, final hidden rows), for dumps
+
     def head(self, h_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
         """Log-probs [S] of every predicted position; under context parallelism a partial vector (the
         positions whose rows live on other CP ranks are zero; the trainer keeps only its own positions,
         see ``harts.train.data.Microbatch.select``)."""
-        return compact_logprobs(self, batch, hidden_PD=self.model.norm(self.sp_gather(h_PD)))
+        hidden_PD = self.model.norm(self.sp_gather(h_PD))
+        if self.head_capture is not None:
+            self.head_capture.append((batch, hidden_PD.detach()))
+        return compact_logprobs(self, batch, hidden_PD=hidden_PD)
 
 
 def model_config(ling) -> LingConfig:

@@ -375,6 +375,52 @@ class Trainer:
             json.dump(out, f, indent=0)
         log.info("wrote %d gradient norms to %s.rank%d.json", len(out), path, self.rank)
 
+    def _dump_hidden(self, path: str, data: StepData, mbs) -> None:
+        """Debugging a layout's fidelity (``HARTS_DUMP_HIDDEN=PATH``; compare two runs with
+        ``python -m harts.bench.layout_fidelity``): step 1's final hidden state (after the last norm: the
+        LM head's input) at every predicted position this rank computed, keyed by (trajectory index in the
+        step, position in the trajectory), with its target, written to ``PATH.rank<R>.pt``; the LM head
+        weight to ``PATH.lm_head.pt`` (by the lowest rank holding it). ``HARTS_DUMP_HIDDEN_STRIDE=k`` keeps
+        the positions with (trajectory + position) % k == 0 (the files are positions x hidden x 2 bytes)."""
+        from torch.distributed.tensor import DTensor
+
+        model, stride = self.model, int(os.environ.get("HARTS_DUMP_HIDDEN_STRIDE", "1"))
+        captured, model.head_capture = model.head_capture or [], None
+        by_batch = {id(mb.batch): mb for mb in mbs}
+        keys, hidden, targets = [], [], []
+        for batch, h_PD in captured:
+            mb = by_batch[id(batch)]
+            traj = torch.as_tensor(data.plan.microbatches[mb.index], dtype=torch.long)
+            off = torch.as_tensor(batch.logprob_offsets, dtype=torch.long)
+            n_S = off[1:] - off[:-1]
+            pos_S = torch.arange(int(off[-1])) - off[:-1].repeat_interleave(n_S)
+            key_S2 = torch.stack([traj.repeat_interleave(n_S), pos_S], 1)
+            rows_S = batch.logprob_rows.cpu()
+            keep = (key_S2.sum(1) % stride) == 0
+            if batch.cp is not None:  # this CP rank holds rows [lo, hi) only
+                lo, hi = batch.cp.row_range
+                keep &= (rows_S >= lo) & (rows_S < hi)
+                rows_S = rows_S - lo
+            idx = keep.nonzero().squeeze(1)
+            keys.append(key_S2[idx])
+            hidden.append(h_PD.index_select(0, rows_S[idx].to(h_PD.device)).cpu())
+            targets.append(batch.logprob_targets.cpu()[idx])
+        out = {"keys": torch.cat(keys) if keys else torch.zeros(0, 2, dtype=torch.long),
+               "hidden": torch.cat(hidden) if hidden else torch.zeros(0),
+               "targets": torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
+               "harts": self.cfg.harts.enabled, "rank": self.rank, "stride": stride}
+        torch.save(out, f"{path}.rank{self.rank}.pt")
+        head = getattr(model, "lm_head", None)
+        writer = torch.tensor([self.rank if head is not None else self.world_size], device=self.device)
+        if self.distributed:  # the lowest rank holding the LM head writes it
+            dist.all_reduce(writer, op=dist.ReduceOp.MIN)
+        if head is not None:
+            w = head.weight.full_tensor() if isinstance(head.weight, DTensor) else head.weight  # FSDP: collective
+            if self.rank == int(writer):
+                torch.save(w.detach().cpu(), f"{path}.lm_head.pt")
+        log.info("wrote the final hidden states of %d positions to %s.rank%d.pt", out["keys"].shape[0], path,
+                 self.rank)
+
     def _crash_exit(self):
         """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
         self.checkpointer.maybe_wait_for_staging()
@@ -427,6 +473,9 @@ class Trainer:
                     old_pp = self.pipe.old_logprobs(mbs)
                 else:
                     old = [mb.select(model(mb.batch)).detach() for mb in mbs]
+        dump_hidden = os.environ.get("HARTS_DUMP_HIDDEN") if step == 1 else None
+        if dump_hidden:  # the training forward's final hidden states (step 1, before any update)
+            model.head_capture = []
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
@@ -475,6 +524,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
+        if dump_hidden:
+            self._dump_hidden(dump_hidden, data, mbs)
         if os.environ.get("HARTS_DUMP_GRAD_NORMS") and data.step == 1:
             self._dump_grad_norms(os.environ["HARTS_DUMP_GRAD_NORMS"])
         if self.bf16_opt:
