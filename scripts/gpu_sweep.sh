@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the HARTS sweep (see docs/gpu-runbook.md). Usage on the device machine:
-#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|ref1n|layouts9|dist211|layouts8 [...]
+#   bash scripts/gpu_sweep.sh warm|retest|grpo|adamw|pack2|kernels|model|compact|compactfid|fidelity|speedup|train1[h|b|f|p]|train2[h|b]|sp1p|normgpu|speedup2|cp|cpgap|gradgap|gradgapt|layouts2|layouts2b|tpfix|gdump|tpdiag|kdah8|ref1n|layouts9|dist211|layouts8|fid1 [...]
 # (train1b/train2b: the baseline run, then the comparison if the HARTS run of this call exists)
 # with carry [".whl", ".triton_cache.tar.xz"]. Every step has its own timeout and tees its log into $OUT/sweep.log
 # (at most 8 files come back per call: keep to 2-3 steps per call); the Triton cache (compiled kernels +
@@ -201,12 +201,24 @@ for what in "$@"; do
       L1="python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_harts step ref1 150 $L1 --job.dump_folder=/tmp/ref1
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step ref1_base 240 $L1 --harts.enabled=false --job.dump_folder=/tmp/ref1_base ;;
+    # Table 5's row for one GPU (the layouts' reference): step 1's logit fidelity of HARTS and of a baseline
+    # rerun against the baseline, on the layouts' step (harts.bench.layout_fidelity; positions strided by 4)
+    fid1) F1="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+      L1="python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $F1 --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
+      export HARTS_DUMP_HIDDEN_STRIDE=4
+      HARTS_DUMP_HIDDEN=/tmp/hd1_harts step fid1_harts 90 $L1 --job.dump_folder=/tmp/fid1_harts
+      HARTS_DUMP_HIDDEN=/tmp/hd1_base step fid1_base 120 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base
+      HARTS_DUMP_HIDDEN=/tmp/hd1_base2 step fid1_base2 120 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base2
+      step fid1_cmp 60 python3 -m harts.bench.layout_fidelity /tmp/hd1_base /tmp/hd1_harts --out $OUT/fid1_harts
+      step fid1_rerun 60 python3 -m harts.bench.layout_fidelity /tmp/hd1_base /tmp/hd1_base2 --out $OUT/fid1_rerun ;;
     # session 9, two GPUs: TP2 + SP + EP2 and PP2 (pipeline filled), both modes, step-1 gradient-norm dumps;
     # compare with ref1n's (scripts/compare_grad_norms.py)
     layouts9) R2="--data.scale=0.01 --data.fixed_step=true --training.steps=4 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
       T2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.expert_parallel_degree=2"
       P2="torchrun --nproc_per_node 2 train.py --config configs/ling3_tiny_8gpu_dp2_pp4_ep2.toml $R2 --parallelism.data_parallel_shard_degree=1 --parallelism.pipeline_parallel_degree=2 --parallelism.expert_parallel_degree=1"
       export HARTS_DUMP_HIDDEN_STRIDE=4  # step 1's final hidden states at a quarter of the positions (fidelity)
+      case " ${L9_PARTS:-tp2 pp2} " in *" tp2 "*) ;; *) T2="true";; esac  # L9_PARTS: the layouts to run
+      case " ${L9_PARTS:-tp2 pp2} " in *" pp2 "*) ;; *) P2="true";; esac
       HARTS_DUMP_HIDDEN=/tmp/hd_tp2_harts HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_harts step tp2_sp_ep2 100 $T2 --job.dump_folder=/tmp/tp2_sp_ep2
       HARTS_DUMP_HIDDEN=/tmp/hd_tp2_base HARTS_DUMP_GRAD_NORMS=$OUT/gn_tp2_base step tp2_sp_ep2_base 150 $T2 --harts.enabled=false --job.dump_folder=/tmp/tp2_sp_ep2_base
       step fid_tp2 60 python3 -m harts.bench.layout_fidelity /tmp/hd_tp2_base /tmp/hd_tp2_harts --out $OUT/fid_tp2

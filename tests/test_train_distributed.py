@@ -250,7 +250,8 @@ def test_layout_fidelity_dumps_equal_one_process_baseline(runs, monkeypatch, tmp
     assert a["keys"].shape[0] == n_pred  # every predicted position of the step, once
     res = lf.compare(a, b)
     assert res["positions"] == n_pred and res["min_cos"] > 1 - 1e-12
-    assert res["mean_abs_dnll"] < 1e-10 and res["mean_symkl"] < 1e-20
+    assert res["mean_abs_dnll"] < 1e-10 and res["mean_symkl"] < 1e-20 and res["max_abs_dhidden"] < 1e-10
+    assert lf.compare(a, a)["identical_positions"] == n_pred
     b["keys"], b["hidden"], b["targets"] = b["keys"][1:], b["hidden"][1:], b["targets"][1:]
     with pytest.raises(ValueError, match="1 only in A"):
         lf.compare(a, b)

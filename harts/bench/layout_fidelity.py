@@ -9,7 +9,8 @@ predicted position, keyed by (trajectory, position), from every rank, and the LM
 
 Per position, with full-vocabulary logits z = h W^T computed here in float32 from each run's own hidden
 state and weight: the logit cosine (Eq. 27), the symmetric KL (Eq. 25) and |delta NLL| of the target
-(Eq. 26). Prints and writes their means (``layout_fidelity.json``). The positions must match exactly: a
+(Eq. 26). Prints and writes their means (``layout_fidelity.json``), with how many positions have
+bit-identical hidden states (a float32 cosine of identical vectors is within ~1e-7 of 1, not 1). The positions must match exactly: a
 position computed by only one run, or two ranks of one run disagreeing on a position they both hold (TP
 ranks hold the same rows), is an error, not a silent drop.
 """
@@ -88,8 +89,10 @@ def compare(a: dict, b: dict, chunk: int = 2048, device=None) -> dict:
         raise ValueError("the runs' LM head weights differ: they did not start from the same weights")
     s = position_metrics(a["hidden"], a["weight"], b["hidden"], b["weight"], a["targets"], chunk, device)
     n = a["keys"].shape[0]
+    same = (a["hidden"] == b["hidden"]).all(1)  # bit-identical final hidden states (then the logits are too)
     return {"positions": n, "mean_cos": s["cos"] / n, "min_cos": s["cos_min"], "mean_symkl": s["symkl"] / n,
-            "mean_abs_dnll": s["dnll"] / n, "a_harts": a["harts"], "b_harts": b["harts"],
+            "mean_abs_dnll": s["dnll"] / n, "identical_positions": int(same.sum()),
+            "max_abs_dhidden": float((a["hidden"].double() - b["hidden"].double()).abs().max()), "a_harts": a["harts"], "b_harts": b["harts"],
             "ranks": (a["ranks"], b["ranks"]), "stride": a["stride"]}
 
 
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
           f"{a['keys'].shape[0]:,} positions (stride {a['stride']})", flush=True)
     res = {"args": vars(args), **compare(a, b, args.chunk)}
     print(f"mean logit cosine {res['mean_cos']:.8f} (min {res['min_cos']:.6f}), mean symmetric KL "
-          f"{res['mean_symkl']:.3e}, mean |delta NLL| {res['mean_abs_dnll']:.3e}")
+          f"{res['mean_symkl']:.3e}, mean |delta NLL| {res['mean_abs_dnll']:.3e}; bit-identical hidden states at "
+          f"{res['identical_positions']:,} positions, max |delta h| {res['max_abs_dhidden']:.3e}")
     write_results(args.out, "layout_fidelity", res)
     return 0
 
