@@ -203,12 +203,12 @@ for what in "$@"; do
       HARTS_DUMP_GRAD_NORMS=$OUT/gn_ref_base step ref1_base 240 $L1 --harts.enabled=false --job.dump_folder=/tmp/ref1_base ;;
     # Table 5's row for one GPU (the layouts' reference): step 1's logit fidelity of HARTS and of a baseline
     # rerun against the baseline, on the layouts' step (harts.bench.layout_fidelity; positions strided by 4)
-    fid1) F1="--data.scale=0.01 --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
+    fid1) F1="--data.scale=${FID1_SCALE:-0.01} --data.fixed_step=true --training.steps=1 --ling.dtype=bfloat16 --optimizer.implementation=foreach --checkpoint.enable=false"
       L1="python3 train.py --config configs/ling3_tiny_8gpu_dp4_tp2_ep8.toml $F1 --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1 --parallelism.expert_parallel_degree=1"
-      export HARTS_DUMP_HIDDEN_STRIDE=4
-      HARTS_DUMP_HIDDEN=/tmp/hd1_harts step fid1_harts 90 $L1 --job.dump_folder=/tmp/fid1_harts
-      HARTS_DUMP_HIDDEN=/tmp/hd1_base step fid1_base 120 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base
-      HARTS_DUMP_HIDDEN=/tmp/hd1_base2 step fid1_base2 120 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base2
+      export HARTS_DUMP_HIDDEN_STRIDE=${FID1_STRIDE:-4}
+      HARTS_DUMP_HIDDEN=/tmp/hd1_harts step fid1_harts 120 $L1 --job.dump_folder=/tmp/fid1_harts
+      HARTS_DUMP_HIDDEN=/tmp/hd1_base step fid1_base 200 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base
+      [ -n "${FID1_NO_RERUN:-}" ] || HARTS_DUMP_HIDDEN=/tmp/hd1_base2 step fid1_base2 120 $L1 --harts.enabled=false --job.dump_folder=/tmp/fid1_base2
       step fid1_cmp 60 python3 -m harts.bench.layout_fidelity /tmp/hd1_base /tmp/hd1_harts --out $OUT/fid1_harts
       step fid1_rerun 60 python3 -m harts.bench.layout_fidelity /tmp/hd1_base /tmp/hd1_base2 --out $OUT/fid1_rerun ;;
     # session 9, two GPUs: TP2 + SP + EP2 and PP2 (pipeline filled), both modes, step-1 gradient-norm dumps;
