@@ -4,8 +4,8 @@ Usage: python scripts/compare_grad_norms.py REF_PREFIX RUN_PREFIX [--top N]
 
 Each prefix names ``PREFIX.rank*.json``. DTensor gradients are full-tensor norms (every rank writes the
 same value: rank 0's is used); expert weights (``.mlp.experts.``) that are plain EP-local tensors differ
-per rank and are combined as sqrt(sum of squares). Prints the ratio RUN / REF per parameter kind and the worst
-parameters, so a layout's excess gradient norm can be placed.
+per rank and are combined as sqrt(sum of squares). Prints the ratio RUN / REF per parameter kind and the
+worst parameters, so a layout's excess gradient norm can be placed.
 """
 import argparse
 import glob

@@ -10,9 +10,9 @@ predicted position, keyed by (trajectory, position), from every rank, and the LM
 Per position, with full-vocabulary logits z = h W^T computed here in float32 from each run's own hidden
 state and weight: the logit cosine (Eq. 27), the symmetric KL (Eq. 25) and |delta NLL| of the target
 (Eq. 26). Prints and writes their means (``layout_fidelity.json``), with how many positions have
-bit-identical hidden states (a float32 cosine of identical vectors is within ~1e-7 of 1, not 1). The positions must match exactly: a
-position computed by only one run, or two ranks of one run disagreeing on a position they both hold (TP
-ranks hold the same rows), is an error, not a silent drop.
+bit-identical hidden states (a float32 cosine of identical vectors is within ~1e-7 of 1, not 1). The
+positions must match exactly: a position computed by only one run, or two ranks of one run disagreeing on
+a position they both hold (TP ranks hold the same rows), is an error, not a silent drop.
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def compare(a: dict, b: dict, chunk: int = 2048, device=None) -> dict:
     same = (a["hidden"] == b["hidden"]).all(1)  # bit-identical final hidden states (then the logits are too)
     return {"positions": n, "mean_cos": s["cos"] / n, "min_cos": s["cos_min"], "mean_symkl": s["symkl"] / n,
             "mean_abs_dnll": s["dnll"] / n, "identical_positions": int(same.sum()),
-            "max_abs_dhidden": float((a["hidden"].double() - b["hidden"].double()).abs().max()), "a_harts": a["harts"], "b_harts": b["harts"],
-            "ranks": (a["ranks"], b["ranks"]), "stride": a["stride"]}
+            "max_abs_dhidden": float((a["hidden"].double() - b["hidden"].double()).abs().max()),
+            "a_harts": a["harts"], "b_harts": b["harts"], "ranks": (a["ranks"], b["ranks"]), "stride": a["stride"]}
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ Compares two runs of ``train.py`` with the same config and data except ``--harts
 ``--skip`` warm-up steps (compilation, autotuning, allocator growth): mean F/B/Grad seconds (plan ready to
 gradients, optimizer excluded), Core seconds (F/B/Grad plus the step's planning and packing, which the
 trainer's data worker overlaps with the previous step: the paper's Core charges them), mean step seconds
-(optimizer included), raw tokens, compact rows, peak memory and MFU. The speedups are the baseline's time over HARTS's; "of compression" divides by the
-non-replay compression raw / compact. Writes ``train_speedup.json`` and ``train_speedup.png``.
+(optimizer included), raw tokens, compact rows, peak memory and MFU. The speedups are the baseline's time
+over HARTS's; "of compression" divides by the non-replay compression raw / compact. Writes ``train_speedup.json`` and ``train_speedup.png``.
 
 ``--config X.toml [--section.key=value ...]`` (the runs' config and overrides) also counts the step's
 forward FLOPs of both paths on a meta-device model (harts.bench.flops; the trainer's planners, the DP
@@ -147,7 +147,8 @@ def main(argv=None) -> int:
             if res.get(f"speedup_{k}"):
                 res[f"{k}_over_flop_compression"] = res[f"speedup_{k}"] / res["flop_compression"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"world {h['world']} (dp {h['dp']}, tp {h['tp']}, pp {h['pp']}, cp {h['cp']}, ep {h['ep']}), steps {h['steps'][0]}..{h['steps'][-1]} "
+    print(f"world {h['world']} (dp {h['dp']}, tp {h['tp']}, pp {h['pp']}, cp {h['cp']}, ep {h['ep']}), "
+          f"steps {h['steps'][0]}..{h['steps'][-1]} "
           f"(first {args.skip} skipped), raw tokens/step {h['raw_tokens']:,.0f}, compact rows/step "
           f"{h['compact_rows']:,.0f}, compression {res['compression']:.3f}x")
     print("| run | F/B/Grad s | plan + pack s | Core s | step s | peak GiB | MFU |\n|---|---|---|---|---|---|---|")

@@ -21,7 +21,6 @@ share under context parallelism), D hidden, S predicted positions.
 """
 from __future__ import annotations
 
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -281,12 +280,10 @@ def init_sharded(model: HartsPolicy, device: torch.device, seed: int) -> None:
     diverged from one GPU (docs/results.md)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from harts.models.ling.blocks import init_targets, initial_value, param_seed
+    from harts.models.ling.blocks import initial_tensors
 
     model.to_empty(device=device)
-    for name, m, attr, t in init_targets(model):
-        gen = torch.Generator(device=device).manual_seed(param_seed(seed, name))
-        full = initial_value(m, attr, t.shape, model.config, gen, device)  # a DTensor's shape is global
+    for t, full in initial_tensors(model, model.config, seed):  # a DTensor's shape is global
         if isinstance(t, DTensor):  # no communication: every rank slices its own shard of the same tensor
             shard = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
             t._local_tensor.copy_(shard._local_tensor)

@@ -333,11 +333,17 @@ def init_targets(model: nn.Module):
                 yield (f"{mname}.{attr}" if mname else attr), m, attr, t
 
 
-@torch.no_grad()
-def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None) -> None:
-    """Initialise every parameter and buffer of ``model`` in place (see ``initial_value``): with a seed,
-    each tensor from its own generator (``param_seed``), without one from torch's global generator.
-    Names are qualified from ``model``, so pass the root model to reproduce a whole model's init."""
+def initial_tensors(model: nn.Module, cfg: LingConfig, seed: int | None = None):
+    """(tensor, its whole initial value) for every parameter and buffer of ``model``: with a seed, each
+    drawn from its own generator (``param_seed``) on the tensor's device, without one from torch's global
+    generator. Names are qualified from ``model``, so pass the root model to reproduce a whole model's init."""
     for name, m, attr, t in init_targets(model):
         gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
-        t.copy_(initial_value(m, attr, t.shape, cfg, gen, t.device))
+        yield t, initial_value(m, attr, t.shape, cfg, gen, t.device)
+
+
+@torch.no_grad()
+def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None) -> None:
+    """Initialise every parameter and buffer of ``model`` in place (``initial_tensors``)."""
+    for t, full in initial_tensors(model, cfg, seed):
+        t.copy_(full)

@@ -211,4 +211,3 @@ def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     ``use_qk_l2norm_in_kernel`` (same kernels, same saved tensors), with the bucketed size classes, so a
     new sequence length does not compile and autotune the L2 norm again."""
     return _L2Norm.apply(x, eps)
-
