@@ -34,9 +34,9 @@ class _AllToAll(torch.autograd.Function):
     """Equal-split all-to-all along dim 0. Its adjoint is the same exchange (rank r's chunk j goes to rank
     j's slot r and back), so backward runs it on the gradient. The outputs are plain, completed tensors:
     torch's functional collectives return AsyncCollectiveTensor wrappers that wait only when a torch op
-    touches them, and Triton kernels read raw pointers. The first GPU cp run (session 5, 2 x H200) died with
-    an illegal address in the first Triton kernel to read an exchanged tensor (fla's causal_conv1d), with
-    NCCL reporting unwaited functional collectives at exit."""
+    touches them, and Triton kernels read raw pointers: without completion, the first Triton kernel to read
+    an exchanged tensor (fla's causal_conv1d) can fault on an illegal address, and NCCL reports unwaited
+    functional collectives at exit."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:

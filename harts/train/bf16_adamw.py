@@ -5,8 +5,8 @@ fit next to activations on one 141 GB H200, so that run keeps its weights in bf1
 AdamW on the bf16 tensors) this loses two things:
 
 1. The update ``w - lr * u`` rounds back to bf16: at lr 1e-5 a step is below half an ulp of any weight
-   with |w| >= 2^-8, so ~85 % of N(0, 0.02) weights and every norm weight (1.0) never move (the session-4
-   one-GPU run trained through the small weights and the fp32 parameters only).
+   with |w| >= 2^-8, so ~85 % of N(0, 0.02) weights and every norm weight (1.0) never move (training would
+   move only the small weights and the fp32 parameters).
 2. Gradients accumulate over microbatches in bf16 ``.grad``: each addition rounds the running sum to 8
    significant bits, which matters when per-microbatch gradients are large and cancel (GRPO's zero-mean
    advantages over trajectories that share a prefix, computed trajectory-wise).

@@ -48,8 +48,7 @@ class Completed(torch.autograd.Function):
     trigger that wait, so a kernel reading a region's input, or a layer norm's backward reading the
     gradient that a region boundary's reduce-scatter may still be writing, could read a half-written
     buffer (tests/test_train_completed.py shows such a gradient arriving unwaited). Every TP/SP boundary
-    passes through here both ways. (Not the cause of TP2's larger gradient norms on two H200s in session 8:
-    those stayed bit-identical with this in place; see docs/results.md.)"""
+    passes through here both ways."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -275,9 +274,9 @@ def init_sharded(model: HartsPolicy, device: torch.device, seed: int) -> None:
     ``device`` from that tensor's own generator (``param_seed``: model seed and qualified name) and keeps
     its shard. So replicated tensors agree across ranks (TP replicas, DP replicas), and every layout
     holds the weights of a one-process model initialised on the same device type (on one device:
-    exactly ``init_weights(seed)``). Session 8's trainer seeded each rank's shards with seed + rank: TP
-    ranks then held different replicas of the embeddings, LM head and router, and TP2 training on GPUs
-    diverged from one GPU (docs/results.md)."""
+    exactly ``init_weights(seed)``). Seeding each rank's shards with seed + rank instead would give TP
+    ranks different replicas of the embeddings, LM head and router, and TP2 training would diverge from
+    one process."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from harts.models.ling.blocks import initial_tensors
