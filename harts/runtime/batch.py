@@ -50,8 +50,8 @@ class CompactBatch:
     """
 
     prefix_sharing: bool
-    chunk_size: int
-    conv_width: int
+    chunk_size: int | None  # KDA chunk size the plan was made for (None: trajectory-wise, not needed)
+    conv_width: int  # short-convolution width of the ancestor windows
     num_rows: int  # compact rows (work), excluding padding
     input_ids: torch.Tensor  # [P] long
     position_ids: torch.Tensor  # [P] long
@@ -79,6 +79,7 @@ class CompactBatch:
     kda_output_perm: torch.Tensor | None = None  # rounds' concatenated outputs -> physical order (no-replay)
     replay: bool = True  # False only for the fidelity ablation (see pack)
     cp: object | None = None  # harts.runtime.cp.ContextParallel when sharded over a CP group
+    vocab_size: int | None = None  # token ids were checked against this vocab size in pack (None: not checked)
     stats: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ sizes and helpers
@@ -165,9 +166,59 @@ def _trajectories(trajectories) -> tuple[Trajectory, ...]:
     return tuple(out)
 
 
-def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_width: int = 4,
-         pad_to_multiple: int = 1, replay: bool = True) -> CompactBatch:
+def _int_arg(name: str, value, minimum: int = 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"pack: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"pack: {name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _model_geometry(config, chunk_size, conv_width, vocab_size):
+    """(chunk_size, conv_width, vocab_size) from ``config`` and the explicit arguments, which must agree."""
+    chunk_size, conv_width = _int_arg("chunk_size", chunk_size), _int_arg("conv_width", conv_width)
+    vocab_size = _int_arg("vocab_size", vocab_size)
+    if config is None:
+        return chunk_size, 4 if conv_width is None else conv_width, vocab_size
+    cfg = getattr(config, "config", config)  # a model or its config
+    missing = [a for a in ("kda_chunk_size", "short_conv_kernel_size", "vocab_size") if not hasattr(cfg, a)]
+    if missing:
+        raise TypeError(f"pack: config must be a LingConfig or a model with .config; {type(config).__name__} "
+                        f"has no {', '.join(missing)}")
+    out = []
+    for name, given, attr in (("chunk_size", chunk_size, "kda_chunk_size"),
+                              ("conv_width", conv_width, "short_conv_kernel_size"),
+                              ("vocab_size", vocab_size, "vocab_size")):
+        want = int(getattr(cfg, attr))
+        if given is not None and given != want:
+            raise ValueError(f"pack: {name}={given} disagrees with config.{attr}={want}; drop {name} "
+                             f"(the model's value is used) or build the model with {attr}={given}")
+        out.append(want)
+    return tuple(out)
+
+
+def _check_vocab(arrays, vocab_size: int) -> None:
+    for i, a in enumerate(arrays):
+        if a.shape[0] and a.max() >= vocab_size:
+            j = int(np.flatnonzero(a >= vocab_size)[0])
+            raise ValueError(f"pack: trajectory {i} position {j}: token id {int(a[j])} is out of range for "
+                             f"vocab_size={vocab_size}")
+
+
+def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sharing: bool = True,
+         conv_width: int | None = None, vocab_size: int | None = None, pad_to_multiple: int = 1,
+         replay: bool = True) -> CompactBatch:
     """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch.
+
+    The plan depends on the model: its KDA chunk size fixes the chunk grid that replay restores, its
+    short-convolution width the ancestor windows. Pass ``config=model.config`` (a ``LingConfig``, or the
+    model itself) and both come from the model, with ``vocab_size`` for a token-id range check. Without
+    ``config``, ``chunk_size`` (required with prefix sharing) and ``conv_width`` (default 4) are taken
+    as given; explicit values that disagree with ``config`` raise. A batch planned for another chunk size
+    or convolution width gives wrong log-probs, so the model refuses it (``check_batch``). The
+    trajectory-wise batch (``prefix_sharing=False``) uses neither; the model then runs its own chunk size.
 
     ``replay=False`` is the fidelity ablation of paper 5.4 (never for training): instead of the planned
     rounds, every fork-free segment is its own KDA sequence, started from its parent segment's final
@@ -175,15 +226,21 @@ def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_wid
     instead of being restored by replaying [a(p), p). Identical in real arithmetic; in finite precision
     the chunkwise kernels round differently, which is what the fidelity benchmark measures.
     """
+    chunk_size, conv_width, vocab_size = _model_geometry(config, chunk_size, conv_width, vocab_size)
+    if chunk_size is None and prefix_sharing:
+        raise TypeError("pack: the KDA chunk size is required with prefix sharing: pass config=model.config "
+                        "(or chunk_size=model.config.kda_chunk_size)")
     trajs = _trajectories(trajectories)
     if not trajs:
         raise ValueError("pack: empty microbatch (no trajectories)")
     arrays = [t.tokens for t in trajs]
+    if vocab_size is not None:
+        _check_vocab(arrays, vocab_size)
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
     lp_offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths - 1, out=lp_offsets[1:])
     if not prefix_sharing:
-        return _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width)
+        return _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size)
 
     from harts.planning.calls import plan_calls
     from harts.planning.layout import build_layout
@@ -205,7 +262,7 @@ def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_wid
     if not replay:
         rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
     return CompactBatch(
-        prefix_sharing=True, chunk_size=chunk_size, conv_width=conv_width, num_rows=C,
+        prefix_sharing=True, chunk_size=chunk_size, conv_width=conv_width, vocab_size=vocab_size, num_rows=C,
         input_ids=_t(lay.tokens), position_ids=_t(lay.position_ids), multiplicity=_t(lay.multiplicity),
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
@@ -223,7 +280,7 @@ def pack(trajectories, *, chunk_size: int, prefix_sharing: bool = True, conv_wid
     )
 
 
-def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width) -> CompactBatch:
+def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size) -> CompactBatch:
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     S = int(offsets[-1])
@@ -232,7 +289,7 @@ def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_w
     nonterminal = positions < np.repeat(lengths - 1, lengths)
     rows = np.flatnonzero(nonterminal)
     return CompactBatch(
-        prefix_sharing=False, chunk_size=chunk_size, conv_width=conv_width, num_rows=S,
+        prefix_sharing=False, chunk_size=chunk_size, conv_width=conv_width, vocab_size=vocab_size, num_rows=S,
         input_ids=_t(tokens), position_ids=_t(positions), multiplicity=torch.ones(S, dtype=torch.long),
         logprob_rows=_t(rows), logprob_targets=_t(tokens[rows + 1]),
         logprob_offsets=tuple(int(x) for x in lp_offsets), trajectories=trajs,

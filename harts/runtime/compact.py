@@ -25,7 +25,24 @@ from harts.ops.backend import resolve
 from harts.ops.tree_conv import tree_short_conv
 from harts.runtime.batch import CompactBatch
 
-__all__ = ["compact_hidden", "hidden_states", "logprobs", "kda_mix", "kda_rounds", "mla_mix"]
+__all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_mix", "kda_rounds", "mla_mix"]
+
+
+def check_batch(batch: CompactBatch, cfg) -> None:
+    """Refuse a batch planned for another model: the rounds' chunk grid (replay restores the grid of
+    ``batch.chunk_size``) and the convolution's ancestor windows (``batch.conv_width``) must be the
+    model's ``kda_chunk_size`` and ``short_conv_kernel_size``, else log-probs are silently wrong.
+    Trajectory-wise batches use neither (the model runs its own chunking on them)."""
+    if not isinstance(batch, CompactBatch):
+        raise TypeError(f"layout must be a harts.CompactBatch (from harts.pack), got {type(batch).__name__}")
+    if not batch.prefix_sharing:
+        return
+    for name, have, attr in (("chunk_size", batch.chunk_size, "kda_chunk_size"),
+                             ("conv_width", batch.conv_width, "short_conv_kernel_size")):
+        want = getattr(cfg, attr)
+        if have != want:
+            raise ValueError(f"CompactBatch {name}={have} does not match the model's {attr}={want}: pack the batch "
+                             f"with harts.pack(..., config=model.config) (or {name}={want})")
 
 
 # ------------------------------------------------------------------------------------------ KDA
@@ -87,6 +104,7 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
     rows-to-heads exchange on the rank's own channels (the convolution is depthwise per channel).
     """
     cfg, cp = attn.cfg, batch.cp
+    check_batch(batch, cfg)
     H, Kh = attn.H, attn.Kh
     q, k, v, f = (p(x_PD).view(-1, H, Kh) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj))
     beta = torch.sigmoid(attn.b_proj(x_PD).to(torch.promote_types(x_PD.dtype, torch.float32)))
@@ -134,6 +152,7 @@ def compact_hidden(model, batch: CompactBatch) -> torch.Tensor:
 
 def hidden_states(model, batch: CompactBatch) -> torch.Tensor:
     """Hidden states of the batch's rows: compact path, or the ordinary packed path for the baseline."""
+    check_batch(batch, model.config)
     if batch.prefix_sharing:
         return model(layout=batch)
     return model(batch.input_ids, batch.position_ids, batch.cu_seqlens, None, batch.max_seqlen)

@@ -36,6 +36,26 @@ def _check_packed(input_ids_T, position_ids_T, cu_seqlens):
         raise ValueError(f"cu_seqlens must be int32/int64, got {cu_seqlens.dtype}")
 
 
+def _check_token_ids(ids_T: torch.Tensor, vocab_size: int, cu_seqlens=None, where: str = "input_ids",
+                     unit: str = "position") -> None:
+    """Range-check token ids before the embedding: one min/max reduction and one host read per forward
+    (the embedding's own error, "index out of range in self", names neither the id nor its place)."""
+    if ids_T.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{where} must be int32/int64 token ids, got {ids_T.dtype}")
+    if ids_T.numel() == 0 or torch.compiler.is_compiling():
+        return
+    lo, hi = torch.stack(torch.aminmax(ids_T)).tolist()
+    if lo >= 0 and hi < vocab_size:
+        return
+    bad = ((ids_T < 0) | (ids_T >= vocab_size)).nonzero()[0, 0].item()
+    place = f"{unit} {bad}"
+    if cu_seqlens is not None:
+        n = int(torch.searchsorted(cu_seqlens.cpu(), torch.tensor(bad, dtype=cu_seqlens.dtype), right=True)) - 1
+        place += f" (sequence {n}, offset {bad - int(cu_seqlens[n])})"
+    raise ValueError(f"{where}: token id {int(ids_T[bad])} at {place} is out of range for "
+                     f"vocab_size={vocab_size} (valid ids are 0..{vocab_size - 1})")
+
+
 class LingModel(nn.Module):
     def __init__(self, cfg: LingConfig):
         super().__init__()
@@ -51,9 +71,15 @@ class LingModel(nn.Module):
         ``harts.CompactBatch`` with prefix sharing, whose rows (its own share under context
         parallelism) and multiplicities replace the packed inputs."""
         if layout is not None:
+            from harts.runtime.compact import check_batch
+
+            check_batch(layout, self.cfg)
             input_ids_T, token_weight_T = layout.local_rows(layout.input_ids), layout.local_rows(layout.multiplicity)
+            if layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size:  # else pack checked them
+                _check_token_ids(input_ids_T, self.cfg.vocab_size, where="CompactBatch.input_ids", unit="physical row")
         else:
             _check_packed(input_ids_T, position_ids_T, cu_seqlens)
+            _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
         h_TD = self.word_embeddings(input_ids_T)
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
