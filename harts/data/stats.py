@@ -7,6 +7,7 @@ paper Eq. 15, so this histogram is what KDA replay costs).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -83,9 +84,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=64, help="KDA chunk size B for the fork histogram")
     args = ap.parse_args(argv)
     from harts.data.jsonl import read_jsonl
+    from harts.data.trajectory import TrajectoryError
 
     t0 = time.perf_counter()
-    batch = read_jsonl(args.file)
+    try:
+        batch = read_jsonl(args.file)  # the schema's validator (docs/byo-rollouts.md)
+    except TrajectoryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t1 = time.perf_counter()
     trie = build_trie(batch)
     t2 = time.perf_counter()

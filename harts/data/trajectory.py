@@ -13,6 +13,7 @@ has the same length as ``tokens``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -28,6 +29,12 @@ PER_TOKEN_FIELDS: dict[str, type] = {
 }
 # Scalar metadata fields.
 SCALAR_FIELDS = ("advantage", "reward", "group_id")
+
+
+def did_you_mean(name: str, known) -> str:
+    """' (did you mean 'x'?)' for the closest known name, '' when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 class TrajectoryError(ValueError):
@@ -50,12 +57,23 @@ class Trajectory:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def create(cls, tokens, *, where: str = "trajectory", vocab_size: int | None = None, **meta) -> "Trajectory":
-        """Validated constructor; ``where`` names the item in error messages (e.g. "line 7")."""
+    def create(cls, tokens, *, where: str = "trajectory", vocab_size: int | None = None, extra: dict | None = None,
+               **meta) -> "Trajectory":
+        """Validated constructor; ``where`` names the item in error messages (e.g. "rollouts.jsonl:7").
+
+        ``meta``: the per-token and scalar fields by name; anything else is an error (a misspelt field
+        would otherwise be dropped). ``extra``: free-form data, kept unread. ``loss_mask`` holds 0/1 only
+        (a mask, not a weight: weights go into ``loss_weights``, which must be >= 0)."""
         toks = _as_token_array(tokens, where=where, vocab_size=vocab_size)
         kwargs: dict = {}
-        extra = dict(meta.pop("extra", None) or {})
+        if extra is not None and not isinstance(extra, dict):
+            raise TrajectoryError(f"{where}: 'extra' must be a dict, got {type(extra).__name__}")
+        extra = dict(extra or {})
+        known = (*PER_TOKEN_FIELDS, *SCALAR_FIELDS)
         for name, value in meta.items():
+            if name not in known:
+                raise TrajectoryError(f"{where}: unknown field '{name}'{did_you_mean(name, known)}; known: "
+                                      f"{', '.join(known)}")
             if value is None:
                 continue
             if name in PER_TOKEN_FIELDS:
@@ -66,8 +84,6 @@ class Trajectory:
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                     raise TrajectoryError(f"{where}: field 'group_id' must be an integer, got {value!r}")
                 kwargs[name] = int(value)
-            else:
-                extra[name] = value
         if "advantages" in kwargs and "advantage" in kwargs:
             raise TrajectoryError(f"{where}: give either per-token 'advantages' or scalar 'advantage', not both")
         return cls(tokens=toks, extra=extra, **kwargs)
@@ -93,7 +109,8 @@ class Trajectory:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
-        out.update(self.extra)
+        if self.extra:
+            out["meta"] = self.extra
         return out
 
 
@@ -213,6 +230,13 @@ def _as_per_token(value, length: int, *, where: str, name: str) -> np.ndarray:
     if not np.all(np.isfinite(arr)):
         j = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise TrajectoryError(f"{where}: field '{name}' position {j} is not finite ({arr[j]})")
+    if name == "loss_mask" and not np.all((arr == 0) | (arr == 1)):
+        j = int(np.flatnonzero((arr != 0) & (arr != 1))[0])
+        raise TrajectoryError(f"{where}: field 'loss_mask' position {j} is {arr[j]:g}; a mask holds 0 or 1 "
+                              "(per-token weights go into 'loss_weights')")
+    if name == "loss_weights" and arr.min() < 0:
+        j = int(np.flatnonzero(arr < 0)[0])
+        raise TrajectoryError(f"{where}: field 'loss_weights' position {j} is {arr[j]:g}; weights must be >= 0")
     return arr
 
 
