@@ -9,4 +9,6 @@ kernel_pkgs = ["harts.kernels" + p[len("kernels"):] for p in find_packages(inclu
 setup(
     packages=find_packages(include=["harts", "harts.*"]) + kernel_pkgs,
     package_dir={"harts.kernels": "kernels"},
+    # autotune winners per GPU architecture (harts.ops.tuning)
+    package_data={"harts.ops": ["tuned/*.json"]},
 )

@@ -1,0 +1,229 @@
+"""Shipped autotune results: one compile per kernel and key class instead of benchmarking every config.
+
+fla's KDA, norm and convolution kernels and our round kernels are ``triton.autotune``d over 2-48 configs
+each. On a fresh machine every new autotune key compiles and benchmarks all of them, which costs minutes
+before the first training step, on every new container. The winners depend on the GPU and the kernel's
+key (head count, head dims, chunk size, dtypes), not on the data, so they are recorded once per GPU
+architecture and shipped as data (``harts/ops/tuned/sm90.json``).
+
+``apply()`` (called once when a fast backend is first resolved on CUDA) restricts every autotuner named in
+the table for the running device's architecture:
+
+- a key recorded exactly is entered into the autotuner's cache: no benchmarking, one compile;
+- an unseen key of a recorded kernel is pruned to the recorded config whose key agrees with it in most
+  positions (its key class): one compile, one short timing of that single config.
+
+Every config in the table is one of the kernel's own candidates (a recorded config that is no longer
+among them, e.g. after an fla upgrade, is ignored and said), so the result is one the full autotuner could
+have chosen: the numerics stay those of the kernel. ``HARTS_AUTOTUNE=full`` turns the table off (normal
+autotuning); GPUs without a table keep normal autotuning.
+
+Re-tune and rewrite the table (on the GPU to record, with an empty or any Triton cache)::
+
+    python -m harts.warmup --config configs/ling3_tiny_1gpu.toml --record harts/ops/tuned/sm90.json
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+__all__ = ["autotuners", "record", "apply", "table_path", "mode"]
+
+log = logging.getLogger("harts.ops.tuning")
+
+_TUNED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+_MODULE_PREFIXES = ("fla.", "harts.kernels.", "harts.ops.")
+
+
+def mode() -> str:
+    """``table`` (default: use the shipped winners where the device has a table) or ``full`` (autotune all)."""
+    m = os.environ.get("HARTS_AUTOTUNE", "table")
+    if m not in ("table", "full"):
+        raise ValueError(f"HARTS_AUTOTUNE={m!r}: expected 'table' (shipped autotune results) or 'full'")
+    return m
+
+
+def autotuners() -> dict[str, Any]:
+    """Every ``triton.autotune`` object in the loaded fla and HARTS kernel modules, as ``module:kernel``.
+
+    Decorators stack (``heuristics`` over ``autotune`` over ``jit``), so each module attribute is unwrapped
+    down to its autotuner. Only modules imported so far are seen: import the ops first.
+    """
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    found: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_MODULE_PREFIXES):
+            continue
+        for obj in list(vars(module).values()):
+            while isinstance(obj, KernelInterface) and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn
+            if isinstance(obj, Autotuner):
+                fn = obj.base_fn
+                found.setdefault(f"{fn.__module__}:{fn.__name__}", obj)
+    return found
+
+
+def _config_dict(c) -> dict[str, Any]:
+    return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
+            "num_ctas": c.num_ctas, "maxnreg": c.maxnreg}
+
+
+def _jsonable_key(key: tuple) -> list:
+    return [k if isinstance(k, (bool, int, float, str)) or k is None else str(k) for k in key]
+
+
+def _arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def table_path(arch: str | None = None) -> str:
+    return os.path.join(_TUNED_DIR, f"{arch or _arch()}.json")
+
+
+def record(path: str, command: str = "") -> dict[str, Any]:
+    """Write every autotuner's current winners (one entry per key it has seen) to ``path``, merged into the
+    table already there for the same architecture (so several processes, e.g. one per training mode, add
+    up to one table; a key seen again takes the new winner)."""
+    import torch
+    import triton
+
+    kernels: dict[str, dict[str, dict]] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("arch") == _arch():
+            for name, rows in old["kernels"].items():
+                kernels[name] = {json.dumps(r["key"]): r for r in rows}
+    for name, at in autotuners().items():
+        for k, c in at.cache.items():
+            row = {"key": _jsonable_key(k), "config": _config_dict(c)}
+            kernels.setdefault(name, {})[json.dumps(row["key"])] = row
+    kernels = {name: [rows[k] for k in sorted(rows)] for name, rows in sorted(kernels.items()) if rows}
+    table = {
+        "arch": _arch(), "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "triton": triton.__version__, "fla": _fla_version(), "command": command,
+        "kernels": kernels,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return table
+
+
+def _fla_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fla-core")
+    except Exception:  # an uninstalled source tree
+        return "unknown"
+
+
+def _run_key(at, kwargs: dict) -> tuple:
+    """The key ``Autotuner.run`` computes: the key arguments' values, then every tensor argument's dtype."""
+    all_args = {**at.nargs, **kwargs}
+    args = {k: v for k, v in all_args.items() if k in at.arg_names}
+    key = [args[k] for k in at.keys if k in args]
+    key += [str(v.dtype) for v in args.values() if hasattr(v, "dtype")]
+    return tuple(key)
+
+
+def _nearest(entries: list[tuple[tuple, Any]], key: tuple):
+    """The recorded config whose key agrees with ``key`` in most positions; ties go to the commonest config."""
+    counts = collections.Counter(c for _, c in entries)
+
+    def score(entry):
+        k, c = entry
+        same = sum(a == b for a, b in zip(k, key)) if len(k) == len(key) else -1
+        return same, counts[c]
+
+    return max(entries, key=score)[1]
+
+
+def _restrict(name: str, at, rows: list[dict]) -> int:
+    by_dict = {json.dumps(_config_dict(c), sort_keys=True): c for c in at.configs}
+    entries = []
+    for row in rows:
+        c = by_dict.get(json.dumps(row["config"], sort_keys=True))
+        if c is None:
+            log.warning("tuned table: %s config %s is not among the kernel's candidates (fla or triton changed?); "
+                        "that key autotunes normally", name, row["config"])
+            continue
+        key = tuple(row["key"])
+        at.cache.setdefault(key, c)
+        entries.append((key, c))
+    if not entries:
+        return 0
+    original = at.prune_configs
+
+    def prune_to_key_class(kwargs):
+        if len(at.configs) <= 1:
+            return original(kwargs)
+        return [_nearest(entries, _run_key(at, kwargs))]
+
+    at.prune_configs = prune_to_key_class
+    return len(entries)
+
+
+_table_cache: dict[str, Any] = {}
+_restricted: set[int] = set()
+_summary = {"mode": None, "table": None, "kernels": 0, "keys": 0}
+
+
+def _load_table(path: str) -> dict[str, Any] | None:
+    if path not in _table_cache:
+        _table_cache[path] = None
+        if os.path.isfile(path):
+            with open(path) as f:
+                _table_cache[path] = json.load(f)
+    return _table_cache[path]
+
+
+def apply(path: str | None = None) -> dict[str, Any]:
+    """Restrict the loaded autotuners to the table of the running GPU; a no-op (said once) without one.
+
+    Incremental: autotuners of modules imported since the last call are restricted too, the others are
+    left as they are. Returns the running summary ``{"mode", "table", "kernels", "keys"}``.
+    ``harts.ops.backend.resolve`` calls it when it first picks a fast kernel backend on CUDA.
+    """
+    first = _summary["mode"] is None
+    _summary["mode"] = mode()
+    if first and os.environ.get("HARTS_KERNEL_REPORT"):  # set by harts.warmup for its training processes
+        from harts.warmup import install_kernel_report
+
+        install_kernel_report(os.environ["HARTS_KERNEL_REPORT"], os.environ.get("HARTS_AUTOTUNE_RECORD"))
+    if _summary["mode"] == "full":
+        if first:
+            log.info("autotuning: full (HARTS_AUTOTUNE=full): every config of every new key is benchmarked")
+        return dict(_summary)
+    path = path or table_path()
+    table = _load_table(path)
+    if table is None:
+        if first:
+            log.info("autotuning: full (no shipped table for this GPU at %s)", path)
+        return dict(_summary)
+    for name, at in autotuners().items():
+        if id(at) in _restricted or name not in table["kernels"]:
+            continue
+        _restricted.add(id(at))
+        n = _restrict(name, at, table["kernels"][name])
+        _summary["kernels"] += bool(n)
+        _summary["keys"] += n
+    _summary["table"] = path
+    if first:
+        log.info("autotuning: shipped table %s (%s, %s); HARTS_AUTOTUNE=full benchmarks every config instead",
+                 path, table.get("device"), table.get("date"))
+    return dict(_summary)
