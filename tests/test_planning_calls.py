@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from harts.bench.plan_calls_cli import main
 from harts.data.trie import build_trie
 from harts.planning.calls import (
-    main,
     min_calls_dp,
     min_calls_dp_reference,
     plan_calls,
@@ -324,15 +324,15 @@ def test_validate_catches_corruption():
     plan.validate()
     # A round-2 sequence claiming an initial state from its own round.
     bad = dataclasses.replace(plan, seq_round=np.zeros_like(plan.seq_round))
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         bad.validate()
     # Replay that does not start at the anchor.
     a = plan.seq_replay_start.copy()
     a[-1] -= 1
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         dataclasses.replace(plan, seq_replay_start=a).validate()
     # A dropped emit request.
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         dataclasses.replace(plan, emit_chunks=plan.emit_chunks[:0], emit_offsets=np.zeros_like(plan.emit_offsets)).validate()
 
 

@@ -172,18 +172,18 @@ def test_validate_catches_corruption():
     g = r1.gather.copy()
     g[[1, 2]] = g[[2, 1]]
     bad = dataclasses.replace(lay, rounds=(dataclasses.replace(r1, gather=g),) + lay.rounds[1:])
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         bad.validate(plan)
     ctx = lay.conv_context.copy()
     ctx[-1, -1] = (ctx[-1, -1] + 1) % lay.num_rows
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         dataclasses.replace(lay, conv_context=ctx).validate(plan)
     kv = lay.mla_kv_rows.copy()
     kv[-1] = kv[0]
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         dataclasses.replace(lay, mla_kv_rows=kv).validate(plan)
     r2 = lay.rounds[1]
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         dataclasses.replace(lay, rounds=(r1, dataclasses.replace(r2, init_source=np.array([-1])))).validate(plan)
 
 

@@ -31,7 +31,7 @@ Per layer, the intended use (paper 4.2):
 
 All index arrays are int64 (the runtime casts cu_seqlens to int32 where a kernel wants it).
 Legend: C compact rows, P physical rows (C + padding), Q sequences, R rounds, E emitted states,
-N trajectories, S semantic positions, w conv width.
+N trajectories, S semantic positions, w conv width, W = w - 1 conv window rows.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harts.data.trie import CompactTrie
 from harts.planning.calls import CallPlan
+from harts.planning.checks import integer_arg
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -109,7 +111,8 @@ class ExecutionLayout:
     tokens: np.ndarray  # [P] input token ids (0 for padding)
     position_ids: np.ndarray  # [P] position in the original trajectory (depth), 0 for padding
     multiplicity: np.ndarray  # [P] q_c, 0 for padding
-    parent_phys: np.ndarray  # [P] physical row of the trie parent (the row at position - 1 on every path), -1 for roots/padding
+    # [P] physical row of the trie parent (the row at position - 1 on every path), -1 for roots/padding
+    parent_phys: np.ndarray
     # Sequences (global, round-major)
     seq_round: np.ndarray  # [Q]
     seq_trajectory: np.ndarray  # [Q]
@@ -179,291 +182,193 @@ class ExecutionLayout:
         }
 
     def validate(self, plan: CallPlan | None = None) -> None:
-        """Check every guarantee of the layout against the trie (and the plan, when given)."""
-        _validate_layout(self, plan)
+        """Check every guarantee of the layout against the trie (and the plan, when given); raises ValueError
+        naming the offending row, sequence, round or state and its values."""
+        from harts.planning.layout_validate import validate_layout
+
+        validate_layout(self, plan)
 
 
 # ---------------------------------------------------------------------------------------------- build
 def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 1) -> ExecutionLayout:
-    """Compact execution layout of a plan made by ``plan_calls`` (the plan must carry its trie)."""
-    trie = plan.trie
-    if trie is None:
-        raise ValueError("build_layout: the plan has no trie (make it with plan_calls / plan_calls_for_trie)")
-    if conv_width < 1:
-        raise ValueError(f"build_layout: conv_width must be >= 1, got {conv_width}")
-    if pad_to_multiple < 1:
-        raise ValueError(f"build_layout: pad_to_multiple must be >= 1, got {pad_to_multiple}")
-    B = plan.chunk_size
-    C = trie.num_rows
-    Q = plan.num_sequences
-    traj = plan.seq_trajectory
-    a, s, e = plan.seq_replay_start, plan.seq_start, plan.seq_end
-    path_base = trie.offsets[traj]  # semantic index of (traj_q, 0)
+    """Compact execution layout of a plan made by ``plan_calls`` (the plan must carry its trie).
 
-    def path_rows(lo: np.ndarray, lengths: np.ndarray, seqs: np.ndarray | None = None) -> np.ndarray:
-        """Trie rows of positions lo[k] .. lo[k]+lengths[k]-1 on the paths of sequences ``seqs``."""
-        base = path_base if seqs is None else path_base[seqs]
-        return trie.row_of_position[_ranges(base + lo, lengths)]
-
-    # Physical order: sequence output blocks in global sequence order (round-major).
-    n_out = e - s
-    seq_cu = _cu(n_out)
-    assert int(seq_cu[-1]) == C, "plan outputs do not cover the compact rows"
-    row_of_out = path_rows(s, n_out)  # [C] in physical order
-    P = -(-C // pad_to_multiple) * pad_to_multiple
-    row_of_phys = np.full(P, -1, dtype=np.int64)
-    row_of_phys[:C] = row_of_out
-    phys_of_row = np.empty(C, dtype=np.int64)
-    phys_of_row[row_of_out] = np.arange(C, dtype=np.int64)
-    tokens = np.zeros(P, dtype=np.int64)
-    tokens[:C] = trie.tokens[row_of_out]
-    position_ids = np.zeros(P, dtype=np.int64)
-    position_ids[:C] = trie.depth[row_of_out]
-    multiplicity = np.zeros(P, dtype=np.int64)
-    multiplicity[:C] = trie.multiplicity[row_of_out]
-    parent_phys = np.full(P, -1, dtype=np.int64)
-    tp = trie.parent[row_of_out]
-    parent_phys[:C] = np.where(tp >= 0, phys_of_row[np.maximum(tp, 0)], -1)
-
-    # States: the plan's emit list is already ordered (round, sequence, chunk), so state id = its index.
-    eo, ec = plan.emit_offsets, plan.emit_chunks
-    emit_seq_global = np.repeat(np.arange(Q, dtype=np.int64), np.diff(eo))
-    R = plan.num_calls
-    ro = plan.round_offsets
-    state_offsets = eo[ro]
-    init_chunk = plan.init_chunk()
-    init_src = np.full(Q, -1, dtype=np.int64)
-    has = plan.seq_init >= 0
-    if has.any():
-        # The emit list is sorted by (sequence, chunk): look every initial state up in one searchsorted.
-        M = int(ec.max()) + 1
-        keys = emit_seq_global * M + ec
-        want = plan.seq_init[has] * M + init_chunk[has]
-        k = np.searchsorted(keys, want)
-        ok = (k < keys.shape[0]) & (keys[np.minimum(k, keys.shape[0] - 1)] == want)
-        if not ok.all():
-            q = int(np.flatnonzero(has)[np.flatnonzero(~ok)[0]])
-            raise AssertionError(f"sequence {q}: its initial state is not emitted by sequence {int(plan.seq_init[q])}")
-        init_src[has] = k
-
-    # Rounds
-    in_len = e - a
-    rounds = []
-    for r in range(R):
-        lo, hi = int(ro[r]), int(ro[r + 1])
-        seqs = np.arange(lo, hi, dtype=np.int64)
-        cu = _cu(in_len[lo:hi])
-        gather = phys_of_row[path_rows(a[lo:hi], in_len[lo:hi], seqs)]
-        local_pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], in_len[lo:hi])
-        is_output = local_pos >= np.repeat(s[lo:hi] - a[lo:hi], in_len[lo:hi])
-        out_pos = np.flatnonzero(is_output).astype(np.int64)
-        e_lo, e_hi = int(state_offsets[r]), int(state_offsets[r + 1])
-        emit_seq = emit_seq_global[e_lo:e_hi] - lo
-        emit_chunk = ec[e_lo:e_hi]
-        n_chunks = -(-in_len[lo:hi] // B)
-        chunk_off = _cu(n_chunks)
-        rounds.append(
-            RoundLayout(
-                seq_offset=lo,
-                cu_seqlens=cu,
-                max_seqlen=int(in_len[lo:hi].max()),
-                gather=gather,
-                is_output=is_output,
-                output_positions=out_pos,
-                output_rows=gather[out_pos],
-                phys_start=int(seq_cu[lo]),
-                phys_end=int(seq_cu[hi]),
-                init_source=init_src[lo:hi],
-                emit_seq=emit_seq,
-                emit_chunk=emit_chunk,
-                emit_state=np.arange(e_lo, e_hi, dtype=np.int64),
-                emit_global_chunk=chunk_off[emit_seq] + emit_chunk,
-            )
-        )
-
-    # MLA: Q = own outputs, KV = path positions [0, e).
-    mla_kv_rows = phys_of_row[path_rows(np.zeros(Q, dtype=np.int64), e)]
-    # Conv context: positions s-w+1 .. s-1 (oldest first), -1 where the position is negative.
-    w1 = conv_width - 1
-    if w1 > 0:
-        offs = np.arange(-w1, 0, dtype=np.int64)
-        pos = s[:, None] + offs[None, :]  # [Q, w-1]
-        valid = pos >= 0
-        sem = path_base[:, None] + np.maximum(pos, 0)
-        conv_context = np.where(valid, phys_of_row[trie.row_of_position[sem]], -1)
-    else:
-        conv_context = np.zeros((Q, 0), dtype=np.int64)
-
-    # Log-probs in original order.
-    semantic_rows = phys_of_row[trie.row_of_position]
-    lens = trie.lengths
-    lp_len = lens - 1
-    lp_sem = _ranges(trie.offsets[:-1], lp_len)
-    logprob_rows = semantic_rows[lp_sem]
-    # Next-token targets come from the trie tokens of (i, t+1).
-    logprob_targets = trie.tokens[trie.row_of_position[lp_sem + 1]]
-
+    ``conv_width`` w >= 1 and ``pad_to_multiple`` >= 1 are ints or numpy integers (TypeError otherwise).
+    """
+    trie = check_layout_args(plan, conv_width, pad_to_multiple)
+    w, pad = int(conv_width), int(pad_to_multiple)
+    path_base = trie.offsets[plan.seq_trajectory]  # [Q] semantic index of (traj_q, 0)
+    phys = physical_order(plan, trie, path_base, pad)
+    state_offsets, init_source = state_ids(plan)
+    e, n_out = plan.seq_end, plan.seq_end - plan.seq_start
+    semantic_rows, logprob_offsets, logprob_rows, logprob_targets = logprob_views(trie, phys.phys_of_row)
     return ExecutionLayout(
-        chunk_size=B,
-        conv_width=int(conv_width),
-        num_rows=C,
-        num_phys=P,
-        row_of_phys=row_of_phys,
-        phys_of_row=phys_of_row,
-        tokens=tokens,
-        position_ids=position_ids,
-        multiplicity=multiplicity,
-        parent_phys=parent_phys,
+        chunk_size=plan.chunk_size,
+        conv_width=w,
+        num_rows=trie.num_rows,
+        num_phys=phys.num_phys,
+        row_of_phys=phys.row_of_phys,
+        phys_of_row=phys.phys_of_row,
+        tokens=phys.tokens,
+        position_ids=phys.position_ids,
+        multiplicity=phys.multiplicity,
+        parent_phys=phys.parent_phys,
         seq_round=plan.seq_round.copy(),
-        seq_trajectory=traj.copy(),
-        seq_replay_start=a.copy(),
-        seq_start=s.copy(),
+        seq_trajectory=plan.seq_trajectory.copy(),
+        seq_replay_start=plan.seq_replay_start.copy(),
+        seq_start=plan.seq_start.copy(),
         seq_end=e.copy(),
-        seq_cu_seqlens=seq_cu,
-        round_offsets=ro.copy(),
-        state_offsets=state_offsets.astype(np.int64),
-        rounds=tuple(rounds),
-        mla_q_rows=np.arange(C, dtype=np.int64),
-        mla_kv_rows=mla_kv_rows,
-        cu_seqlens_q=seq_cu.copy(),
+        seq_cu_seqlens=phys.seq_cu_seqlens,
+        round_offsets=plan.round_offsets.copy(),
+        state_offsets=state_offsets,
+        rounds=tuple(round_layout(plan, r, trie, path_base, phys, state_offsets, init_source)
+                     for r in range(plan.num_calls)),
+        mla_q_rows=np.arange(trie.num_rows, dtype=np.int64),
+        mla_kv_rows=phys.phys_of_row[path_rows(trie, path_base, np.zeros_like(e), e)],
+        cu_seqlens_q=phys.seq_cu_seqlens.copy(),
         cu_seqlens_k=_cu(e),
         max_seqlen_q=int(n_out.max()),
         max_seqlen_k=int(e.max()),
-        conv_context=conv_context.astype(np.int64),
+        conv_context=conv_context(trie, path_base, plan.seq_start, phys.phys_of_row, w),
         semantic_offsets=trie.offsets.copy(),
         semantic_rows=semantic_rows,
-        logprob_offsets=_cu(lp_len),
+        logprob_offsets=logprob_offsets,
         logprob_rows=logprob_rows,
         logprob_targets=logprob_targets,
     )
 
 
-# ---------------------------------------------------------------------------------------------- validation
-def _validate_layout(lay: ExecutionLayout, plan: CallPlan | None) -> None:
-    C, P, B = lay.num_rows, lay.num_phys, lay.chunk_size
-    Q, R = lay.num_sequences, lay.num_rounds
-    # Physical ordering: a bijection between trie rows and the first C physical rows; padding after.
-    assert P >= C and lay.row_of_phys.shape == (P,) and lay.phys_of_row.shape == (C,)
-    assert np.array_equal(np.sort(lay.row_of_phys[:C]), np.arange(C)), "physical rows are not a permutation"
-    assert np.all(lay.row_of_phys[C:] == -1), "padding rows must map to no trie row"
-    assert np.array_equal(lay.phys_of_row[lay.row_of_phys[:C]], np.arange(C))
-    for name in ("tokens", "position_ids", "multiplicity"):
-        arr = getattr(lay, name)
-        assert arr.shape == (P,) and np.all(arr[C:] == 0), f"{name}: padding rows must be 0"
-    assert lay.parent_phys.shape == (P,) and np.all(lay.parent_phys[C:] == -1)
-    assert np.all(lay.parent_phys[:C] < C)
-    assert np.all(lay.multiplicity[:C] >= 1)
-    # Sequences tile [0, C) round-major; rounds nonempty.
-    assert lay.seq_cu_seqlens[0] == 0 and lay.seq_cu_seqlens[-1] == C
-    n_out = lay.seq_end - lay.seq_start
-    assert np.all(n_out >= 1) and np.array_equal(np.diff(lay.seq_cu_seqlens), n_out)
-    assert np.all(np.diff(lay.round_offsets) >= 1) and lay.round_offsets[-1] == Q
-    assert np.array_equal(lay.seq_round, np.repeat(np.arange(R), np.diff(lay.round_offsets)))
-    assert np.array_equal(lay.seq_replay_start, (lay.seq_start // B) * B), "replay is not [a(p), p)"
-    # Every physical row is on a path: its position id follows its sequence's positions.
-    pos_of_out = _ranges(lay.seq_start, n_out)
-    assert np.array_equal(lay.position_ids[:C], pos_of_out), "position ids do not follow the sequences"
-    covered = np.zeros(P, dtype=np.int64)
-    for r, rd in enumerate(lay.rounds):
-        lo, hi = int(lay.round_offsets[r]), int(lay.round_offsets[r + 1])
-        n = hi - lo
-        assert rd.seq_offset == lo and rd.cu_seqlens.shape == (n + 1,) and rd.cu_seqlens[0] == 0
-        lens = lay.seq_end[lo:hi] - lay.seq_replay_start[lo:hi]
-        assert np.array_equal(np.diff(rd.cu_seqlens), lens) and rd.max_seqlen == int(lens.max())
-        T = rd.num_tokens
-        assert rd.gather.shape == (T,) and rd.is_output.shape == (T,)
-        assert np.all((rd.gather >= 0) & (rd.gather < C)), f"round {r}: gathers padding or out of range"
-        # Every input position reads the row at its own position on a true path.
-        want_pos = _ranges(lay.seq_replay_start[lo:hi], lens)
-        assert np.array_equal(lay.position_ids[rd.gather], want_pos), f"round {r}: gathered positions"
-        local = np.arange(T) - np.repeat(rd.cu_seqlens[:-1], lens)
-        assert np.array_equal(rd.is_output, local >= np.repeat(lay.seq_start[lo:hi] - lay.seq_replay_start[lo:hi], lens))
-        assert np.array_equal(rd.output_positions, np.flatnonzero(rd.is_output))
-        assert np.array_equal(rd.output_rows, rd.gather[rd.output_positions])
-        assert rd.phys_start == lay.seq_cu_seqlens[lo] and rd.phys_end == lay.seq_cu_seqlens[hi]
-        assert np.array_equal(rd.output_rows, np.arange(rd.phys_start, rd.phys_end)), f"round {r}: outputs not contiguous"
-        covered[rd.output_rows] += 1
-        # Every sequence reads exactly the rows of positions [replay_start, end) of its KV path (below).
-        kv_pos = _ranges(lay.cu_seqlens_k[lo:hi] + lay.seq_replay_start[lo:hi], lens)
-        assert np.array_equal(rd.gather, lay.mla_kv_rows[kv_pos]), f"round {r}: gathers rows off the path"
-        # Initial states: zero iff replay_start == 0, else a state emitted by an earlier round.
-        a = lay.seq_replay_start[lo:hi]
-        assert np.array_equal(rd.init_source < 0, a == 0), f"round {r}: zero state iff replay_start == 0"
-        assert np.all(rd.init_source < lay.state_offsets[r]), f"round {r}: initial state from this or a later round"
-        # Requested states.
-        e_lo, e_hi = int(lay.state_offsets[r]), int(lay.state_offsets[r + 1])
-        assert np.array_equal(rd.emit_state, np.arange(e_lo, e_hi))
-        assert np.all((rd.emit_seq >= 0) & (rd.emit_seq < n))
-        key = rd.emit_seq * (int(lens.max()) + 1) + rd.emit_chunk
-        assert np.all(np.diff(key) > 0), f"round {r}: requests not sorted/unique"
-        assert np.all(rd.emit_chunk >= 1) and np.all(rd.emit_chunk * B < lens[rd.emit_seq]), f"round {r}: bad chunk"
-        nt = -(-lens // B)
-        assert np.array_equal(rd.emit_global_chunk, _cu(nt)[rd.emit_seq] + rd.emit_chunk)
-    assert np.all(covered[:C] == 1) and np.all(covered[C:] == 0), "a compact row is not output exactly once"
-    # Initial states come from a sequence whose path agrees with ours up to the anchor.
-    st_round = np.repeat(np.arange(R), np.diff(lay.state_offsets))
-    st_seq = np.concatenate([rd.emit_seq + rd.seq_offset for rd in lay.rounds])
-    st_chunk = np.concatenate([rd.emit_chunk for rd in lay.rounds])
-    consumers = np.zeros(lay.num_states, dtype=np.int64)
-    for r, rd in enumerate(lay.rounds):
-        for n in np.flatnonzero(rd.init_source >= 0).tolist():
-            q = rd.seq_offset + n
-            k = int(rd.init_source[n])
-            j, c = int(st_seq[k]), int(st_chunk[k])
-            assert st_round[k] < r
-            a = int(lay.seq_replay_start[q])
-            assert lay.seq_replay_start[j] + c * B == a, f"sequence {q}: state {k} is not at position {a}"
-            # The row at position a-1 on both paths must agree (a trie row fixes the whole prefix).
-            assert _path_row(lay, j, a - 1) == _path_row(lay, q, a - 1), f"sequence {q}: emitter {j} is on another path"
-            consumers[k] += 1
-    assert np.all(consumers >= 1), "an emitted state is never consumed"
-    # MLA views: KV = positions [0, e) of the path, ending with the sequence's own outputs (bottom-right).
-    e = lay.seq_end
-    assert np.array_equal(lay.cu_seqlens_q, lay.seq_cu_seqlens) and np.array_equal(lay.cu_seqlens_k, _cu(e))
-    assert np.array_equal(lay.mla_q_rows, np.arange(C))
-    kv = lay.mla_kv_rows
-    assert kv.shape == (int(e.sum()),) and np.all((kv >= 0) & (kv < C))
-    assert np.array_equal(lay.position_ids[kv], _ranges(np.zeros(Q, dtype=np.int64), e)), "KV positions"
-    tail = _ranges(lay.cu_seqlens_k[:-1] + lay.seq_start, n_out)
-    assert np.array_equal(kv[tail], lay.mla_q_rows), "the KV view does not end with the sequence's own rows"
-    # Each KV view is one true root path: a root row, then parent -> child links.
-    nxt = np.ones(kv.shape[0], dtype=bool)
-    nxt[lay.cu_seqlens_k[:-1]] = False
-    assert np.all(lay.parent_phys[kv[~nxt]] == -1), "a KV view does not start at a root"
-    assert np.array_equal(lay.parent_phys[kv[nxt]], kv[np.flatnonzero(nxt) - 1]), "a KV view leaves its path"
-    assert lay.max_seqlen_q == int(n_out.max()) and lay.max_seqlen_k == int(e.max())
-    # Conv context: the w-1 path rows before the first output, -1 before position 0.
-    w1 = lay.conv_width - 1
-    assert lay.conv_context.shape == (Q, w1)
-    if w1:
-        pos = lay.seq_start[:, None] + np.arange(-w1, 0)[None, :]
-        valid = pos >= 0
-        assert np.array_equal(lay.conv_context < 0, ~valid)
-        want = kv[(lay.cu_seqlens_k[:-1, None] + np.maximum(pos, 0))]
-        assert np.array_equal(lay.conv_context[valid], want[valid]), "conv context is not the true ancestors"
-    # Log-probs.
-    N = lay.num_trajectories
-    lens_t = np.diff(lay.semantic_offsets)
-    assert np.array_equal(lay.logprob_offsets, _cu(lens_t - 1))
-    sem_next = _ranges(lay.semantic_offsets[:-1] + 1, lens_t - 1)
-    sem_cur = sem_next - 1
-    assert np.array_equal(lay.logprob_rows, lay.semantic_rows[sem_cur])
-    assert np.array_equal(lay.logprob_targets, lay.tokens[lay.semantic_rows[sem_next]])
-    assert np.array_equal(lay.position_ids[lay.semantic_rows], _ranges(np.zeros(N, dtype=np.int64), lens_t))
-    assert np.array_equal(np.bincount(lay.semantic_rows, minlength=P), lay.multiplicity), "multiplicities"
-    if plan is not None:
-        assert R == plan.num_calls and lay.replay_tokens == plan.replay_tokens
-        assert np.array_equal(lay.seq_start, plan.seq_start) and np.array_equal(lay.seq_end, plan.seq_end)
-        trie = plan.trie
-        if trie is not None:
-            rows = lay.row_of_phys[:C]
-            assert np.array_equal(lay.tokens[:C], trie.tokens[rows])
-            assert np.array_equal(lay.position_ids[:C], trie.depth[rows])
-            assert np.array_equal(lay.multiplicity[:C], trie.multiplicity[rows])
-            tp = trie.parent[rows]
-            assert np.array_equal(lay.parent_phys[:C], np.where(tp >= 0, lay.phys_of_row[np.maximum(tp, 0)], -1))
-            assert np.array_equal(lay.semantic_rows, lay.phys_of_row[trie.row_of_position])
+def check_layout_args(plan: CallPlan, conv_width, pad_to_multiple) -> CompactTrie:
+    """The plan's trie, after checking the arguments of ``build_layout``."""
+    if not isinstance(plan, CallPlan):
+        raise TypeError(f"build_layout: plan must be a CallPlan (from plan_calls), got {type(plan).__name__}")
+    integer_arg(conv_width, "conv_width", where="build_layout")
+    integer_arg(pad_to_multiple, "pad_to_multiple", where="build_layout")
+    if plan.trie is None:
+        raise ValueError("build_layout: the plan has no trie (make it with plan_calls / plan_calls_for_trie)")
+    C, covered = plan.trie.num_rows, int((plan.seq_end - plan.seq_start).sum())
+    if covered != C:
+        raise ValueError(f"build_layout: the plan's sequences output {covered} rows, the trie has C = {C}")
+    return plan.trie
 
 
-def _path_row(lay: ExecutionLayout, q: int, t: int) -> int:
-    return int(lay.row_of_phys[lay.mla_kv_rows[lay.cu_seqlens_k[q] + t]])
+def path_rows(trie: CompactTrie, path_base: np.ndarray, lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Trie rows of positions lo[k] .. lo[k]+lengths[k]-1 on the paths starting at semantic index path_base[k]."""
+    return trie.row_of_position[_ranges(path_base + lo, lengths)]
+
+
+@dataclass(frozen=True, eq=False)
+class PhysicalOrder:
+    """The physical row order: sequence output blocks in global (round-major) sequence order, then padding."""
+
+    num_phys: int  # P
+    row_of_phys: np.ndarray  # [P] trie row, -1 for padding
+    phys_of_row: np.ndarray  # [C]
+    tokens: np.ndarray  # [P]
+    position_ids: np.ndarray  # [P]
+    multiplicity: np.ndarray  # [P]
+    parent_phys: np.ndarray  # [P]
+    seq_cu_seqlens: np.ndarray  # [Q+1] output blocks
+
+
+def physical_order(plan: CallPlan, trie: CompactTrie, path_base: np.ndarray, pad_to_multiple: int) -> PhysicalOrder:
+    C = trie.num_rows
+    n_out = plan.seq_end - plan.seq_start
+    row_of_out = path_rows(trie, path_base, plan.seq_start, n_out)  # [C] in physical order
+    P = -(-C // pad_to_multiple) * pad_to_multiple
+    phys_of_row = np.empty(C, dtype=np.int64)
+    phys_of_row[row_of_out] = np.arange(C, dtype=np.int64)
+    tp = trie.parent[row_of_out]
+
+    def padded(values_C: np.ndarray, fill: int) -> np.ndarray:
+        out_P = np.full(P, fill, dtype=np.int64)
+        out_P[:C] = values_C
+        return out_P
+
+    return PhysicalOrder(
+        num_phys=P,
+        row_of_phys=padded(row_of_out, -1),
+        phys_of_row=phys_of_row,
+        tokens=padded(trie.tokens[row_of_out], 0),
+        position_ids=padded(trie.depth[row_of_out], 0),
+        multiplicity=padded(trie.multiplicity[row_of_out], 0),
+        parent_phys=padded(np.where(tp >= 0, phys_of_row[np.maximum(tp, 0)], -1), -1),
+        seq_cu_seqlens=_cu(n_out),
+    )
+
+
+def state_ids(plan: CallPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(state_offsets [R+1], init_source [Q]): the plan's emit list is already ordered (round, sequence,
+    chunk), so a state's id is its index in it; init_source is each sequence's initial state id (-1 = zero)."""
+    eo, ec = plan.emit_offsets, plan.emit_chunks
+    Q = plan.num_sequences
+    init_source = np.full(Q, -1, dtype=np.int64)
+    has = plan.seq_init >= 0
+    if has.any():
+        # The emit list is sorted by (sequence, chunk): look every initial state up in one searchsorted.
+        emit_seq = np.repeat(np.arange(Q, dtype=np.int64), np.diff(eo))
+        M = int(ec.max()) + 1
+        keys = emit_seq * M + ec
+        want = plan.seq_init[has] * M + plan.init_chunk()[has]
+        k = np.searchsorted(keys, want)
+        ok = (k < keys.shape[0]) & (keys[np.minimum(k, keys.shape[0] - 1)] == want)
+        if not ok.all():
+            q = int(np.flatnonzero(has)[np.flatnonzero(~ok)[0]])
+            raise ValueError(f"build_layout: sequence {q}: its initial state (chunk {int(plan.init_chunk()[q])}) "
+                             f"is not emitted by sequence {int(plan.seq_init[q])}")
+        init_source[has] = k
+    return eo[plan.round_offsets].astype(np.int64), init_source
+
+
+def round_layout(plan: CallPlan, r: int, trie: CompactTrie, path_base: np.ndarray, phys: PhysicalOrder,
+                 state_offsets: np.ndarray, init_source: np.ndarray) -> RoundLayout:
+    """KDA round r: its sequences' inputs [replay_start, end) gathered from physical rows, and its states."""
+    B = plan.chunk_size
+    lo, hi = int(plan.round_offsets[r]), int(plan.round_offsets[r + 1])
+    a, s = plan.seq_replay_start[lo:hi], plan.seq_start[lo:hi]
+    in_len = plan.seq_end[lo:hi] - a
+    cu = _cu(in_len)
+    gather = phys.phys_of_row[path_rows(trie, path_base[lo:hi], a, in_len)]
+    local_pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], in_len)
+    is_output = local_pos >= np.repeat(s - a, in_len)
+    out_pos = np.flatnonzero(is_output).astype(np.int64)
+    e_lo, e_hi = int(state_offsets[r]), int(state_offsets[r + 1])
+    emit_seq = np.repeat(np.arange(hi - lo, dtype=np.int64), np.diff(plan.emit_offsets[lo : hi + 1]))
+    emit_chunk = plan.emit_chunks[e_lo:e_hi]
+    chunk_off = _cu(-(-in_len // B))
+    return RoundLayout(
+        seq_offset=lo,
+        cu_seqlens=cu,
+        max_seqlen=int(in_len.max()),
+        gather=gather,
+        is_output=is_output,
+        output_positions=out_pos,
+        output_rows=gather[out_pos],
+        phys_start=int(phys.seq_cu_seqlens[lo]),
+        phys_end=int(phys.seq_cu_seqlens[hi]),
+        init_source=init_source[lo:hi],
+        emit_seq=emit_seq,
+        emit_chunk=emit_chunk,
+        emit_state=np.arange(e_lo, e_hi, dtype=np.int64),
+        emit_global_chunk=chunk_off[emit_seq] + emit_chunk,
+    )
+
+
+def conv_context(trie: CompactTrie, path_base: np.ndarray, seq_start: np.ndarray, phys_of_row: np.ndarray,
+                 conv_width: int) -> np.ndarray:
+    """[Q, w-1] physical rows of positions s-w+1 .. s-1 on each sequence's path (oldest first), -1 below 0."""
+    w1 = conv_width - 1
+    if w1 == 0:
+        return np.zeros((seq_start.shape[0], 0), dtype=np.int64)
+    pos_QW = seq_start[:, None] + np.arange(-w1, 0, dtype=np.int64)[None, :]
+    sem_QW = path_base[:, None] + np.maximum(pos_QW, 0)
+    return np.where(pos_QW >= 0, phys_of_row[trie.row_of_position[sem_QW]], -1).astype(np.int64)
+
+
+def logprob_views(trie: CompactTrie, phys_of_row: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(semantic_rows [S], logprob_offsets [N+1], logprob_rows [S-N], logprob_targets [S-N]) in original order:
+    position t < L_i - 1 of trajectory i predicts token t + 1, read from the trie."""
+    semantic_rows = phys_of_row[trie.row_of_position]
+    lp_len = trie.lengths - 1
+    lp_sem = _ranges(trie.offsets[:-1], lp_len)
+    return semantic_rows, _cu(lp_len), semantic_rows[lp_sem], trie.tokens[trie.row_of_position[lp_sem + 1]]
