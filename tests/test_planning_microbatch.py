@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harts.data.trajectory import RolloutBatch
+from harts.bench.plan_microbatches_cli import main
 from harts.planning import MicrobatchPlan, plan_microbatches
 from harts.planning.exact_dp import exact_partitions, exact_partitions_pairwise, first_feasible_start
 from harts.planning.greedy import align_to_dp, eliminate_small, greedy_place, neighbour_shared, processing_orders
 from harts.planning.heuristic import evolve_natural, sample_targets
-from harts.planning.microbatch import PlanningError, main, plan_index
+from harts.planning.microbatch import PlanningError, plan_index
 from harts.planning.natural import k_range, natural_partition
 from harts.planning.prefix_cost import build_prefix_index
 from harts.planning.refine import boundary_refine, sparse_repair

@@ -1,4 +1,4 @@
-"""Prefix-aware microbatch, DP-replica and slot planning (paper 3.2): ``plan_microbatches`` and its CLI.
+"""Prefix-aware microbatch, DP-replica and slot planning (paper 3.2): ``plan_microbatches``.
 
 Candidates (all with K a multiple of D, capacity-feasible, nonempty), in tie-break order:
   * N <= 512: the exact contiguous DP of Eq. 9 for every K in the Eq. 8 range;
@@ -12,19 +12,16 @@ Candidates (all with K a multiple of D, capacity-feasible, nonempty), in tie-bre
 Each candidate gets the greedy DP-replica/slot schedule and the winner minimises J of Eq. 4
 lexicographically (ties: the earlier candidate in the order above), so the additions can only lower J.
 
-CLI: ``python -m harts.planning.microbatch --input F.jsonl --dp D --capacity T [--json OUT]``.
+CLI: ``python -m harts.bench.plan_microbatches_cli --input F.jsonl --dp D --capacity T [--json OUT]``.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from harts.data.trajectory import as_token_arrays
+from harts.planning.checks import integer_arg, require, require_all
 from harts.planning.exact_dp import dp_size, exact_partitions, first_feasible_start
 from harts.planning.greedy import best_greedy, relabel
 from harts.planning.heuristic import evolve_natural, sample_targets
@@ -40,6 +37,8 @@ MAX_ANCHORS = 3
 # takes 3.5-8 ms), so 1e8 cells bounds it well under 0.1 s; (N+1) B bounds its per-row cell arrays (memory).
 EXACT_CELL_BUDGET = 100_000_000
 EXACT_ROW_BUDGET = 1 << 21
+
+Candidate = tuple[str, np.ndarray, "np.ndarray | None"]  # (label, owner by position, cuts or None)
 
 
 class PlanningError(ValueError):
@@ -81,29 +80,41 @@ class MicrobatchPlan:
         return step_imbalance(np.asarray(self.work, dtype=np.int64), self.slots())
 
     def validate(self, trajectories=None) -> None:
-        """Check every guarantee; raises AssertionError naming the violation. With ``trajectories`` also
-        recompute each microbatch's work from its tokens (sort + adjacent LCP, Eq. 5)."""
+        """Check every guarantee; raises ValueError naming the offending microbatch, replica or trajectory.
+        With ``trajectories`` also recompute each microbatch's work from its tokens (sort + adjacent LCP, Eq. 5)."""
         k, d = len(self.microbatches), self.dp_degree
-        assert d >= 1 and k >= d, f"need at least D = {d} microbatches, got {k}"
-        assert k % d == 0, f"K = {k} is not a multiple of D = {d}"
+        require(isinstance(d, (int, np.integer)) and d >= 1 and k >= d,
+                lambda: f"need at least D = {d} microbatches (D >= 1), got {k}")
+        require(k % d == 0, lambda: f"K = {k} microbatches is not a multiple of D = {d}")
+        for i, mb in enumerate(self.microbatches):
+            require(len(mb) > 0, lambda: f"microbatch {i} is empty")
         members = [i for mb in self.microbatches for i in mb]
-        assert all(len(mb) > 0 for mb in self.microbatches), "empty microbatch"
         n = len(members)
-        assert sorted(members) == list(range(n)), "coverage: every trajectory exactly once"
-        assert len(self.work) == k
-        assert all(0 < w <= self.capacity for w in self.work), f"work above capacity {self.capacity}"
-        assert len(self.replicas) == d and all(len(r) == k // d for r in self.replicas), "K/D per replica"
-        assert sorted(i for r in self.replicas for i in r) == list(range(k)), "each microbatch on one replica"
+        seen = np.bincount(np.asarray(members, dtype=np.int64), minlength=n) if n else np.zeros(0, np.int64)
+        require(all(0 <= i < n for i in members),
+                lambda: f"trajectory {next(i for i in members if not 0 <= i < n)} is not in [0, {n})")
+        require_all(seen == 1, lambda t: f"trajectory {t} is in {int(seen[t])} microbatches, expected exactly one")
+        require(len(self.work) == k, lambda: f"{len(self.work)} work entries for {k} microbatches")
+        for i, w in enumerate(self.work):
+            require(0 < w <= self.capacity, lambda: f"microbatch {i}: work {w} is not in (0, capacity {self.capacity}]")
+        require(len(self.replicas) == d, lambda: f"{len(self.replicas)} replicas, expected D = {d}")
+        for r, ids in enumerate(self.replicas):
+            require(len(ids) == k // d, lambda: f"replica {r} runs {len(ids)} microbatches, expected K/D = {k // d}")
+        placed = [i for r in self.replicas for i in r]
+        require(all(0 <= i < k for i in placed),
+                lambda: f"microbatch id {next(i for i in placed if not 0 <= i < k)} is not in [0, {k})")
+        runs = np.bincount(np.asarray(placed, dtype=np.int64), minlength=k)
+        require_all(runs == 1, lambda i: f"microbatch {i} is on {int(runs[i])} replicas, expected exactly one")
         work = np.asarray(self.work, dtype=np.int64)
         w = work[np.asarray(self.replicas, dtype=np.int64)]  # [D, K/D]
         j = (int(work.sum()), int(w.max(axis=0).sum()), int(w.sum(axis=1).max()))
-        assert tuple(self.objective) == j, f"objective {tuple(self.objective)} != recomputed {j}"
+        require(tuple(self.objective) == j, lambda: f"objective {tuple(self.objective)} != recomputed {j}")
         if trajectories is not None:
             arrays = as_token_arrays(trajectories)
-            assert len(arrays) == n, f"plan covers {n} trajectories, got {len(arrays)}"
+            require(len(arrays) == n, lambda: f"plan covers {n} trajectories, got {len(arrays)}")
             for i, mb in enumerate(self.microbatches):
                 got = build_prefix_index([arrays[t] for t in mb]).total_work
-                assert got == self.work[i], f"microbatch {i}: work {self.work[i]} != recomputed {got}"
+                require(got == self.work[i], lambda: f"microbatch {i}: work {self.work[i]} != recomputed {got}")
 
     def to_dict(self) -> dict:
         return {
@@ -118,14 +129,14 @@ class MicrobatchPlan:
 
 
 def check_inputs(lengths: np.ndarray, dp_degree, capacity) -> None:
-    for name, v in (("dp_degree", dp_degree), ("capacity", capacity)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise PlanningError(f"{name} must be an integer, got {v!r}")
-        if v < 1:
-            raise PlanningError(f"{name} must be >= 1, got {v}")
+    """Planner inputs: dp_degree and capacity are ints or numpy integers >= 1 (TypeError for a float or a
+    string, PlanningError below 1), at least D trajectories, none longer than the capacity."""
+    where = "plan_microbatches"
+    dp_degree = integer_arg(dp_degree, "dp_degree", where=where, error=PlanningError)
+    capacity = integer_arg(capacity, "capacity", where=where, error=PlanningError)
     n = lengths.shape[0]
     if n == 0:
-        raise PlanningError("no trajectories to plan (empty input)")
+        raise PlanningError(f"{where}: no trajectories to plan (empty input)")
     if n < dp_degree:
         raise PlanningError(f"{n} trajectories cannot fill {dp_degree} DP replicas (need at least one each)")
     over = np.flatnonzero(lengths > capacity)
@@ -137,7 +148,7 @@ def check_inputs(lengths: np.ndarray, dp_degree, capacity) -> None:
         )
 
 
-def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int | None = None) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int | None = None) -> list[Candidate]:
     """All candidate groupings as (label, owner by position, cuts or None), in tie-break order.
 
     ``exact_threshold`` None (default): the paper's N0 = 512, and for N > N0 the banded exact DP's
@@ -149,7 +160,7 @@ def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
     n0 = N0 if exact_threshold is None else exact_threshold
     natural = natural_partition(index, capacity)
     targets = k_range(index.total_work, capacity, dp, natural.shape[0] - 1, n)
-    base: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+    base: list[Candidate] = []
     if n <= n0:
         for k, cuts in sorted(exact_partitions(index, capacity, targets).items()):
             base.append((f"exact K={k}", cuts_to_owner(cuts, n), cuts))
@@ -178,14 +189,14 @@ def candidates(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
     return out
 
 
-def exact_additions(index: PrefixIndex, capacity: int, targets: list[int]) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+def exact_additions(index: PrefixIndex, capacity: int, targets: list[int]) -> list[Candidate]:
     """The default mode's extra candidates above N0: exact DP partitions for every Eq. 8 target and the
     refined lowest-work one, or nothing when the DP would exceed the cell/row budget."""
     first = first_feasible_start(index, capacity)
     cells, row = dp_size(index, capacity, targets, first)
     if cells > EXACT_CELL_BUDGET or row > EXACT_ROW_BUDGET:
         return []
-    out: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+    out: list[Candidate] = []
     for k, cuts in sorted(exact_partitions(index, capacity, targets, first).items()):
         out.append((f"exact K={k} (above N0)", cuts_to_owner(cuts, index.n), cuts))
     if out:
@@ -194,7 +205,8 @@ def exact_additions(index: PrefixIndex, capacity: int, targets: list[int]) -> li
     return out
 
 
-def plan_index(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int | None = None) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, tuple]:
+def plan_index(index: PrefixIndex, dp: int, capacity: int,
+               exact_threshold: int | None = None) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, tuple]:
     """Best candidate under J: (label, owner by position, work per group, slots [K/D, D], J)."""
     best = None
     seen: set[bytes] = set()
@@ -210,7 +222,7 @@ def plan_index(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
             continue
         work = index.interval_work(cuts[:-1], cuts[1:]) if cuts is not None else index.owner_work(owner, k)
         if work.max() > capacity:
-            raise AssertionError(f"planner bug: candidate {label} exceeds capacity")
+            raise RuntimeError(f"planner bug: candidate {label} exceeds capacity {capacity} ({int(work.max())})")
         if best is not None and int(work.sum()) > best[4][0]:
             continue  # J is lexicographic and total work comes first: this one cannot win
         slots = assign_slots(work, dp)
@@ -225,9 +237,14 @@ def plan_index(index: PrefixIndex, dp: int, capacity: int, exact_threshold: int 
     return best
 
 
-def plan_from_arrays(arrays: list[np.ndarray], *, dp_degree: int, capacity: int, exact_threshold: int | None = None) -> MicrobatchPlan:
+def plan_from_arrays(arrays: list[np.ndarray], *, dp_degree: int, capacity: int,
+                     exact_threshold: int | None = None) -> MicrobatchPlan:
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
     check_inputs(lengths, dp_degree, capacity)
+    dp_degree, capacity = int(dp_degree), int(capacity)
+    if exact_threshold is not None:
+        exact_threshold = integer_arg(exact_threshold, "exact_threshold", where="plan_microbatches", minimum=0,
+                                      error=PlanningError)
     index = build_prefix_index(arrays)
     label, owner, work, slots, j = plan_index(index, dp_degree, capacity, exact_threshold)
     k = work.shape[0]
@@ -253,7 +270,8 @@ def plan_from_arrays(arrays: list[np.ndarray], *, dp_degree: int, capacity: int,
     )
 
 
-def plan_microbatches(trajectories, *, dp_degree: int, capacity: int, exact_threshold: int | None = None) -> MicrobatchPlan:
+def plan_microbatches(trajectories, *, dp_degree: int, capacity: int,
+                      exact_threshold: int | None = None) -> MicrobatchPlan:
     """Plan microbatch membership, DP replicas and slots for one step (paper 3.2).
 
     ``trajectories``: a RolloutBatch, Trajectory objects or token-id sequences. Raises PlanningError (a
@@ -265,66 +283,7 @@ def plan_microbatches(trajectories, *, dp_degree: int, capacity: int, exact_thre
     10 ms at N ~ 1,900); J is minimised over all candidates, so this is never worse than the paper's rule.
     An int N0 reproduces the paper's rule literally with that threshold (512 = the paper; a huge value =
     exact DP instead of the sampled-K evolution at every N)."""
-    if isinstance(dp_degree, (int, np.integer)) and not isinstance(dp_degree, bool) and dp_degree < 1:
-        raise PlanningError(f"dp_degree must be >= 1, got {dp_degree}")
+    integer_arg(dp_degree, "dp_degree", where="plan_microbatches", error=PlanningError)
+    integer_arg(capacity, "capacity", where="plan_microbatches", error=PlanningError)
     arrays = as_token_arrays(trajectories)
     return plan_from_arrays(arrays, dp_degree=dp_degree, capacity=capacity, exact_threshold=exact_threshold)
-
-
-# ------------------------------------------------------------------------------------------ CLI
-
-
-def summarize(plan: MicrobatchPlan, seconds: float) -> dict:
-    imb = plan.slot_imbalances()
-    return {
-        "K": plan.num_microbatches,
-        "slots": plan.num_slots,
-        "total_compact_work": int(plan.objective[0]),
-        "slot_critical_work": int(plan.objective[1]),
-        "max_replica_work": int(plan.objective[2]),
-        "within_slot_imbalance_p50": float(np.percentile(imb, 50)),
-        "within_slot_imbalance_p95": float(np.percentile(imb, 95)),
-        "step_total_imbalance": plan.step_imbalance(),
-        "planning_seconds": seconds,
-        "candidate": plan.candidate,
-    }
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.planning.microbatch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--input", required=True, help="JSONL file, one trajectory per line")
-    ap.add_argument("--dp", type=int, required=True, help="data-parallel degree D")
-    ap.add_argument("--capacity", type=int, required=True, help="microbatch capacity T (compact tokens)")
-    ap.add_argument("--json", default=None, help="write the plan (to_dict) plus a summary here")
-    ap.add_argument("--exact-threshold", type=int, default=None,
-                    help="literal paper mode with this N0 (512 = the paper); default: N0 = 512 plus exact-DP candidates above it")
-    args = ap.parse_args(argv)
-    from harts.data.jsonl import read_jsonl
-
-    try:
-        batch = read_jsonl(args.input)
-        arrays = batch.token_arrays
-        t0 = time.perf_counter()
-        plan = plan_from_arrays(arrays, dp_degree=args.dp, capacity=args.capacity, exact_threshold=args.exact_threshold)
-        seconds = time.perf_counter() - t0
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    plan.validate()
-    s = summarize(plan, seconds)
-    raw = int(sum(a.shape[0] for a in arrays))
-    print(f"trajectories {len(arrays):,}  raw tokens {raw:,}  D {args.dp}  T {args.capacity:,}")
-    print(f"K {s['K']}  slots {s['slots']}  total compact work {s['total_compact_work']:,}  "
-          f"(raw/compact {raw / s['total_compact_work']:.3f})")
-    print(f"slot-critical work {s['slot_critical_work']:,}  max replica work {s['max_replica_work']:,}")
-    print(f"within-slot imbalance P50 {100 * s['within_slot_imbalance_p50']:.4f}%  "
-          f"P95 {100 * s['within_slot_imbalance_p95']:.4f}%  step-total imbalance {100 * s['step_total_imbalance']:.4f}%")
-    print(f"planning time {seconds:.3f} s (winner: {s['candidate']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**plan.to_dict(), "summary": s}, f)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
