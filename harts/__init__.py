@@ -42,6 +42,10 @@ def _register_source_kernels() -> None:
 _register_source_kernels()
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib

@@ -2,12 +2,17 @@
 from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM, LingModel
 
-__all__ = ["LingConfig", "LingForCausalLM", "LingModel", "load_pretrained", "save_pretrained",
-           "compact_logprobs_reference"]
+_CHECKPOINT = ("load_pretrained", "save_pretrained", "load_hf_state_dict", "to_hf_state_dict", "CheckpointError")
+
+__all__ = ["LingConfig", "LingForCausalLM", "LingModel", *_CHECKPOINT, "compact_logprobs_reference"]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name):
-    if name in ("load_pretrained", "save_pretrained", "load_hf_state_dict", "to_hf_state_dict"):
+    if name in _CHECKPOINT:
         from harts.models.ling import checkpoint
 
         return getattr(checkpoint, name)
