@@ -1,35 +1,93 @@
 """HARTS trainer entry point: ``torchrun --nproc_per_node N train.py --config configs/X.toml [--section.key=value ...]``.
 
 Single process: ``python train.py --config configs/X.toml``. See docs/training.md.
+
+Errors: rank 0 prints one line, ``error: <what, where (file:line or config key), what to change>``, and
+every rank exits with status 1; other ranks stay quiet. ``HARTS_DEBUG=1`` prints the full traceback on
+every rank instead.
 """
 import logging
 import os
 import sys
 
+# errors a user fixes in their config, data or output folder: one line, no traceback
+USER_ERRORS = (ValueError, TypeError, OSError, FloatingPointError)
+
+
+def _debug() -> bool:
+    return os.environ.get("HARTS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _report(e: BaseException, rank: int) -> None:
+    """The one error line (rank 0 only)."""
+    if rank != 0:
+        return
+    if isinstance(e, USER_ERRORS):
+        msg = str(e) or type(e).__name__
+    else:
+        msg = f"{type(e).__name__}: {e} (HARTS_DEBUG=1 prints the traceback)"
+    lines = msg.strip().splitlines() or [type(e).__name__]
+    print("error: " + "\n  ".join(lines[:3]), file=sys.stderr, flush=True)
+
+
+def _single_process_group():
+    """A one-process gloo group for ``python train.py`` (the checkpointer's collectives need one)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s rank" + os.environ.get("RANK", "0")
-                        + "] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if os.environ.get("RANK", "0") != "0":
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    from harts.train.config import parse_args
-    from harts.train.trainer import Trainer
-
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    if cfg.job.print_config and os.environ.get("RANK", "0") == "0":
-        print(cfg)
-    trainer = Trainer(cfg)
+    code, trainer = 0, None
     try:
+        from harts.train.config import parse_args
+        from harts.train.trainer import Trainer
+
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        if cfg.job.print_config and rank == 0:
+            print(cfg)
+        if "RANK" not in os.environ:
+            _single_process_group()
+        trainer = Trainer(cfg)
         trainer.train()
+    except (Exception, SystemExit) as e:
+        if isinstance(e, SystemExit) and (e.code is None or e.code == 0):
+            return 0  # --help
+        if _debug():
+            raise
+        if isinstance(e, SystemExit):  # tyro and argument errors have printed their message
+            if not isinstance(e.code, int):
+                _report(ValueError(str(e.code)), rank)
+        else:
+            _report(e, rank)
+        code = 1
     finally:
-        trainer.close()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if trainer is not None and (code == 0 or world == 1):
+            trainer.close()
+        elif world == 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if world > 1:
         # gloo + FSDP2 workers occasionally abort in interpreter teardown after destroy_process_group
-        # (../shared/notes/cpu-env.md section 4); everything is written and closed by now
+        # (../shared/notes/cpu-env.md section 4), and after an error the other ranks may sit in a
+        # collective; everything is written and closed by now
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
+from harts.data.trajectory import did_you_mean
+
 __all__ = ["HartsJobConfig", "parse_args", "load_config"]
 
 
@@ -69,7 +71,8 @@ class Harts:
 @dataclass
 class Data:
     source: str = "synthetic"
-    """'synthetic' (a harts.data.synthetic preset, a new seed every step) or 'jsonl'."""
+    """'synthetic' (a harts.data.synthetic preset, a new seed every step) or 'jsonl' (data.path; the schema
+    is docs/byo-rollouts.md). A data.path with source 'synthetic' is an error, not silently ignored."""
     preset: str = "tiny"
     seed: int = 0
     """Step s uses seed + s (synthetic)."""
@@ -81,9 +84,11 @@ class Data:
     policy fits it)."""
     max_length: int = 0
     """Truncate trajectories to this many tokens (0 = keep); for sizing a workload to the hardware."""
-    reward: str = "data"
+    reward: str = "auto"
     """'data': rewards from the rollouts; 'learnable': reward = fraction of loss tokens with id < vocab/2
-    (a signal the policy can learn from fixed offline rollouts)."""
+    (a signal the policy can learn from fixed offline rollouts; it replaces the rollouts' rewards);
+    'auto': 'data' for JSONL files (your rewards are used), 'learnable' for synthetic rollouts (whose
+    generated rewards are coin flips). The start-up summary says which one a run uses."""
     prefetch: int = 2
     """Steps prepared ahead by the background worker (0 = prepare in the main thread)."""
 
@@ -124,6 +129,10 @@ class Profile:
 class Checkpoint(tt.Checkpoint):
     export_hf: bool = False
     """After the last step, write the model in the official HF safetensors layout to <folder>/hf."""
+    overwrite: bool = False
+    """Start a fresh run in a job.dump_folder that holds an earlier one: delete its checkpoints
+    (checkpoint.folder) and metrics.jsonl first. Without it the trainer resumes from the latest complete
+    checkpoint, and refuses a folder whose run already reached training.steps."""
 
 
 @dataclass
@@ -188,7 +197,7 @@ _USED = {
     "checkpoint": {"enable", "folder", "interval", "keep_latest_k", "load_step", "last_save_model_only",
                    "export_dtype", "initial_load_path", "initial_load_model_only", "async_mode",
                    "exclude_from_loading", "enable_first_step_checkpoint", "export_hf", "load_only",
-                   "enable_ft_dataloader_checkpoints"},
+                   "enable_ft_dataloader_checkpoints", "overwrite"},
     "activation_checkpoint": {"mode"},
     "compile": {"enable", "components", "backend"},
     "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
@@ -201,6 +210,44 @@ _OURS = {"ling", "harts", "data", "rl", "profile"}
 class _Manager(ConfigManager):
     def _validate_config(self) -> None:  # torchtitan's checks concern its tokenizer assets
         pass
+
+    def _dict_to_dataclass(self, cls, data):
+        """torchtitan's TOML -> dataclass, with unknown keys named (section, key, nearest known key); its own
+        message points at a launcher script this repository does not have."""
+        if dataclasses.is_dataclass(cls) and isinstance(data, dict):
+            known = [f.name for f in dataclasses.fields(cls)]
+            for key in data:
+                if key not in known:
+                    raise ValueError(f"config: unknown {_toml_where(cls, key)}{did_you_mean(key, known)} in "
+                                     f"{self._toml_path or 'the TOML file'}; `python train.py --help` lists every key")
+        return super()._dict_to_dataclass(cls, data)
+
+    def parse_args(self, args):
+        self._toml_path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--job.config_file"), None)
+        return super().parse_args(args)
+
+    def _maybe_load_toml(self, args):
+        """torchtitan's loader logs a traceback before re-raising; this names the file in one line."""
+        if self._toml_path is None:
+            return super()._maybe_load_toml(args)
+        import tomllib
+
+        try:
+            with open(self._toml_path, "rb") as f:
+                return tomllib.load(f)
+        except OSError as e:
+            raise ValueError(f"config: cannot read the config file {self._toml_path} ({e.strerror})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config: {self._toml_path} is not valid TOML ({e})") from None
+
+
+def _toml_where(cls, key: str) -> str:
+    """'section [x]' for a top-level key, 'key x of [section]' inside one."""
+    if cls is HartsJobConfig or issubclass(HartsJobConfig, cls):
+        return f"section [{key}]"
+    section = next((f.name for f in dataclasses.fields(HartsJobConfig) if f.type is cls
+                    or typing.get_type_hints(HartsJobConfig).get(f.name) is cls), None)
+    return f"key '{key}' of [{section}]" if section else f"key '{key}'"
 
 
 def _field_types(cls) -> dict[str, dict[str, typing.Any]]:
@@ -229,6 +276,8 @@ def _normalize(argv: list[str]) -> list[str]:
                 i += 1
             i += 1
             continue
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            _check_cli_key(a.split("=", 1)[0][2:], types)
         if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]:
             key, val = a[2:].split("=", 1)
             sec, _, name = key.partition(".")
@@ -240,6 +289,12 @@ def _normalize(argv: list[str]) -> list[str]:
                 out.append(f"--{key}" if v in ("true", "1", "yes") else f"--{sec}.no-{name}")
                 i += 1
                 continue
+            if t in (int, float):
+                try:
+                    t(val)
+                except ValueError:
+                    raise ValueError(f"config: --{key}={val}: expected {'an integer' if t is int else 'a number'}"
+                                     ) from None
             if typing.get_origin(t) is list and "," in val and typing.get_args(t) != (str,):
                 # list[str] already takes "a,b" (torchtitan's tyro rule); other lists get one value each
                 out += [f"--{key}"] + [x for x in val.split(",") if x]
@@ -248,6 +303,20 @@ def _normalize(argv: list[str]) -> list[str]:
         out.append(a)
         i += 1
     return out
+
+
+def _check_cli_key(key: str, types: dict) -> None:
+    """``--section.key``: an unknown section or key is one line naming the nearest known one (tyro's own
+    message is a 12-line box)."""
+    sec, _, name = key.partition(".")
+    if sec not in types:
+        raise ValueError(f"config: unknown option --{key}: no section [{sec}]{did_you_mean(sec, types)}")
+    name = name.replace("-", "_")
+    bare = name[3:] if name.startswith("no_") and types[sec].get(name[3:]) is bool else name
+    if bare not in types[sec]:
+        dotted = [f"--{sec}.{k}" for k in types[sec]]
+        raise ValueError(f"config: unknown option --{key}{did_you_mean(f'--{sec}.{name}', dotted)}; "
+                         "`python train.py --help` lists every option")
 
 
 def validate(cfg: HartsJobConfig) -> HartsJobConfig:
@@ -263,7 +332,7 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
                 raise ValueError(f"config: {f.name}.{g.name} = {getattr(cur, g.name)!r} is a torchtitan setting "
                                  "the HARTS trainer does not use; remove it")
     choices = {
-        ("data", "source"): ("synthetic", "jsonl"), ("data", "reward"): ("data", "learnable"),
+        ("data", "source"): ("synthetic", "jsonl"), ("data", "reward"): ("auto", "data", "learnable"),
         ("rl", "objective"): ("grpo", "ppo"), ("rl", "advantages"): ("grpo", "data"),
         ("rl", "old_logprobs"): ("data", "recompute"), ("rl", "loss_norm"): ("token", "sequence"),
         ("ling", "dtype"): ("float32", "float64", "bfloat16"), ("ling", "backend"): ("auto", "reference", "fast"),
@@ -275,6 +344,9 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
             raise ValueError(f"config: {sec}.{name} = {v!r}; expected one of {ok}")
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
+    if cfg.data.source != "jsonl" and cfg.data.path:
+        raise ValueError(f"config: data.path = {cfg.data.path} is set but data.source = {cfg.data.source!r}, which "
+                         "ignores it; add --data.source=jsonl to train on the files")
     if cfg.data.source == "synthetic":
         from harts.data.synthetic import PRESETS
 

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +40,7 @@ from harts.rl.advantages import with_grpo_advantages
 from harts.rl.losses import StepNormalizer, microbatch_coefficients, step_normalizer
 from harts.runtime.batch import CompactBatch, pack
 
-__all__ = ["Microbatch", "StepData", "StepBuilder", "Prefetcher", "plan_trajectory_wise", "truncate"]
+__all__ = ["Microbatch", "StepData", "StepBuilder", "Prefetcher", "plan_trajectory_wise", "truncate", "reward_mode"]
 
 log = logging.getLogger("harts.train")
 
@@ -116,6 +117,14 @@ def pad_rows(batch: CompactBatch, multiple: int) -> CompactBatch:
         multiplicity=torch.cat([batch.multiplicity, z]), cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad))
 
 
+def reward_mode(data_cfg) -> str:
+    """'data' or 'learnable': what ``data.reward`` (possibly 'auto') means for this ``data.source``: 'auto'
+    uses the rollouts' own rewards from JSONL files and the learnable reward on synthetic rollouts."""
+    if data_cfg.reward != "auto":
+        return data_cfg.reward
+    return "data" if data_cfg.source == "jsonl" else "learnable"
+
+
 def learnable_reward(t: Trajectory, vocab_size: int) -> float:
     """Fraction of the trajectory's loss tokens whose id is below vocab/2 (0.5 if it has none)."""
     m = np.ones(len(t), dtype=bool) if t.loss_mask is None else t.loss_mask > 0
@@ -171,14 +180,27 @@ class StepBuilder:
         self.row_multiple = row_multiple
         self.cp_group = cp_group  # every CP rank of a replica packs the same microbatches, then keeps its rows
         self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
+        self.reward = reward_mode(cfg.data)
+        self._told_reward = False
         self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
         if cfg.data.source == "synthetic":
             from harts.data.synthetic import PRESETS
 
             self.reward_vocab = PRESETS[cfg.data.preset].vocab_size  # the ids the generator draws from
 
-    def load(self, step: int) -> tuple[Trajectory, ...]:
+    def path(self, step: int) -> str:
+        """The JSONL file of step ``step`` (jsonl source)."""
         dc = self.cfg.data
+        return dc.path[0 if dc.fixed_step else (step - 1) % len(dc.path)]
+
+    def where(self, step: int, i: int) -> str:
+        """Trajectory ``i`` of step ``step`` for error messages: ``file:line`` for JSONL data."""
+        if self.cfg.data.source == "jsonl":
+            return f"{self.path(step)}:{i + 1}"
+        return f"step {step}, synthetic trajectory {i}"
+
+    def load(self, step: int) -> tuple[Trajectory, ...]:
+        dc, rl = self.cfg.data, self.cfg.rl
         if dc.source == "synthetic":
             from harts.data.synthetic import PRESETS, generate
 
@@ -188,21 +210,28 @@ class StepBuilder:
             seed = dc.seed + (1 if dc.fixed_step else step)
             trajs = generate(dc.preset, seed=seed, scale=dc.scale).trajectories
         else:
-            from harts.data.jsonl import read_jsonl
+            from harts.data.jsonl import read_jsonl, requirements
 
-            path = dc.path[0 if dc.fixed_step else (step - 1) % len(dc.path)]
-            trajs = read_jsonl(path, vocab_size=self.vocab_size).trajectories
+            required, forbidden = requirements(objective=rl.objective, advantages=rl.advantages,
+                                               old_logprobs=rl.old_logprobs, kl_coef=rl.kl_coef,
+                                               reward_from_data=self.reward == "data")
+            trajs = read_jsonl(self.path(step), vocab_size=self.vocab_size, required=required,
+                               forbidden=forbidden).trajectories
         if dc.max_length > 0:
             trajs = tuple(truncate(t, dc.max_length) for t in trajs)
-        if dc.reward == "learnable":
+        if self.reward == "learnable":
+            told = self._told_reward or os.environ.get("RANK", "0") != "0"
+            if dc.source == "jsonl" and not told and any(t.reward is not None for t in trajs):
+                self._told_reward = True
+                log.warning("data.reward = 'learnable' replaces the rewards in %s (set data.reward = 'data' or "
+                            "'auto' to train on them)", self.path(step))
             trajs = tuple(dataclasses.replace(t, reward=learnable_reward(t, self.reward_vocab)) for t in trajs)
-        rl = self.cfg.rl
         if rl.advantages == "grpo":
             trajs = with_grpo_advantages(trajs, std_normalize=rl.std_normalize, eps=rl.adv_eps)
         else:
             for i, t in enumerate(trajs):
                 if t.token_advantages() is None:
-                    raise ValueError(f"step {step}: trajectory {i} has no 'advantage(s)' and rl.advantages = 'data'")
+                    raise ValueError(f"{self.where(step, i)}: no 'advantage(s)', which rl.advantages = 'data' needs")
         return trajs
 
     def plan_at(self, trajs, capacity: int) -> MicrobatchPlan:
@@ -252,12 +281,34 @@ class StepBuilder:
         self._told_fill = True
         return best
 
+    def _check_capacity(self, step: int, trajs) -> None:
+        """A trajectory longer than ``harts.capacity`` fits no microbatch (alone, its compact rows are its
+        length): name it and the setting, instead of the planner's 0-based index."""
+        cap = self.cfg.harts.capacity
+        lengths = np.fromiter((len(t) for t in trajs), dtype=np.int64, count=len(trajs))
+        over = np.flatnonzero(lengths > cap)
+        if over.shape[0]:
+            i = int(over[0])
+            more = f" ({over.shape[0]} trajectories do)" if over.shape[0] > 1 else ""
+            raise PlanningError(f"{self.where(step, i)}: trajectory of {int(lengths[i])} tokens exceeds harts.capacity "
+                                f"= {cap}{more}; raise --harts.capacity to at least {int(lengths.max())} or cut "
+                                "trajectories with --data.max_length")
+
     def build(self, step: int) -> StepData:
         t0 = time.perf_counter()
         trajs = self.load(step)
         t1 = time.perf_counter()
-        norm = step_normalizer(trajs)
-        plan = self.plan(trajs)
+        try:
+            norm = step_normalizer(trajs)
+        except ValueError as e:
+            where = self.path(step) if self.cfg.data.source == "jsonl" else f"step {step}"
+            raise ValueError(f"{where}: {e}") from None
+        self._check_capacity(step, trajs)
+        try:
+            plan = self.plan(trajs)
+        except PlanningError as e:
+            raise PlanningError(f"step {step}: {e} (harts.capacity = {self.cfg.harts.capacity}, {self.D} DP "
+                                "replicas)") from None
         t2 = time.perf_counter()
         rl, mbs = self.cfg.rl, []
         need_old = rl.objective == "ppo" and rl.old_logprobs == "data"
@@ -342,7 +393,10 @@ class Prefetcher:
                 self._thread.start()
             item = self._q.get()
             if isinstance(item, BaseException):
-                raise RuntimeError(f"data worker failed preparing step {self.next_step}: {item}") from item
+                # the worker's own exception, unwrapped: its message names the file:line or setting, and
+                # train.py prints it as one line (the note shows in tracebacks only)
+                item.add_note(f"raised in the data worker thread while preparing step {self.next_step}")
+                raise item
         self.next_step = item.step + 1
         return item, time.perf_counter() - t0
 

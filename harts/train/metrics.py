@@ -57,6 +57,25 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(os.path.join(folder, tb_folder))
 
+    def truncate(self, step: int) -> int:
+        """Keep the records of steps <= ``step`` (the resumed checkpoint's; 0 = a fresh run) so a resumed
+        run does not duplicate the steps it trains again; returns how many records were dropped."""
+        if self.rank != 0 or not os.path.exists(self.path):
+            return 0
+        with open(self.path) as f:
+            lines = f.readlines()
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass  # a torn last line of a killed run: dropped with the later steps
+        if len(keep) != len(lines):
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+        return len(lines) - len(keep)
+
     def log(self, rec: dict) -> None:
         if self.rank != 0:
             return
@@ -76,7 +95,7 @@ class MetricsLogger:
                 v = rec[k] * 100 if k == "mfu" else rec[k]
                 parts.append(f"{label} {_fmt(v)}")
         line = "  ".join(parts)
-        print(f"\033[36m{line}\033[0m" if self.color else line, flush=True)
+        print(f"\033[36m{line}\033[0m" if self.color else line, flush=True)  # colour only on a terminal
 
     def close(self):
         if self.tb is not None:

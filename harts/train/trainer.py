@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -35,11 +36,15 @@ from harts.train.model import DTYPES, build_policy, init_sharded, model_config, 
 
 log = logging.getLogger("harts.train")
 
-__all__ = ["Trainer", "TrainState", "NonFiniteError"]
+__all__ = ["Trainer", "TrainState", "NonFiniteError", "RunDirError"]
 
 
 class NonFiniteError(FloatingPointError):
     pass
+
+
+class RunDirError(ValueError):
+    """The output folder does not fit the run asked for (e.g. it holds a finished run)."""
 
 
 @dataclasses.dataclass
@@ -165,7 +170,7 @@ class Trainer:
             checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=self.dump)
         self.metrics = MetricsLogger(self.dump, rank=self.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.save_tb_folder,
-                                     color=not cfg.metrics.disable_color_printing)
+                                     color=not cfg.metrics.disable_color_printing and sys.stdout.isatty())
         self.flops_per_row = 6 * (self._active_nonembed_params() + self.model_cfg.hidden_size * self.model_cfg.vocab_size)
         self.peak_flops = None
         if self.device.type == "cuda":
@@ -179,6 +184,31 @@ class Trainer:
                      d.tp, d.pp, d.cp, d.ep, self.device, lc.dtype, cfg.harts.enabled, lc.preset,
                      self.model_cfg.num_hidden_layers, self._whole_model().num_params() / 1e6,
                      f"; pipeline stage 0 holds {self._stage_params() / 1e6:.2f}M" if d.pp > 1 else "")
+            log.info("data: %s", self._describe_data())
+            ck = cfg.checkpoint
+            log.info("metrics: %s; checkpoints: %s", os.path.join(self.dump, "metrics.jsonl"),
+                     f"{self.ckpt_folder} (every {ck.interval} steps and the last)" if ck.enable else "off")
+
+    @property
+    def ckpt_folder(self) -> str:
+        return os.path.join(self.dump, self.cfg.checkpoint.folder)
+
+    def _describe_data(self) -> str:
+        """The start-up summary's data line: source, files, and where the rewards come from."""
+        dc, reward = self.cfg.data, self.builder.reward
+        if dc.source == "jsonl":
+            src = f"JSONL, {len(dc.path)} file(s) ({', '.join(dc.path[:3])}{', ...' if len(dc.path) > 3 else ''})"
+        else:
+            src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
+        src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
+        if self.cfg.rl.advantages == "data":
+            why = "advantages from the data (rl.advantages = 'data')"
+        elif reward == "data":
+            why = f"rewards from the data (data.reward = {dc.reward!r})"
+        else:
+            why = (f"learnable reward, replacing any rewards in the data (data.reward = {dc.reward!r}; 'data' "
+                   "uses the data's)")
+        return f"{src}; {why}"
 
     @property
     def row_split(self) -> int:
@@ -270,12 +300,49 @@ class Trainer:
         return self._whole_model().num_params(active=True, embeddings=False)
 
     # ------------------------------------------------------------------ loop
+    def _prepare_run_dir(self) -> None:
+        """Before loading: start fresh (checkpoint.overwrite) or report checkpoints a killed run left
+        half-written (torchtitan skips a step-N folder without .metadata without a word)."""
+        ck = self.cfg.checkpoint
+        if ck.overwrite and self.rank == 0:
+            import shutil
+
+            for path in (self.ckpt_folder, self.metrics.path):
+                if path and os.path.exists(path):
+                    log.info("checkpoint.overwrite: removing %s", path)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if self.distributed:
+            dist.barrier()
+        if ck.enable and not ck.overwrite and self.rank == 0 and os.path.isdir(self.ckpt_folder):
+            for name in sorted(os.listdir(self.ckpt_folder)):
+                path = os.path.join(self.ckpt_folder, name)
+                if name.startswith("step-") and os.path.isdir(path) and not any(
+                        os.path.isfile(os.path.join(path, f)) for f in (".metadata", "model.safetensors.index.json")):
+                    log.warning("checkpoint %s is incomplete (no .metadata: the run stopped while writing it); "
+                                "skipped", path)
+
+    def _check_resume(self) -> None:
+        """After loading: a run that already reached training.steps is an error, not a silent no-op; the
+        metrics file keeps the records up to the loaded step (steps after it are trained again)."""
+        cfg, done = self.cfg, self.state.step
+        if done >= cfg.training.steps:
+            raise RunDirError(f"{self.ckpt_folder} holds a finished run (step {done}, training.steps = "
+                              f"{cfg.training.steps}): raise --training.steps to continue it, or start fresh with "
+                              "--checkpoint.overwrite or another --job.dump_folder")
+        dropped = self.metrics.truncate(done)
+        if self.rank == 0:
+            if done:
+                log.info("resumed from the checkpoint of step %d in %s%s", done, self.ckpt_folder,
+                         f"; dropped {dropped} metrics records of later steps" if dropped else "")
+            elif dropped:
+                log.info("fresh run: replaced the %d records of an earlier run in %s", dropped, self.metrics.path)
+
     def train(self) -> list[dict]:
         cfg = self.cfg
+        self._prepare_run_dir()
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        self._check_resume()
         self.loader.next_step = self.state.step + 1
-        if self.state.step and self.rank == 0:
-            log.info("resumed from step %d", self.state.step)
         if self.device.type == "cuda" and self.rank == 0:
             # on the H200, step 1 took 70-170 s in session 4 (autotuning every config of fla's and our kernels)
             log.info("the first step compiles and autotunes Triton kernels (minutes on a cold cache; reused from "
@@ -304,7 +371,22 @@ class Trainer:
         finally:
             self.loader.close()
             self.metrics.close()
+        if self.rank == 0:
+            log.info("%s", self._summary())
         return self.history
+
+    def _summary(self) -> str:
+        """End-of-run line: steps, tokens, compression, mean throughput, and where the results are."""
+        h, cfg = self.history, self.cfg
+        raw, rows, secs = (sum(r[k] for r in h) for k in ("raw_tokens", "compact_rows", "step_s"))
+        first = h[0]["step"] if h else self.state.step
+        parts = [f"done: steps {first}-{self.state.step} of {cfg.training.steps}" if h else "done: no steps",
+                 f"{raw:,} raw tokens, {rows:,} compact rows (compression {raw / max(rows, 1):.3f}x)",
+                 f"mean {raw / secs if secs else 0.0:,.1f} raw tok/s over {secs:.1f} s of steps",
+                 f"metrics {self.metrics.path}"]
+        if cfg.checkpoint.enable:
+            parts.append(f"checkpoints {self.ckpt_folder}")
+        return "; ".join(parts)
 
     def _build_bf16_optimizer(self, ocfg):
         """bf16 weights: AdamW with fp32 gradient accumulation and fp32 master weights kept as bf16 + low bits.
@@ -551,7 +633,7 @@ class Trainer:
         s = sums.tolist()
         out = {"loss": s[0] + s[4], "policy_loss": s[1], "kl": s[2], "clip_frac": s[3], "router_loss": s[4],
                "grad_norm": float(grad_norm), "counts": counts, "fbgrad_s": fbgrad_s}
-        if cfg.data.reward == "learnable" and s[7] > 0 and s[9] > 0:
+        if self.builder.reward == "learnable" and s[7] > 0 and s[9] > 0:
             out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
         return out
 
@@ -618,7 +700,7 @@ class Trainer:
         """Learnable reward: mean log-prob of rewarded (id < V/2) minus unrewarded loss-token targets; it
         rises as the policy learns the reward (the loss itself is noisy when every step has new rollouts)."""
         z = torch.zeros(4, dtype=torch.float64, device=self.device)
-        if self.cfg.data.reward != "learnable":
+        if self.builder.reward != "learnable":
             return list(z)
         on = mb.coeff > 0
         good = (mb.select(mb.batch.logprob_targets) < self.builder.reward_vocab // 2) & on
