@@ -333,7 +333,8 @@ def test_validate_catches_corruption():
         dataclasses.replace(plan, seq_replay_start=a).validate()
     # A dropped emit request.
     with pytest.raises(ValueError):
-        dataclasses.replace(plan, emit_chunks=plan.emit_chunks[:0], emit_offsets=np.zeros_like(plan.emit_offsets)).validate()
+        no_emits = dict(emit_chunks=plan.emit_chunks[:0], emit_offsets=np.zeros_like(plan.emit_offsets))
+        dataclasses.replace(plan, **no_emits).validate()
 
 
 def test_to_dict_is_json(tmp_path):
@@ -354,3 +355,16 @@ def test_cli(tmp_path, capsys):
     assert "minimum-call" in text and "one_call_per_segment" in text
     d = json.loads(out.read_text())
     assert d["plan"]["num_calls"] == 2 and d["naive"]["one_call_per_segment"]["num_calls"] == 5
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["--input", str(empty), "--chunk-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no trajectories" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"tokens": [1, 2]}) + "\n" + json.dumps({"tokens": [1, -2]}) + "\n")
+    assert main(["--input", str(bad), "--chunk-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.jsonl" in err and "-2" in err and err.count("\n") == 1

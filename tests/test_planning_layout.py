@@ -93,7 +93,8 @@ def check_layout(trajs, B, w=4, pad=1):
     y = np.full(P, -1, dtype=np.int64)
     for q in range(lay.num_sequences):
         ctx = lay.conv_context[q]
-        window = np.concatenate([np.where(ctx >= 0, x[np.maximum(ctx, 0)], 0), x[lay.seq_cu_seqlens[q] : lay.seq_cu_seqlens[q + 1]]])
+        own = x[lay.seq_cu_seqlens[q] : lay.seq_cu_seqlens[q + 1]]
+        window = np.concatenate([np.where(ctx >= 0, x[np.maximum(ctx, 0)], 0), own])
         for k in range(int(lay.seq_cu_seqlens[q + 1] - lay.seq_cu_seqlens[q])):
             y[lay.seq_cu_seqlens[q] + k] = int((window[k : k + w] * weights).sum())
     for i, traj in enumerate(trajs):

@@ -112,7 +112,8 @@ def test_interval_work_pair_lcp_and_split_cost(params):
 
 
 @settings(max_examples=40, deadline=None)
-@given(forest_params, st.sampled_from([1, 2, 3, 16]), st.sampled_from([3, 70_000, 2**40]), st.sampled_from([1, 2, 4096]))
+@given(forest_params, st.sampled_from([1, 2, 3, 16]), st.sampled_from([3, 70_000, 2**40]),
+       st.sampled_from([1, 2, 4096]))
 def test_prefix_index_order_and_lcp_with_shared_trunks(params, head, top, probe):
     """Head groups and pivot partitioning give Python's sorted order (ties by index) and the brute-force
     adjacent LCPs; small HEADs make the partitioning run on small inputs and small probes make the
@@ -377,7 +378,8 @@ def test_greedy_equals_naive_reference(params, extra, rows_max):
     # the latest-member shortcut applies) and a random permutation (generally not monotone).
     rng = np.random.default_rng(seed)
     trees = np.split(np.arange(n), np.flatnonzero(idx.lcp[1:] <= idx.floor) + 1)
-    monotone = [p for t in rng.permutation(len(trees)) for p in (trees[t] if rng.random() < 0.5 else trees[t][::-1]).tolist()]
+    monotone = [p for t in rng.permutation(len(trees))
+                for p in (trees[t] if rng.random() < 0.5 else trees[t][::-1]).tolist()]
     orders = [*processing_orders(idx).values(), monotone, rng.permutation(n).tolist()]
     with mock.patch.object(gr, "TREE_ROWS_MAX", rows_max):
         hoods = gr.Neighbourhoods(idx)

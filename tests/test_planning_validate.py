@@ -178,7 +178,8 @@ def test_microbatch_plan_validate_names_the_item(mplan):
          rf"microbatch 0: work {p.capacity + 1} is not in \(0, capacity {p.capacity}\]"),
         (dataclasses.replace(p, replicas=[list(p.replicas[0]), list(p.replicas[0])]),
          rf"microbatch {p.replicas[0][0]} is on 2 replicas"),
-        (dataclasses.replace(p, objective=(p.objective[0] + 1,) + tuple(p.objective[1:])), r"objective .* != recomputed"),
+        (dataclasses.replace(p, objective=(p.objective[0] + 1,) + tuple(p.objective[1:])),
+         r"objective .* != recomputed"),
         (dataclasses.replace(p, microbatches=[m if i else [] for i, m in enumerate(mb)]), r"microbatch 0 is empty"),
     ]
     for bad, message in cases:

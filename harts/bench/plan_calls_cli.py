@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     plan.validate()
     trie = plan.trie
     naive = naive_schedule(plan.tree, args.chunk_size)
-    print(f"trajectories {trie.num_trajectories}  semantic tokens S={trie.num_positions}  compact rows C={trie.num_rows}"
-          f"  segments {plan.tree.num_segments}  trees {plan.tree.num_trees}  chunk_size {args.chunk_size}")
+    print(f"trajectories {trie.num_trajectories}  semantic tokens S={trie.num_positions}"
+          f"  compact rows C={trie.num_rows}  segments {plan.tree.num_segments}  trees {plan.tree.num_trees}"
+          f"  chunk_size {args.chunk_size}")
     print(f"{'schedule':<24}{'calls':>8}{'replay':>10}  sequences per round")
     print(f"{'minimum-call (Alg. 1)':<24}{plan.num_calls:>8}{plan.replay_tokens:>10}  {plan.sequences_per_round()}")
     for name, d in naive.items():

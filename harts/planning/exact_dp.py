@@ -94,7 +94,8 @@ def packed_key_fits(index: PrefixIndex, capacity: int, band: int) -> bool:
     return (total_bound + 1) * (capacity + 1) * band < _UNREACHED
 
 
-def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int], first: np.ndarray | None = None) -> dict[int, np.ndarray]:
+def exact_partitions(index: PrefixIndex, capacity: int, targets: list[int],
+                     first: np.ndarray | None = None) -> dict[int, np.ndarray]:
     """Minimum-(total, peak) contiguous partition into k microbatches for every k in ``targets``.
 
     Returns {k: cuts} for the feasible targets (infeasible ones are absent); identical to

@@ -76,7 +76,8 @@ def _split_chain(index: PrefixIndex, cuts: np.ndarray, stops: set[int]) -> dict[
     return out
 
 
-def evolve_natural(index: PrefixIndex, natural_cuts: np.ndarray, capacity: int, targets: list[int]) -> dict[int, np.ndarray]:
+def evolve_natural(index: PrefixIndex, natural_cuts: np.ndarray, capacity: int,
+                   targets: list[int]) -> dict[int, np.ndarray]:
     """{K: cuts} for every target reachable from P0 by legal merges / splits (others are absent)."""
     k0 = natural_cuts.shape[0] - 1
     out: dict[int, np.ndarray] = {}

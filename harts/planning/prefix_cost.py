@@ -109,7 +109,8 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray, start: int, cap: int) -> int:
     return cap
 
 
-def _pivot_blocks(arrays: list[np.ndarray], lengths: list[int], members: list[int], depth: int) -> list[tuple[int, int, list[int]]]:
+def _pivot_blocks(arrays: list[np.ndarray], lengths: list[int], members: list[int],
+                  depth: int) -> list[tuple[int, int, list[int]]]:
     """Split ``members`` (ascending original index, sharing their first ``depth`` tokens) around the
     first one, the pivot, into lexicographically ordered blocks (level, next token, members).
 
@@ -146,7 +147,8 @@ def _pivot_blocks(arrays: list[np.ndarray], lengths: list[int], members: list[in
     return below + [(plen, END, same)] + above
 
 
-def _sort_group(arrays: list[np.ndarray], lengths: list[int], members: list[int], depth: int, order: list[int], lcp: list[int], pos: int) -> None:
+def _sort_group(arrays: list[np.ndarray], lengths: list[int], members: list[int], depth: int, order: list[int],
+                lcp: list[int], pos: int) -> None:
     """Write the lexicographic order of ``members`` (sharing ``depth`` tokens) to order[pos:] and their
     adjacent LCPs to lcp[pos + 1:], by repeated pivot partitioning (an explicit stack, no recursion).
     Every token a member shares with another is read once, when it is compared against a pivot."""

@@ -61,7 +61,10 @@ def boundary_refine(index: PrefixIndex, cuts: np.ndarray, capacity: int) -> np.n
         proposal = _best_cuts(index, cuts[:-2], cuts[1:-1], cuts[2:], capacity).tolist()
         changed = moved = False
         for i in range(1, cuts.shape[0] - 1):
-            new = int(_best_cuts(index, cuts[i - 1 : i], cuts[i : i + 1], cuts[i + 1 : i + 2], capacity)[0]) if moved else proposal[i - 1]
+            if moved:
+                new = int(_best_cuts(index, cuts[i - 1 : i], cuts[i : i + 1], cuts[i + 1 : i + 2], capacity)[0])
+            else:
+                new = proposal[i - 1]
             moved = new != cuts[i]
             if moved:
                 cuts[i] = new

@@ -53,12 +53,16 @@ class SegmentTree:
         if G == 0:
             raise ValueError("segment tree: no segments")
         if start.shape != (G,) or end.shape != (G,):
-            raise ValueError(f"segment tree: parent/start/end shapes differ: {parent.shape}, {start.shape}, {end.shape}")
+            raise ValueError(
+                f"segment tree: parent/start/end shapes differ: {parent.shape}, {start.shape}, {end.shape}"
+            )
         ids = np.arange(G, dtype=np.int64)
         bad = np.flatnonzero(parent >= ids)
         if bad.shape[0]:
             v = int(bad[0])
-            raise ValueError(f"segment {v}: parent {int(parent[v])} is not an earlier segment (parents must precede children)")
+            raise ValueError(
+                f"segment {v}: parent {int(parent[v])} is not an earlier segment (parents must precede children)"
+            )
         bad = np.flatnonzero(end <= start)
         if bad.shape[0]:
             v = int(bad[0])
