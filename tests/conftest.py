@@ -1,10 +1,16 @@
 """Test configuration.
 
+Markers (pyproject.toml): ``gpu`` tests need a CUDA GPU and are deselected by the default ``-m 'not gpu'``;
+``python -m pytest -m gpu`` on a machine without CUDA is an error (exit code 4, one message), never a run
+of skips that looks green. ``slow`` marks the multi-process and multi-step tests; the default run, and CI,
+include them (``-m 'not slow'`` for a quick local pass).
+
 On a machine without CUDA, Triton kernels (fla's and ours) run under the Triton interpreter in
 float32. TRITON_INTERPRET is read when ``@triton.jit`` is applied, so it is set here, before anything
-imports fla or harts.kernels. Two shims make fla 0.6.0's kernels interpreter-safe (see
-docs/testing.md): autotune benchmarking needs a GPU driver, and interpreter loop variables are
-Python ints where fla calls ``.to()`` on them. Our own kernels do not need the shims.
+imports fla or harts.kernels. Two shims make fla 0.6.0's kernels interpreter-safe, both defined below:
+(1) autotune benchmarking needs a GPU driver, so every autotuned kernel takes its first (pruned) config;
+(2) interpreter loop variables are Python ints where fla calls ``.to()`` on them, so ``range`` loop
+variables are turned into interpreter tensors. Our own kernels do not need the shims.
 """
 import os
 
@@ -38,13 +44,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after the -m deselection: only the tests that would run
 def pytest_collection_modifyitems(config, items):
-    """GPU tests are deselected by the default marker expression; make a direct -m gpu run on CPU fail loudly."""
+    """A selection that still holds ``gpu`` tests on a machine without CUDA stops the run with one error."""
     if torch.cuda.is_available():
         return
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)"))
+    gpu = [item.nodeid for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        raise pytest.UsageError(
+            f"{len(gpu)} selected test(s) marked gpu (first: {gpu[0]}), and CUDA is not available: run them on a "
+            "CUDA machine, or deselect them with -m 'not gpu' (the default).")
 
 
 @pytest.fixture
