@@ -1,4 +1,4 @@
-"""Benchmarks of the HARTS kernels (issue 7): ``python -m harts.bench.kernels [--out DIR] [--quick]``.
+"""Benchmarks of the HARTS kernels: ``python -m harts.bench.kernels [--out DIR] [--quick]``.
 
 1. ``chunk_kda_round`` fwd+bwd vs fla's ``chunk_kda`` on the same input (bf16, T = 64K, H = 16,
    K = V = 128), with one requested boundary per 4 chunks (and with none), for one 64K sequence and
@@ -10,6 +10,9 @@
    measured over the inputs.
 
 Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
+``--device cpu`` (with ``--quick --only logprobs``) runs ``compact_logprobs`` under the Triton interpreter
+in float32 at small shapes, wall-clock timed: a smoke run that keeps the code path alive, not a
+measurement. The KDA part needs CUDA (fla's autotuner benchmarks on the GPU).
 Legend: T tokens, H heads, K/V head dims, C compact rows, S semantic positions, V vocab, D hidden.
 """
 from __future__ import annotations
@@ -22,7 +25,17 @@ import time
 import torch
 
 
-def _time_ms(fn, warmup=2, reps=5):
+def _time_ms(fn, warmup=2, reps=5, device="cuda"):
+    """Median milliseconds of ``reps`` calls after ``warmup``: CUDA events on the GPU, wall clock on CPU."""
+    if torch.device(device).type != "cuda":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -153,14 +166,16 @@ def _device_gaps(trace: str, top: int = 8) -> list[dict]:
         return device_idle(json.load(f)["traceEvents"], min_gap_us=20.0, top=top)["gaps"]
 
 
-def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3):
+def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, reps=3, device="cuda"):
     from harts.ops.logprobs import compact_logprobs
 
-    dev = "cuda"
+    dev = device
+    cuda = torch.device(dev).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter computes in float32
     torch.manual_seed(0)
     S = int(C * ratio)
-    h = (torch.randn(C, D, device=dev) * 0.05).bfloat16()
-    w = (torch.randn(V, D, device=dev) * 0.05).bfloat16()
+    h = (torch.randn(C, D, device=dev) * 0.05).to(dtype)
+    w = (torch.randn(V, D, device=dev) * 0.05).to(dtype)
     rows = torch.cat([torch.arange(C, device=dev), torch.randint(0, C, (S - C,), device=dev)])
     tgts = torch.randint(0, V, (S,), device=dev)
     up = torch.randn(S, device=dev)
@@ -179,12 +194,16 @@ def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, re
 
     ours()
     hl.grad = wl.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ours()
-    torch.cuda.synchronize()
-    peak_extra = torch.cuda.max_memory_allocated() - base
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ours()
+        torch.cuda.synchronize()
+        peak_extra = torch.cuda.max_memory_allocated() - base
+    else:  # no allocator statistics on CPU
+        ours()
+        peak_extra = None
     grads_bytes = hl.grad.numel() * hl.grad.element_size() + wl.grad.numel() * wl.grad.element_size()
 
     def ours_t():
@@ -194,14 +213,15 @@ def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, re
     def base_t():
         hl.grad = wl.grad = None
         expand_chunked()
-    t_ours = _time_ms(ours_t, warmup=1, reps=reps)
-    t_base = _time_ms(base_t, warmup=1, reps=reps)
+    t_ours = _time_ms(ours_t, warmup=1, reps=reps, device=dev)
+    t_base = _time_ms(base_t, warmup=1, reps=reps, device=dev)
     with torch.no_grad():
-        t_ours_f = _time_ms(lambda: compact_logprobs(h, w, rows, tgts), warmup=1, reps=reps)
+        t_ours_f = _time_ms(lambda: compact_logprobs(h, w, rows, tgts), warmup=1, reps=reps, device=dev)
     limit = C * 8192 * 4
     return [dict(C=C, V=V, D=D, S=S, ours_fwd_bwd_ms=t_ours, ours_fwd_ms=t_ours_f, expand_fwd_bwd_ms=t_base,
-                 speedup=t_base / t_ours, peak_extra_bytes=peak_extra, peak_extra_minus_grads_bytes=peak_extra - grads_bytes,
-                 limit_bytes=limit, within_limit=peak_extra <= limit)]
+                 speedup=t_base / t_ours, peak_extra_bytes=peak_extra,
+                 peak_extra_minus_grads_bytes=None if peak_extra is None else peak_extra - grads_bytes,
+                 limit_bytes=limit, within_limit=None if peak_extra is None else peak_extra <= limit)]
 
 
 def _table(rows, title):
@@ -228,15 +248,19 @@ def _table(rows, title):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
     ap.add_argument("--only", choices=["kda", "logprobs"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("harts.bench.kernels needs a CUDA GPU")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    cuda = torch.device(a.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("harts.bench.kernels: no CUDA GPU here (--device cpu runs the log-probs smoke run)")
+    if not cuda and (a.only != "logprobs" or os.environ.get("TRITON_INTERPRET") != "1"):
+        raise SystemExit("harts.bench.kernels on CPU runs only --only logprobs, under TRITON_INTERPRET=1")
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__
     t0 = time.time()
@@ -247,8 +271,8 @@ def main(argv=None):
         res["kda"] = bench_kda(**kw, trace_dir=a.trace)
         _table(res["kda"], "chunk_kda_round vs fla chunk_kda (bf16, fwd+bwd, ms; ratio = round / fla)")
     if a.only in (None, "logprobs"):
-        kw = dict(C=4096, V=32768) if a.quick else {}
-        res["logprobs"] = bench_logprobs(**kw)
+        kw = (dict(C=4096, V=32768) if cuda else dict(C=64, V=256, D=32, baseline_chunk=128, reps=1)) if a.quick else {}
+        res["logprobs"] = bench_logprobs(**kw, device=a.device)
         _table(res["logprobs"], "compact_logprobs vs expand + log_softmax (bf16, fwd+bwd, ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)

@@ -3,7 +3,8 @@ activation recomputation, a packed microbatch of whole trajectories (varlen, no 
 
     python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--out DIR]
 
-Prints a table and writes DIR/model_bench.json. Numbers:
+Prints a table and writes DIR/model_bench.json. ``--device cpu --dtype float32`` with a debug preset is a
+smoke run of the same code (wall-clock timing, no memory figures, no profile), not a measurement. Numbers:
 - tokens/s over timed iterations (CUDA events, after warm-up that includes Triton autotuning);
 - MFU = model FLOPs / (time * peak), model FLOPs = 3 x forward FLOPs (fwd + 2x for bwd), counted
   honestly: 2 x active matmul parameters per token (routed experts at top-k only, shared expert, router,
@@ -66,13 +67,20 @@ def train_step(model, ids, pos, cu, max_len, z_coef=2.9e-6):
     return loss.detach()
 
 
+def _sync(dev: str) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run(args, overrides: dict) -> dict:
-    dev = "cuda"
+    dev = args.device
+    cuda = torch.device(dev).type == "cuda"
+    dtype = getattr(torch, args.dtype)
     cfg = LingConfig.preset(args.preset, recompute=not args.no_recompute, **overrides)
     lens = trajectory_lengths(args.tokens, args.lens, args.seed)
     T = sum(lens)
     torch.manual_seed(args.seed)
-    model = build_model(cfg, dev, torch.bfloat16)
+    model = build_model(cfg, dev, dtype)
     ids = torch.randint(0, cfg.vocab_size, (T,), device=dev)
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
@@ -83,27 +91,27 @@ def run(args, overrides: dict) -> dict:
     for _ in range(args.warmup):
         model.zero_grad(set_to_none=True)
         train_step(model, ids, pos, cu, max_len)
-    torch.cuda.synchronize()
+    _sync(dev)
     warm_s = time.time() - t0
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.iters):
         model.zero_grad(set_to_none=True)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        _sync(dev)
+        t0 = time.perf_counter()
         loss = train_step(model, ids, pos, cu, max_len)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     step_s = sorted(times)[len(times) // 2]
     fl = forward_flops_per_step(cfg, model, lens)
     fwd = fl["matmul"] + fl["attention"] + fl["kda"] + fl["conv"]
     model_flops = 3 * fwd
     hw_flops = 4 * fwd if cfg.recompute else 3 * fwd
     res = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
-        "overrides": overrides, "recompute": cfg.recompute, "dtype": "bfloat16",
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "preset": args.preset, "overrides": overrides, "recompute": cfg.recompute, "dtype": args.dtype,
         "tokens": T, "num_trajectories": len(lens), "max_len": max_len, "lens_spec": args.lens,
         "params_total": model.num_params(), "params_active": model.num_params(active=True),
         "params_gib": params_gb, "warmup_s": warm_s, "step_times_s": times, "step_s_median": step_s,
@@ -112,7 +120,7 @@ def run(args, overrides: dict) -> dict:
         "mfu": model_flops / step_s / H200_BF16_DENSE_PEAK, "hfu": hw_flops / step_s / H200_BF16_DENSE_PEAK,
         "peak_mem_gib": peak, "peak_flops_assumed": H200_BF16_DENSE_PEAK,
     }
-    if args.profile:
+    if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
 
         model.zero_grad(set_to_none=True)
@@ -138,12 +146,13 @@ def run(args, overrides: dict) -> dict:
                                       for n, ms, c in sorted(kernels, key=lambda x: -x[1])[:25]]
         res["profile_kernel_ms_total"] = total
     del model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return res
 
 
 def print_table(r: dict) -> None:
-    print(f"\n== Ling-3.0-tiny trajectory-wise fwd+bwd on {r['device']} (torch {r['torch']}) ==")
+    print(f"\n== {r['preset']} trajectory-wise fwd+bwd on {r['device']} (torch {r['torch']}) ==")
     rows = [
         ("backends", json.dumps(r["overrides"]) if r["overrides"] else "auto (all fast)"),
         ("tokens / trajectories / max len", f"{r['tokens']} / {r['num_trajectories']} / {r['max_len']}"),
@@ -154,7 +163,8 @@ def print_table(r: dict) -> None:
         ("fwd TFLOP: matmul/attn/kda/conv", "/".join(f"{r['fwd_flops'][k] / 1e12:.2f}" for k in
                                                      ("matmul", "attention", "kda", "conv"))),
         ("MFU / HFU (peak 989 TF bf16)", f"{100 * r['mfu']:.1f}% / {100 * r['hfu']:.1f}%"),
-        ("peak memory", f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),
+        ("peak memory", "n/a on CPU" if r["peak_mem_gib"] is None else
+         f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),
         ("warm-up (incl. autotune)", f"{r['warmup_s']:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)
@@ -176,15 +186,22 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-recompute", action="store_true")
     p.add_argument("--no-profile", dest="profile", action="store_false")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--backend", default=None, choices=("auto", "reference", "fast"),
+                   help="LingConfig.backend for every op (default: the preset's, i.e. auto)")
+    p.add_argument("--out", default="out/bench_model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA alloc
-    if not torch.cuda.is_available():
-        print("harts.bench.model needs a CUDA GPU")
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("harts.bench.model: no CUDA GPU here (--device cpu runs a smoke run)")
         return 2
     # If a fast backend fails on this machine, say so and measure with that op on the reference path.
-    attempts = [{}, {"moe_backend": "reference"}, {"moe_backend": "reference", "attention_backend": "reference"}]
+    base = {"backend": args.backend} if args.backend else {}
+    attempts = [base, {**base, "moe_backend": "reference"},
+                {**base, "moe_backend": "reference", "attention_backend": "reference"}]
     results, errors = None, []
     for ov in attempts:
         try:
@@ -193,7 +210,8 @@ def main(argv=None) -> int:
         except Exception as e:
             errors.append({"overrides": ov, "traceback": traceback.format_exc()[-3000:]})
             print(f"[bench] attempt with overrides {ov} failed:\n{errors[-1]['traceback']}", flush=True)
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             if isinstance(e, torch.OutOfMemoryError):
                 break  # a reference path would need more memory, not less
     out = Path(args.out)
