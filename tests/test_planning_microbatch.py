@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harts.data.trajectory import RolloutBatch
 from harts.bench.plan_microbatches_cli import main
+from harts.data.trajectory import RolloutBatch
 from harts.planning import MicrobatchPlan, plan_microbatches
 from harts.planning.exact_dp import exact_partitions, exact_partitions_pairwise, first_feasible_start
 from harts.planning.greedy import align_to_dp, eliminate_small, greedy_place, neighbour_shared, processing_orders
@@ -25,7 +25,6 @@ from harts.planning.natural import k_range, natural_partition
 from harts.planning.prefix_cost import build_prefix_index
 from harts.planning.refine import boundary_refine, sparse_repair
 from harts.planning.schedule import assign_slots, objective
-
 
 # ----------------------------------------------------------------------------------- references
 

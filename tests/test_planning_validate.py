@@ -18,7 +18,7 @@ import pytest
 from harts.data.trie import build_trie
 from harts.planning.calls import min_calls_dp, plan_calls, plan_calls_for_trie
 from harts.planning.layout import build_layout
-from harts.planning.microbatch import MicrobatchPlan, PlanningError, plan_microbatches
+from harts.planning.microbatch import PlanningError, plan_microbatches
 from harts.planning.segments import SegmentTree
 
 B = 4

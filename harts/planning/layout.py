@@ -44,7 +44,7 @@ from harts.planning.calls import CallPlan
 from harts.planning.checks import integer_arg
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(starts[k], starts[k] + lengths[k]) over k."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
@@ -54,7 +54,8 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def _cu(lengths: np.ndarray) -> np.ndarray:
+def offsets_of(lengths: np.ndarray) -> np.ndarray:
+    """[n+1] exclusive prefix sums of n lengths (cu_seqlens)."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
@@ -226,7 +227,7 @@ def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 
         mla_q_rows=np.arange(trie.num_rows, dtype=np.int64),
         mla_kv_rows=phys.phys_of_row[path_rows(trie, path_base, np.zeros_like(e), e)],
         cu_seqlens_q=phys.seq_cu_seqlens.copy(),
-        cu_seqlens_k=_cu(e),
+        cu_seqlens_k=offsets_of(e),
         max_seqlen_q=int(n_out.max()),
         max_seqlen_k=int(e.max()),
         conv_context=conv_context(trie, path_base, plan.seq_start, phys.phys_of_row, w),
@@ -254,7 +255,7 @@ def check_layout_args(plan: CallPlan, conv_width, pad_to_multiple) -> CompactTri
 
 def path_rows(trie: CompactTrie, path_base: np.ndarray, lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Trie rows of positions lo[k] .. lo[k]+lengths[k]-1 on the paths starting at semantic index path_base[k]."""
-    return trie.row_of_position[_ranges(path_base + lo, lengths)]
+    return trie.row_of_position[concat_ranges(path_base + lo, lengths)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,7 +294,7 @@ def physical_order(plan: CallPlan, trie: CompactTrie, path_base: np.ndarray, pad
         position_ids=padded(trie.depth[row_of_out], 0),
         multiplicity=padded(trie.multiplicity[row_of_out], 0),
         parent_phys=padded(np.where(tp >= 0, phys_of_row[np.maximum(tp, 0)], -1), -1),
-        seq_cu_seqlens=_cu(n_out),
+        seq_cu_seqlens=offsets_of(n_out),
     )
 
 
@@ -327,7 +328,7 @@ def round_layout(plan: CallPlan, r: int, trie: CompactTrie, path_base: np.ndarra
     lo, hi = int(plan.round_offsets[r]), int(plan.round_offsets[r + 1])
     a, s = plan.seq_replay_start[lo:hi], plan.seq_start[lo:hi]
     in_len = plan.seq_end[lo:hi] - a
-    cu = _cu(in_len)
+    cu = offsets_of(in_len)
     gather = phys.phys_of_row[path_rows(trie, path_base[lo:hi], a, in_len)]
     local_pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], in_len)
     is_output = local_pos >= np.repeat(s - a, in_len)
@@ -335,7 +336,7 @@ def round_layout(plan: CallPlan, r: int, trie: CompactTrie, path_base: np.ndarra
     e_lo, e_hi = int(state_offsets[r]), int(state_offsets[r + 1])
     emit_seq = np.repeat(np.arange(hi - lo, dtype=np.int64), np.diff(plan.emit_offsets[lo : hi + 1]))
     emit_chunk = plan.emit_chunks[e_lo:e_hi]
-    chunk_off = _cu(-(-in_len // B))
+    chunk_off = offsets_of(-(-in_len // B))
     return RoundLayout(
         seq_offset=lo,
         cu_seqlens=cu,
@@ -370,5 +371,5 @@ def logprob_views(trie: CompactTrie, phys_of_row: np.ndarray) -> tuple[np.ndarra
     position t < L_i - 1 of trajectory i predicts token t + 1, read from the trie."""
     semantic_rows = phys_of_row[trie.row_of_position]
     lp_len = trie.lengths - 1
-    lp_sem = _ranges(trie.offsets[:-1], lp_len)
-    return semantic_rows, _cu(lp_len), semantic_rows[lp_sem], trie.tokens[trie.row_of_position[lp_sem + 1]]
+    lp_sem = concat_ranges(trie.offsets[:-1], lp_len)
+    return semantic_rows, offsets_of(lp_len), semantic_rows[lp_sem], trie.tokens[trie.row_of_position[lp_sem + 1]]

@@ -17,7 +17,7 @@ import numpy as np
 
 from harts.planning.calls import CallPlan
 from harts.planning.checks import require, require_all, require_equal, require_shape
-from harts.planning.layout import ExecutionLayout, RoundLayout, _cu, _ranges
+from harts.planning.layout import ExecutionLayout, RoundLayout, concat_ranges, offsets_of
 
 
 def validate_layout(lay: ExecutionLayout, plan: CallPlan | None = None) -> None:
@@ -83,7 +83,7 @@ def check_sequences(lay: ExecutionLayout) -> None:
     require_all(np.diff(ro) >= 1, lambda r: f"round {r} is empty (round_offsets {ro.tolist()})")
     require_equal(lay.seq_round, np.repeat(np.arange(R), np.diff(ro)), "round", item="sequence")
     require_equal(lay.seq_replay_start, (lay.seq_start // B) * B, "replay_start (must be a(start))", item="sequence")
-    require_equal(lay.position_ids[:C], _ranges(lay.seq_start, n_out), "position id", item="physical row")
+    require_equal(lay.position_ids[:C], concat_ranges(lay.seq_start, n_out), "position id", item="physical row")
     require_shape(lay.state_offsets, (R + 1,), "state_offsets")
     require_all(np.diff(lay.state_offsets) >= 0, lambda r: f"state_offsets decrease at round {r}")
 
@@ -93,13 +93,13 @@ def check_mla_views(lay: ExecutionLayout) -> None:
     C, Q = lay.num_rows, lay.num_sequences
     e, n_out = lay.seq_end, lay.seq_end - lay.seq_start
     require_equal(lay.cu_seqlens_q, lay.seq_cu_seqlens, "cu_seqlens_q", item="sequence boundary")
-    require_equal(lay.cu_seqlens_k, _cu(e), "cu_seqlens_k", item="sequence boundary")
+    require_equal(lay.cu_seqlens_k, offsets_of(e), "cu_seqlens_k", item="sequence boundary")
     require_equal(lay.mla_q_rows, np.arange(C), "mla_q_rows", item="query")
     kv = lay.mla_kv_rows
     require_shape(kv, (int(e.sum()),), "mla_kv_rows")
     require_all((kv >= 0) & (kv < C), lambda k: f"mla_kv_rows entry {k} is {int(kv[k])}, not in [0, {C})")
-    require_equal(lay.position_ids[kv], _ranges(np.zeros(Q, dtype=np.int64), e), "position id", item="KV entry")
-    tail = _ranges(lay.cu_seqlens_k[:-1] + lay.seq_start, n_out)
+    require_equal(lay.position_ids[kv], concat_ranges(np.zeros(Q, dtype=np.int64), e), "position id", item="KV entry")
+    tail = concat_ranges(lay.cu_seqlens_k[:-1] + lay.seq_start, n_out)
     require_equal(kv[tail], lay.mla_q_rows, "KV row at the query's own position", item="query")
     starts = np.zeros(kv.shape[0], dtype=bool)
     starts[lay.cu_seqlens_k[:-1]] = True
@@ -123,7 +123,7 @@ def check_round(lay: ExecutionLayout, r: int, rd: RoundLayout) -> None:
     require_shape(rd.cu_seqlens, (n + 1,), f"{where}: cu_seqlens")
     a, s = lay.seq_replay_start[lo:hi], lay.seq_start[lo:hi]
     lens = lay.seq_end[lo:hi] - a
-    require_equal(rd.cu_seqlens, _cu(lens), f"{where}: cu_seqlens", item="boundary")
+    require_equal(rd.cu_seqlens, offsets_of(lens), f"{where}: cu_seqlens", item="boundary")
     require(rd.max_seqlen == int(lens.max()), lambda: f"{where}: max_seqlen {rd.max_seqlen} != {int(lens.max())}")
     T = rd.num_tokens
     require_shape(rd.gather, (T,), f"{where}: gather")
@@ -131,7 +131,7 @@ def check_round(lay: ExecutionLayout, r: int, rd: RoundLayout) -> None:
     g = rd.gather
     require_all((g >= 0) & (g < C), lambda t: f"{where}: input position {t} gathers row {int(g[t])}, not in [0, {C})")
     # Every input position reads the row at its own position on its sequence's KV path.
-    kv_pos = _ranges(lay.cu_seqlens_k[lo:hi] + a, lens)
+    kv_pos = concat_ranges(lay.cu_seqlens_k[lo:hi] + a, lens)
     require_equal(g, lay.mla_kv_rows[kv_pos], f"{where}: gathered row (must be on the sequence's path)",
                   item="input position")
     local = np.arange(T) - np.repeat(rd.cu_seqlens[:-1], lens)
@@ -165,7 +165,8 @@ def check_round(lay: ExecutionLayout, r: int, rd: RoundLayout) -> None:
     require_all((ec >= 1) & (ec * B < lens[es]), lambda k: f"{where}: request {k} asks for chunk {int(ec[k])} of "
                                                            f"local sequence {int(es[k])} ({int(lens[es[k]])} "
                                                            f"inputs, B = {B})")
-    require_equal(rd.emit_global_chunk, _cu(-(-lens // B))[es] + ec, f"{where}: emit_global_chunk", item="request")
+    require_equal(rd.emit_global_chunk, offsets_of(-(-lens // B))[es] + ec, f"{where}: emit_global_chunk",
+                  item="request")
 
 
 def check_state_provenance(lay: ExecutionLayout) -> None:
@@ -218,11 +219,11 @@ def check_logprobs(lay: ExecutionLayout) -> None:
     sr = lay.semantic_rows
     require_all((sr >= 0) & (sr < lay.num_rows), lambda k: f"semantic position {k} maps to physical row "
                                                            f"{int(sr[k])}, not in [0, {lay.num_rows})")
-    require_equal(lay.logprob_offsets, _cu(lens - 1), "logprob_offsets", item="trajectory boundary")
-    sem_next = _ranges(lay.semantic_offsets[:-1] + 1, lens - 1)
+    require_equal(lay.logprob_offsets, offsets_of(lens - 1), "logprob_offsets", item="trajectory boundary")
+    sem_next = concat_ranges(lay.semantic_offsets[:-1] + 1, lens - 1)
     require_equal(lay.logprob_rows, sr[sem_next - 1], "logprob_rows", item="log-prob")
     require_equal(lay.logprob_targets, lay.tokens[sr[sem_next]], "logprob_targets (the next token)", item="log-prob")
-    require_equal(lay.position_ids[sr], _ranges(np.zeros(N, dtype=np.int64), lens), "position id",
+    require_equal(lay.position_ids[sr], concat_ranges(np.zeros(N, dtype=np.int64), lens), "position id",
                   item="semantic position")
     require_equal(lay.multiplicity, np.bincount(sr, minlength=P), "multiplicity", item="physical row")
 

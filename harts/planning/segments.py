@@ -44,7 +44,7 @@ class SegmentTree:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_arrays(cls, parent, start, end, *, first_row=None, last_row=None) -> "SegmentTree":
+    def from_arrays(cls, parent, start, end, *, first_row=None, last_row=None) -> SegmentTree:
         """Build from parent/start/end arrays; checks preorder ids and that children start at the fork."""
         parent = np.asarray(parent, dtype=np.int64)
         start = np.asarray(start, dtype=np.int64)
@@ -96,7 +96,7 @@ class SegmentTree:
         )
 
     @classmethod
-    def from_trie(cls, trie) -> "SegmentTree":
+    def from_trie(cls, trie) -> SegmentTree:
         """Segments of a ``harts.data.trie.CompactTrie`` (its segments are already maximal fork-free paths)."""
         first = trie.segment_start
         last = trie.segment_end - 1

@@ -142,7 +142,7 @@ def check_initial_states(plan: CallPlan) -> None:
     emitted = set(zip(owner.tolist(), ec.tolist()))
     tin, tout = euler_times(tree)
     par, first, last = tree.parent, plan.seq_first_segment, plan.seq_last_segment
-    start, end = tree.start.tolist(), tree.end.tolist()
+    start = tree.start.tolist()
     rnd, a_l, e_l = plan.seq_round.tolist(), a_all.tolist(), plan.seq_end.tolist()
     consumed = set()
     for q in np.flatnonzero(src >= 0).tolist():
