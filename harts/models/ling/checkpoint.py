@@ -5,11 +5,18 @@ Names are the official ones (``model.word_embeddings``, ``model.layers.{i}.atten
 same names except that routed experts are stacked ([E, F, D] per projection); the only conversion is
 stacking/unstacking those. Loading checks the whole key set first and raises one error listing every
 missing key, unexpected key and shape mismatch. Tensors are stored with their in-memory dtype, so a
-save/load round trip is bit-exact.
+save/load round trip is bit-exact, and config.json's ``torch_dtype`` states that dtype.
+
+Folders written by transformers' ``bailing_hybrid`` (``BailingHybridForCausalLM.save_pretrained``) load
+unchanged: their config keys are read by ``LingConfig.from_hf_dict``, and their one naming difference is
+mapped here: transformers saves every layer's attention output projection as ``attention.dense``, the
+released checkpoints name KDA's ``attention.o_proj`` (MLA's is ``attention.dense`` in both). Our folders
+load in transformers as they are.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -20,6 +27,8 @@ from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM
 
 __all__ = ["to_hf_state_dict", "load_hf_state_dict", "save_pretrained", "load_pretrained", "CheckpointError"]
+
+log = logging.getLogger(__name__)
 
 _EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -73,9 +82,30 @@ def _report(missing, unexpected, mismatched, where: str) -> None:
     raise CheckpointError("\n".join(lines))
 
 
+def _kda_output_names(hf_sd: dict[str, torch.Tensor], cfg: LingConfig) -> dict[str, torch.Tensor]:
+    """transformers' ``attention.dense`` of a KDA layer -> the released ``attention.o_proj``."""
+    out = dict(hf_sd)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_type(i) != "kda":
+            continue
+        src, dst = f"model.layers.{i}.attention.dense.weight", f"model.layers.{i}.attention.o_proj.weight"
+        if src in out:
+            if dst in out:
+                raise CheckpointError(f"checkpoint holds both {src} and {dst} for KDA layer {i}")
+            out[dst] = out.pop(src)
+    return out
+
+
+def _mtp_keys(hf_sd: dict[str, torch.Tensor], cfg: LingConfig) -> list[str]:
+    """Keys of multi-token-prediction layers (stored as model.layers.{L}.*, L >= num_hidden_layers)."""
+    pat = re.compile(r"^model\.layers\.(\d+)\.")
+    return [k for k in hf_sd if (m := pat.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers]
+
+
 def load_hf_state_dict(model: LingForCausalLM, hf_sd: dict[str, torch.Tensor], where: str = "<dict>") -> None:
-    """Copy an HF-named state dict into ``model`` (which may live on any device, not meta) after a full check.
-    Values are copied with ``copy_`` into the model's tensors, keeping the model's dtypes."""
+    """Copy an HF-named state dict (released or transformers names) into ``model`` (on any device, not meta)
+    after a full check. Values are copied with ``copy_`` into the model's tensors, keeping the model's dtypes."""
+    hf_sd = _kda_output_names(hf_sd, model.config)
     expected = _expected_hf_shapes(model)
     missing = [k for k in expected if k not in hf_sd]
     unexpected = [k for k in hf_sd if k not in expected]
@@ -95,8 +125,9 @@ def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_b
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     sd = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(torch_dtype=_main_dtype(sd)), indent=2)
+                                      + "\n")
     shards, cur, cur_bytes = [], {}, 0
     for k, v in sd.items():
         nbytes = v.numel() * v.element_size()
@@ -117,6 +148,16 @@ def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_b
                                               indent=2) + "\n")
 
 
+def _main_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype holding most floating-point elements (A_log, dt_bias and the expert bias stay fp32 in a
+    bf16 model, as in the released checkpoints and transformers' keep-in-fp32 list)."""
+    count: dict[torch.dtype, int] = {}
+    for v in sd.values():
+        if v.is_floating_point():
+            count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+    return max(count, key=count.get) if count else torch.float32
+
+
 def read_hf_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -134,12 +175,31 @@ def read_hf_tensors(path: str | os.PathLike, device: str | torch.device = "cpu")
 
 
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    **config_overrides) -> LingForCausalLM:
+                    drop_mtp: bool = False, **config_overrides) -> LingForCausalLM:
     """Build the model from config.json on the meta device, materialise it on ``device`` and load the weights.
-    Without ``dtype`` each tensor keeps the dtype stored in the checkpoint (bit-exact)."""
+    Without ``dtype`` each tensor keeps the dtype stored in the checkpoint (bit-exact). Reads our folders, the
+    released Ling-3.0 layout and transformers' ``bailing_hybrid`` folders. Multi-token-prediction layers
+    are not part of the model: a checkpoint holding them is refused unless ``drop_mtp=True``."""
     path = Path(path)
-    cfg = LingConfig.from_hf_dict(json.loads((path / "config.json").read_text()), **config_overrides)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    cfg = LingConfig.from_hf_dict(raw, **config_overrides)
     sd = read_hf_tensors(path, device)
+    mtp = _mtp_keys(sd, cfg)
+    if mtp:
+        if not drop_mtp:
+            raise CheckpointError(f"{path}: {len(mtp)} tensors of multi-token-prediction layers (e.g. {mtp[0]}; "
+                                  f"num_hidden_layers={cfg.num_hidden_layers}); HARTS has no MTP head: pass "
+                                  "drop_mtp=True to load the main model without them")
+        log.info("%s: dropped %d multi-token-prediction tensors (drop_mtp=True)", path, len(mtp))
+        drop = set(mtp)
+        sd = {k: v for k, v in sd.items() if k not in drop}
+    sd = _kda_output_names(sd, cfg)
     with torch.device("meta"):
         model = LingForCausalLM(cfg)
     model.to_empty(device=device)

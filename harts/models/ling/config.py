@@ -143,11 +143,24 @@ class LingConfig:
         return dataclasses.replace(cfg, **overrides).validate()
 
     # ---------------------------------------------------------------- HF config.json
+    # Run-time knobs and the KDA chunk size: not part of the released config.json; written under "harts"
+    # so that every field round-trips (the chunk size fixes the plan's chunk grid, see harts.pack).
     _HARTS_ONLY = ("recompute", "backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend",
                    "logprobs_backend", "norm_backend", "logprobs_chunk_size", "kda_chunk_size")
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The released config.json keys (plus the aliases transformers' BailingHybridConfig reads)."""
+    def layer_types(self) -> list[str]:
+        """transformers' ``layer_types``: 'full_attention' (MLA) or 'linear_attention' (KDA) per layer."""
+        return ["full_attention" if self.layer_type(i) == "mla" else "linear_attention"
+                for i in range(self.num_hidden_layers)]
+
+    def mlp_layer_types(self) -> list[str]:
+        return ["dense" if self.mlp_type(i) == "dense" else "sparse" for i in range(self.num_hidden_layers)]
+
+    def to_hf_dict(self, torch_dtype: Any = None) -> dict[str, Any]:
+        """The released config.json keys, the names transformers' ``BailingHybridConfig`` reads (so that
+        ``BailingHybridForCausalLM.from_pretrained`` builds the same model), and the HARTS-only fields under
+        ``"harts"``. ``torch_dtype`` (a torch.dtype or its name) states the saved tensors' dtype; without it
+        the key is left out (a config alone does not know its tensors)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self._HARTS_ONLY}
         d.update(
             architectures=["BailingMoeV3ForCausalLM"],
@@ -170,41 +183,132 @@ class LingConfig:
             num_kv_heads_for_linear_attn=0,
             use_bias=False,
             use_qkv_bias=False,
+            attention_bias=False,
             num_nextn_predict_layers=0,
             mtp_loss_scaling_factor=0.0,
-            torch_dtype="bfloat16",
+            layer_types=self.layer_types(),  # transformers derives them without the ragged-tail-is-MLA rule
+            mlp_layer_types=self.mlp_layer_types(),
+            harts={name: getattr(self, name) for name in self._HARTS_ONLY},
         )
+        if torch_dtype is not None:
+            name = str(torch_dtype).removeprefix("torch.")
+            d.update(torch_dtype=name, dtype=name)  # transformers 4 reads torch_dtype, 5 reads dtype
         return d
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **overrides: Any) -> "LingConfig":
-        """Read a released config.json; unsupported variants raise instead of silently changing the model."""
-        checks = {
-            "kda_safe_gate": True,
-            "rope_interleave": True,
-            "rope_scaling": None,
-            "use_qkv_bias": False,
-            "use_bias": False,
-            "tie_word_embeddings": False,
-        }
-        for k, want in checks.items():
-            if k in d and d[k] != want:
-                raise ValueError(f"config.json: {k}={d[k]!r} is not supported (HARTS implements {k}={want!r})")
-        if d.get("gated_attention_proj_granularity_type", "head_wise") != "head_wise":
-            raise ValueError("config.json: only gated_attention_proj_granularity_type='head_wise' is supported")
-        if d.get("no_kda_lora", True) is not True and d.get("use_kda_lora", False):
-            raise ValueError("config.json: low-rank KDA f/g projections (use_kda_lora) are not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={d['hidden_act']!r} is not supported")
-        if d.get("num_nextn_predict_layers", 0):
-            raise ValueError("config.json: MTP layers (num_nextn_predict_layers > 0) are not supported")
+        """Read a config.json: ours, the released (remote-code ``BailingMoeV3Config``) one, or one written by
+        transformers' ``bailing_hybrid`` (``BailingHybridConfig``). Keys a layout leaves out take the
+        defaults of the config class that wrote it, never this class's Ling-3.0-tiny values; unsupported
+        variants and inconsistent keys raise, naming the key, instead of silently changing the model."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        _check_supported(d)
+        transformers_layout = any(k in d for k in _TRANSFORMERS_ONLY_KEYS)
+        for alias, name in _ALIASES:
+            if alias in d:
+                if name in d and d[name] != d[alias] and not (alias == "linear_head_dim"):
+                    raise ValueError(f"config.json: {alias}={d[alias]!r} and {name}={d[name]!r} disagree")
+                d[name] = d.pop(alias)  # linear_head_dim wins: transformers overwrites head_dim with the rope dim
+        if "rope_parameters" in d and d["rope_parameters"] is not None:
+            rp = d.pop("rope_parameters")
+            if rp.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json: rope_parameters={rp!r} is not supported (HARTS implements plain "
+                                 "RoPE, rope_type='default')")
+            if "rope_theta" in rp:
+                d["rope_theta"] = rp["rope_theta"]
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names and k not in cls._HARTS_ONLY}
-        if "num_experts" not in d and "num_local_experts" in d:
-            kw["num_experts"] = d["num_local_experts"]
-        if "num_shared_experts" not in d and "n_shared_experts" in d:
-            kw["num_shared_experts"] = d["n_shared_experts"]
+        kw = dict(_REFERENCE_DEFAULTS)
+        if transformers_layout:  # BailingHybridConfig has no q_lora and sizes the shared expert like a routed one
+            kw["q_lora_rank"] = None
+            kw["moe_shared_expert_intermediate_size"] = d.get("moe_intermediate_size", kw["moe_intermediate_size"])
+        kw.update({k: v for k, v in d.items() if k in names and k not in cls._HARTS_ONLY})
+        if "q_lora_rank" in d and transformers_layout and d["q_lora_rank"] is not None:
+            raise ValueError(f"config.json: q_lora_rank={d['q_lora_rank']} with transformers' bailing_hybrid keys: "
+                             "transformers builds a direct q_proj (q_lora_rank=None); the checkpoint is ambiguous")
+        harts = d.get("harts") or {}
+        if not isinstance(harts, dict):
+            raise TypeError(f"config.json: 'harts' must be an object, got {type(harts).__name__}")
+        unknown = sorted(set(harts) - set(cls._HARTS_ONLY))
+        if unknown:
+            raise ValueError(f"config.json: unknown 'harts' keys {unknown}; known: {list(cls._HARTS_ONLY)}")
+        kw.update(harts)
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown LingConfig field(s) {unknown}")
         kw.update(overrides)
-        return cls(**kw).validate()
+        cfg = cls(**kw).validate()
+        _check_derived(d, cfg)
+        return cfg
+
+
+# Defaults of the reference config classes (the released remote-code BailingMoeV3Config and transformers'
+# BailingHybridConfig 5.23 agree: the Ling-3.0-flash values) for keys a config.json leaves out.
+_REFERENCE_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=157184, hidden_size=2560, intermediate_size=6144, num_hidden_layers=42, num_attention_heads=32,
+    rms_norm_eps=1e-6, initializer_range=0.02, max_position_embeddings=262144, rope_theta=6_000_000.0,
+    tie_word_embeddings=False, pad_token_id=156892, bos_token_id=None, eos_token_id=156895, q_lora_rank=None,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, layer_group_size=6, head_dim=128,
+    short_conv_kernel_size=4, kda_lower_bound=-5.0, num_experts=512, num_experts_per_tok=8, num_shared_experts=1,
+    moe_intermediate_size=768, moe_shared_expert_intermediate_size=768, first_k_dense_replace=2, n_group=8,
+    topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, kda_chunk_size=64,
+)
+
+# (key as transformers' BailingHybridConfig writes it, or an older alias) -> our field
+_ALIASES = (
+    ("num_experts_per_token", "num_experts_per_tok"),
+    ("num_expert_group", "n_group"),
+    ("num_local_experts", "num_experts"),
+    ("n_shared_experts", "num_shared_experts"),
+    ("model_max_length", "max_position_embeddings"),
+    ("moe_renormalize", "norm_topk_prob"),
+    ("linear_head_dim", "head_dim"),
+    ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+    ("num_mtp_layers", "num_nextn_predict_layers"),
+)
+# keys only transformers' BailingHybridConfig writes: their presence selects its defaults for absent keys
+_TRANSFORMERS_ONLY_KEYS = ("linear_head_dim", "num_experts_per_token", "num_expert_group", "model_max_length",
+                           "moe_renormalize", "linear_num_heads", "rope_parameters")
+
+
+def _check_supported(d: dict[str, Any]) -> None:
+    checks = {
+        "kda_safe_gate": True,
+        "rope_interleave": True,
+        "rope_scaling": None,
+        "use_qkv_bias": False,
+        "attention_bias": False,
+        "use_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "gated_attention_proj_granularity_type": "head_wise",
+        "num_kv_heads_for_linear_attn": 0,
+    }
+    for k, want in checks.items():
+        if k in d and d[k] != want:
+            raise ValueError(f"config.json: {k}={d[k]!r} is not supported (HARTS implements {k}={want!r})")
+    if d.get("no_kda_lora", True) is not True or d.get("use_kda_lora", False):
+        raise ValueError("config.json: low-rank KDA f/g projections (no_kda_lora=false / use_kda_lora=true) are "
+                         "not supported")
+
+
+def _check_derived(d: dict[str, Any], cfg: LingConfig) -> None:
+    """Keys that restate what the other keys imply must agree with the model HARTS builds."""
+    same = {
+        "num_key_value_heads": (cfg.num_attention_heads, "MLA has one KV head per query head"),
+        "linear_num_heads": (cfg.num_attention_heads, "KDA has num_attention_heads heads"),
+        "qk_head_dim": (cfg.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim"),
+        "layer_types": (cfg.layer_types(), "the last layer of every layer_group_size group and the ragged tail "
+                                           "are MLA ('full_attention')"),
+        "mlp_layer_types": (cfg.mlp_layer_types(), "the first first_k_dense_replace layers are dense"),
+    }
+    for k, (want, rule) in same.items():
+        if k in d and d[k] is not None and d[k] != want:
+            have = d[k]
+            if isinstance(want, list) and isinstance(have, list) and len(have) == len(want):
+                i = next(i for i, (a, b) in enumerate(zip(have, want)) if a != b)
+                raise ValueError(f"config.json: {k}[{i}]={have[i]!r} but HARTS builds {want[i]!r} there ({rule})")
+            raise ValueError(f"config.json: {k}={have!r} but HARTS builds {want!r} ({rule})")
