@@ -122,7 +122,7 @@ def test_pack_checks_token_ids_when_it_knows_the_vocab():
     trajs[3] = trajs[3][:5] + [VOCAB + 1] + trajs[3][6:]
     with pytest.raises(ValueError, match=rf"trajectory 3 position 5: token id {VOCAB + 1}.*vocab_size={VOCAB}"):
         pack(trajs, config=small_model(16).config)
-    with pytest.raises(ValueError, match=rf"trajectory 3 position 5"):
+    with pytest.raises(ValueError, match=r"trajectory 3 position 5"):
         pack(trajs, chunk_size=16, vocab_size=VOCAB, prefix_sharing=False)
 
 
@@ -191,3 +191,20 @@ def test_norms_do_not_import_dtensor_and_still_route_dtensors_to_torch_ops():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_mtp_weights_are_refused_unless_dropped(tmp_path):
+    """A released checkpoint with a multi-token-prediction layer (model.layers.{num_hidden_layers}.*)."""
+    from safetensors.torch import save_file
+
+    model = small_model(16)
+    save_pretrained(model, tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    key = f"model.layers.{model.config.num_hidden_layers}.enorm.weight"
+    save_file({key: torch.ones(model.config.hidden_size)}, str(tmp_path / "mtp.safetensors"))
+    index["weight_map"][key] = "mtp.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"multi-token-prediction.*{key}.*drop_mtp=True"):
+        load_pretrained(tmp_path)
+    back = load_pretrained(tmp_path, drop_mtp=True)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
