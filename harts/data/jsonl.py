@@ -87,8 +87,8 @@ def parse_line(text: str, *, lineno: int, vocab_size: int | None = None, where: 
         raise TrajectoryError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     for key in obj:
         if key not in FIELDS:
-            raise TrajectoryError(f"{where}: unknown field '{key}'{did_you_mean(key, FIELDS)}; the schema's fields: "
-                                  f"{', '.join(FIELDS)} (free-form data goes into 'meta')")
+            hint = did_you_mean(key, FIELDS) or f"; the schema's fields: {', '.join(FIELDS)}"
+            raise TrajectoryError(f"{where}: unknown field '{key}'{hint} (free-form data goes into 'meta')")
     version = obj.pop("schema_version", SCHEMA_VERSION)
     if isinstance(version, bool) or version != SCHEMA_VERSION:
         raise TrajectoryError(f"{where}: field 'schema_version' is {version!r}; this HARTS reads schema version "

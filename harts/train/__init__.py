@@ -2,7 +2,8 @@
 
 Submodules: ``config`` (torchtitan 0.2.2 JobConfig extended with our sections), ``model`` (the policy
 module the parallelisms wrap), ``parallelize`` (mesh, TP, EP, activation checkpointing, compile, FSDP2),
-``data`` (rollout steps, planning and packing in a background worker), ``trainer`` (the step loop),
-``metrics``, ``checkpoint``, ``profiler``. Importing this package does not import torchtitan; ``config``
-and ``trainer`` do.
+``pipeline`` (pipeline-parallel stages and schedules), ``data`` (rollout steps, planning and packing in a
+background worker), ``trainer`` (setup, the step loop, checkpoints through torchtitan's CheckpointManager,
+the profiler hook and the HF export), ``metrics`` and ``bf16_adamw`` (AdamW for bf16 weights with fp32
+master bits). Importing this package does not import torchtitan; ``config`` and ``trainer`` do.
 """

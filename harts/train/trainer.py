@@ -344,7 +344,7 @@ class Trainer:
         self._check_resume()
         self.loader.next_step = self.state.step + 1
         if self.device.type == "cuda" and self.rank == 0:
-            # on the H200, step 1 took 70-170 s in session 4 (autotuning every config of fla's and our kernels)
+            # on the H200 step 1 takes minutes on a cold cache (autotuning every config of fla's and our kernels)
             log.info("the first step compiles and autotunes Triton kernels (minutes on a cold cache; reused from "
                      "TRITON_CACHE_DIR=%s, autotune results only with TRITON_CACHE_AUTOTUNING=1)",
                      os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
