@@ -49,3 +49,10 @@ def test_every_committed_record_is_complete():
     assert {r["benchmark"] for _, r in recs} >= {"model", "kernels", "speedup", "fidelity", "planner", "calls"}
     for name, rec in recs:
         assert rec.get("values") or rec.get("tables"), name
+
+
+def test_configuration_md_is_generated_from_the_config_classes():
+    from harts.bench import docgen
+
+    with open(docgen.CONFIG_MD) as f:
+        assert f.read() == docgen.render()
