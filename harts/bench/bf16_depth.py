@@ -2,8 +2,8 @@
 
 ``python -m harts.bench.bf16_depth [--layers 4 8 12 24] [--experts 128 --top-k 8] [--length 400] --out DIR``
 
-The one-H200 trainer run (docs/results.md) found the bf16 step-1 gradients of HARTS and the baseline far
-apart (cosine 0.62; 0.75 on positions that share nothing), on the full 24-layer Ling-3.0-tiny at random
+The bf16 step-1 gradients of HARTS and the baseline can be far apart (``harts.bench.gradgap`` on one
+GPU: cosine 0.62; 0.75 on positions that share nothing), on the full 24-layer Ling-3.0-tiny at random
 initialisation. This asks whether that is a property of bf16 at that depth, common to both layouts, rather
 than of HARTS: a Ling debug model (hidden 64, the real layer pattern and MoE routing) is built at each
 depth with random weights, rounded to bf16; four trajectories share the first ``--shared`` of their

@@ -9,8 +9,8 @@ Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-l
 - Baseline C: trajectory-wise with one trajectory per call (what a conventional trainer with a smaller
   microbatch computes). On the H200 B reproduces A exactly (the kernels are deterministic and per-row
   results do not depend on order within a call), so B's floor is 0; C changes the call shapes, which on
-  random-init 128-expert routers flips near-tied top-k choices (issue 6's compact bench: mean cosine
-  0.938 against A). C is the floor that says how far two valid bf16 executions of the same model drift;
+  random-init 128-expert routers flips near-tied top-k choices (mean cosine 0.938 against A on
+  Ling-3.0-tiny). C is the floor that says how far two valid bf16 executions of the same model drift;
 - HARTS with replay (the planned rounds);
 - HARTS without replay (``pack(..., replay=False)``: branches start at the fork from the parent's exact
   final state, chunk phase not restored).

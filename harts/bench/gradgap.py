@@ -2,8 +2,8 @@
 
 ``python -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml [--section.key=value ...] --out DIR``
 
-Session 4's one-GPU run (docs/results.md) logged step-1 gradient norms 13 % apart (HARTS 5.83, baseline
-6.60) before any update, on four GRPO trajectories of one group whose loss tokens lie mostly in prefixes
+One-GPU trainer runs of Ling-3.0-tiny can log step-1 gradient norms of HARTS and the baseline that differ
+by over 10 % before any update, on four GRPO trajectories of one group whose loss tokens lie mostly in prefixes
 all four share. Under zero-mean group advantages those prefix contributions cancel in exact arithmetic:
 HARTS evaluates each shared row once and sums the trajectories' coefficients on it, while the baseline
 recomputes the prefix once per trajectory in differently shaped bf16 calls, so its copies cancel only up
@@ -104,7 +104,7 @@ def build_truth(trainer, kda_backend: str = "auto"):
     """An fp32 copy of the trainer's model (fp64 for an fp64 trainer): its weights and buffers upcast
     exactly, its recomputation. Its log-probs use the torch reference (fp32 matmuls; the fused kernel's dots
     may run in TF32); attention and MoE resolve to the references in fp32 anyway. ``kda_backend``: fla's
-    fp32 KDA kernels run their dots in TF32 on the GPU (session 3: |dlogp| up to 4e-3 against the
+    fp32 KDA kernels run their dots in TF32 on the GPU (|dlogp| up to 4e-3 against the
     reference), "reference" is exact fp32 and much slower."""
     from harts.train import parallelize as par
     from harts.train.model import build_policy

@@ -126,8 +126,8 @@ class KernelLoads:
     """Counts Triton kernel loads in this process: a compile, an autotuning sweep or a disk-cache load, each the
     first launch of a new specialisation (Triton specialises integer arguments by divisibility, so a new
     sequence length can need one). A timed run during which the count grows included one-time work and is
-    timed again (session 7's first H200 run: three of six microbatches ran 2.2-4.9x slower per raw row than
-    the rest while the Triton cache grew)."""
+    timed again (otherwise a microbatch can time 2-5x slower per raw row than the rest while the Triton
+    cache grows)."""
 
     def __init__(self):
         self.n, self.available, self.names, self.seconds = 0, False, [], 0.0
