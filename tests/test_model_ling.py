@@ -198,9 +198,22 @@ def test_fast_backends_match_reference_full_model_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case; the GPU model test runs the compiled norms")
 def test_fused_norms_in_the_model_interpreter_fp32():
     """Every norm of the model (layer norms, MLA's q_a/kv_a norms, KDA's gated output norm, the final norm)
-    through fla's fused kernels under the Triton interpreter, in fp32, is no further from a float64 run of
-    the same weights than the torch-ops model in fp32. (Direct fp32-vs-fp32 gradient comparisons do not
-    work here: some gradients, e.g. A_log's, are sums that nearly cancel, and fp32 itself is 4 % off them.)"""
+    through fla's fused kernels under the Triton interpreter, in fp32, against the same weights run in float64
+    through the torch ops (fla's kernels compute in fp32 inside whatever the input dtype, so float64 is the
+    truth, not a fused-fp64 run).
+
+    Loss: a fixed random projection ``<h, r>`` of the final hidden states, so that no gradient is a
+    structurally cancelling sum. (``sum h**2`` after the final RMSNorm is nearly constant in the pre-norm
+    activations: every gradient below it is a near-cancelling difference that fp32 gets only to a few per cent,
+    and such a test can only compare one fp32 error with another.)
+
+    Error model: each layer's forward and backward are a bounded number of fp32 roundings (relative size
+    eps = 2**-23) of non-cancelling quantities, and the relative errors add up over the L layers, so the hidden
+    states and each parameter's gradient must satisfy ``||x_fp32 - x_64|| <= K * L * eps * ||x_64||`` with
+    K = 32 (the fused norms reach about 8.5 L eps here, the torch ops about 10 L eps). The torch-ops fp32
+    model must meet the same bound: it is an error model of fp32, not fitted to the fused path. A wrong norm
+    is orders of magnitude outside it (a missing gate, eps 1e-5 for 1e-6, eps added to the RMS instead of
+    the mean square, a dropped row tile in the weight gradient all fail)."""
     torch.manual_seed(0)
     ref = LingForCausalLM(LingConfig.preset("ling3-tiny-debug"))
     fused = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", norm_backend="fast"))
@@ -208,18 +221,24 @@ def test_fused_norms_in_the_model_interpreter_fp32():
     truth = LingForCausalLM(LingConfig.preset("ling3-tiny-debug")).double()
     truth.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in ref.state_dict().items()})
     ids, pos, cu = _batch(ref.config, [9, 20, 4])
+    r_TD = torch.randn(len(ids), ref.config.hidden_size, generator=torch.Generator().manual_seed(5),
+                       dtype=torch.float64)
 
     def run(m):
-        h = m(ids, pos, cu)
-        h.square().sum().backward()
-        return h.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        h_TD = m(ids, pos, cu)
+        (h_TD * r_TD.to(h_TD.dtype)).sum().backward()
+        return h_TD.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
-    (h_r, g_r), (h_f, g_f), (h_t, g_t) = run(ref), run(fused), run(truth)
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
-    assert rel(h_f, h_t) <= 2 * rel(h_r, h_t) + 1e-7
-    assert g_f.keys() == g_t.keys()
-    for n in g_t:
-        assert rel(g_f[n], g_t[n]) <= 2 * rel(g_r[n], g_t[n]) + 1e-5, (n, rel(g_f[n], g_t[n]), rel(g_r[n], g_t[n]))
+    h_t, g_t = run(truth)
+    bound = 32 * ref.config.num_hidden_layers * torch.finfo(torch.float32).eps
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert all(g.norm() > 0 for g in g_t.values())
+    for name, m in (("torch ops", ref), ("fused norms", fused)):
+        h, g = run(m)
+        assert rel(h, h_t) <= bound, (name, "hidden states", rel(h, h_t), bound)
+        assert g.keys() == g_t.keys(), name
+        worst = max(g_t, key=lambda n: rel(g[n], g_t[n]))
+        assert rel(g[worst], g_t[worst]) <= bound, (name, worst, rel(g[worst], g_t[worst]), bound)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case (fp32); on the GPU the fidelity bench's "
@@ -253,9 +272,7 @@ def test_each_tensor_has_its_own_generator():
     """A parameter's initial value depends on the seed and its name only (harts.models.ling.blocks.param_seed):
     a model initialised shard by shard on each rank, in any module order, draws the same values as one built
     whole. Same-shaped parameters still differ, and a different seed changes every random tensor."""
-    from harts.models.ling.blocks import param_seed
-
-    from harts.models.ling.blocks import init_targets, initial_value
+    from harts.models.ling.blocks import init_targets, initial_value, param_seed
 
     cfg = LingConfig.preset("ling3-tiny-debug")
     a = LingForCausalLM(cfg).init_weights(seed=3)
