@@ -63,8 +63,8 @@ def fla_interpreter_patches(monkeypatch):
     compiled GPU kernels are unaffected; this only lets CPU CI execute the same kernel code)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
-    import triton.language as tl
     import fla.ops.kda.chunk_intra as chunk_intra
+    import triton.language as tl
 
     monkeypatch.setattr(chunk_intra, "IS_GATHER_SUPPORTED", False)
     monkeypatch.setattr(chunk_intra, "SAFE_GATE_DOT_PRECISION", tl.constexpr("ieee"))

@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
-from harts.models.ling.checkpoint import (CheckpointError, load_hf_state_dict, load_pretrained, read_hf_tensors,
-                                          save_pretrained, to_hf_state_dict)
+from harts.models.ling.checkpoint import (
+    CheckpointError,
+    load_hf_state_dict,
+    load_pretrained,
+    read_hf_tensors,
+    save_pretrained,
+    to_hf_state_dict,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,8 @@ def test_errors_list_missing_unexpected_and_shapes(tmp_path, model):
     with pytest.raises(CheckpointError) as e:
         load_hf_state_dict(target, sd)
     msg = str(e.value)
-    for s in ("missing keys (2)", "model.layers.2.attention.f_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+    for s in ("missing keys (2)", "model.layers.2.attention.f_proj.weight",
+              "model.layers.1.mlp.experts.3.up_proj.weight",
               "unexpected keys (1)", "model.layers.0.attention.bogus", "model.norm.weight: (7,) vs (64,)"):
         assert s in msg, s
 

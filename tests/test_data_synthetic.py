@@ -4,7 +4,8 @@ import pytest
 
 from harts.data import build_trie
 from harts.data.stats import format_stats, workload_stats
-from harts.data.synthetic import PRESETS, generate, main as synthetic_main
+from harts.data.synthetic import PRESETS, generate
+from harts.data.synthetic import main as synthetic_main
 
 
 @pytest.mark.parametrize("preset", ["tiny", "swe-small"])

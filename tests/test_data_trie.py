@@ -1,6 +1,7 @@
 """The compact trie against a brute-force dict-of-prefixes count (independent reference)."""
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts.data import build_trie
 

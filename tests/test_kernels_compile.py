@@ -15,7 +15,8 @@ import pytest
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
-           "ht": "*fp32", "hb": "*fp32", "state_slot": "*i32", "cu_seqlens": "*i64", "chunk_offsets": "*i64", "T": "i32"}
+           "ht": "*fp32", "hb": "*fp32", "state_slot": "*i32", "cu_seqlens": "*i64",
+           "chunk_offsets": "*i64", "T": "i32"}
 BWD_SIG = {"qg": f"*{DT}", "k": f"*{DT}", "w": f"*{DT}", "gk": "*fp32", "dht": "*fp32", "dh0": "*fp32", "dhb": "*fp32",
            "state_slot": "*i32", "do": f"*{DT}", "dv": f"*{DT}", "dh": f"*{DT}", "dv2": f"*{DT}", "cu_seqlens": "*i64",
            "chunk_offsets": "*i64", "scale": "fp32", "T": "i32"}

@@ -311,8 +311,8 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "B": 0.005, "dq": 0.008, "dk": 0.008, "dv": 
 
 
 # GPU cases use ling3-tiny's head shapes (H = HV = 16, K = V = 128, bf16), and H = HV = 8 (one rank's heads
-# under TP2, where session 8 saw A_log's gradient halved on the GPU): fla 0.6.0 compiles every autotune config
-# per (H, HV, K, dtype), 1-2 minutes of device time per new shape family. K = 64 and GVA are covered by the
+# under TP2, a shape whose A_log gradient once came out halved on the GPU): fla 0.6.0 compiles every autotune
+# config per (H, HV, K, dtype), 1-2 minutes per new shape family. K = 64 and GVA are covered by the
 # interpreter cases.
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,H,HV,gate", [(128, 16, 16, False), (128, 16, 16, True), (128, 8, 8, True)])

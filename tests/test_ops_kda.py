@@ -152,7 +152,7 @@ def test_fla_chunk_kda_call_matches_reference_interpreted(fla_interpreter_patche
 @pytest.mark.parametrize("H", [16, 8])
 def test_chunk_kda_gpu_matches_reference_bf16(H):
     """H, K, V as in ling3-tiny (fla compiles and autotunes per shape family, the benchmark reuses it), and
-    H = 8: one rank's heads under TP2, where session 8 saw A_log's gradient halved on the GPU. Gradients of
+    H = 8: one rank's heads under TP2, a shape whose A_log gradient once came out halved on the GPU. Gradients of
     every input, the gate parameters (A_log, dt_bias) and beta included."""
     x = _inputs([1000, 64, 3, 700], H=H, K=128, V=128, dtype=torch.float32, device="cuda")
     bf = {k: (v.bfloat16() if v.is_floating_point() and k not in ("A_log", "dt_bias", "h0") else v)

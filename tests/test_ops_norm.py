@@ -44,8 +44,10 @@ def _grads(fn, x, g, w, gated):
 @pytest.mark.parametrize("gated", [False, True])
 def test_fast_matches_reference_interpreter_fp32(gated):
     x, g, w = _inputs((9, 4, 48), torch.float32)  # leading dims flattened by the kernels; D not a power of 2
-    fast = (lambda x, g, w: gated_rms_norm(x, g, w, 1e-6, "fast")) if gated else (lambda x, w: rms_norm(x, w, 1e-6, "fast"))
-    ref = (lambda x, g, w: gated_rms_norm_reference(x, g, w, 1e-6)) if gated else (lambda x, w: rms_norm_reference(x, w, 1e-6))
+    fast = ((lambda x, g, w: gated_rms_norm(x, g, w, 1e-6, "fast")) if gated
+            else (lambda x, w: rms_norm(x, w, 1e-6, "fast")))
+    ref = ((lambda x, g, w: gated_rms_norm_reference(x, g, w, 1e-6)) if gated
+           else (lambda x, w: rms_norm_reference(x, w, 1e-6)))
     for a, b in zip(_grads(fast, x, g, w, gated), _grads(ref, x, g, w, gated)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -66,8 +68,10 @@ def test_fast_matches_reference_gpu_bf16(gated):
     """Ling-3.0-tiny widths: 1536 (residual stream) and 128 per KDA head (gated)."""
     shape = (4096, 16, 128) if gated else (4096, 1536)
     x, g, w = _inputs(shape, torch.bfloat16, "cuda")
-    fast = (lambda x, g, w: gated_rms_norm(x, g, w, 1e-6, "fast")) if gated else (lambda x, w: rms_norm(x, w, 1e-6, "fast"))
-    ref = (lambda x, g, w: gated_rms_norm_reference(x, g, w, 1e-6)) if gated else (lambda x, w: rms_norm_reference(x, w, 1e-6))
+    fast = ((lambda x, g, w: gated_rms_norm(x, g, w, 1e-6, "fast")) if gated
+            else (lambda x, w: rms_norm(x, w, 1e-6, "fast")))
+    ref = ((lambda x, g, w: gated_rms_norm_reference(x, g, w, 1e-6)) if gated
+           else (lambda x, w: rms_norm_reference(x, w, 1e-6)))
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
     for name, a, b, c in zip(("y", "dx", "dg" if gated else "dw", "dw"), _grads(fast, x, g, w, gated),
                              _grads(ref, x, g, w, gated), _grads(ref, x.float(), g.float(), w.float(), gated)):

@@ -26,7 +26,8 @@ def _fork_trajs(B, rng, vocab):
 def test_compact_matches_trajectory_wise_on_gpu():
     dtype = torch.bfloat16
     # ling3-tiny head shapes (K = V = 128, chunk 64) so the compiled and autotuned kernels are shared
-    cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128, num_attention_heads=16, hidden_size=256)
+    cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=64, head_dim=128, num_attention_heads=16,
+                            hidden_size=256)
     torch.manual_seed(0)
     model = LingForCausalLM(cfg).cuda().cast_(dtype)
     trajs = _fork_trajs(64, np.random.default_rng(0), cfg.vocab_size)
@@ -71,8 +72,8 @@ def test_compact_matches_trajectory_wise_on_gpu():
 
 
 def test_grpo_gradient_over_shared_prefixes_on_gpu():
-    """The one-GPU trainer run (session 4) showed the bf16 gradient norms of HARTS and the baseline 13 %
-    apart at step 1 on four trajectories sharing long prefixes under zero-mean GRPO advantages, where the
+    """bf16 gradient norms of HARTS and the baseline can lie 13 % apart at step 1 (one-GPU trainer run) on
+    four trajectories sharing long prefixes under zero-mean GRPO advantages, where the
     prefix contributions cancel. At small scale: the gradient of sum(adv * logp) with advantages +1/-1
     alternating over trajectories that share prefixes, each path in bf16 against the fp32 truth (baseline
     layout, reference kernels, the same bf16-rounded weights). HARTS must be no further from the truth
