@@ -52,7 +52,7 @@ def test_causal_pairs_rejects_more_queries_than_keys():
 
 
 def test_kernel_families_of_h200_kernel_names():
-    """Kernel names as the H200 profile reports them (session 3 model bench) land in the right family."""
+    """Kernel names as an H200 profile of the model bench reports them land in the right family."""
     from harts.bench.common import family
 
     cutlass_grouped = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
