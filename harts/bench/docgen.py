@@ -85,7 +85,8 @@ def trainer_section() -> list[str]:
 
     out = ["## Trainer (`train.py --config FILE.toml [--section.key=value ...]`)", "",
            "A TOML file has one table per section; any field can be overridden on the command line as",
-           "`--section.key=value` (precedence: command line, then TOML, then these defaults). Sections `ling`, `harts`,",
+           "`--section.key=value` (precedence: command line, then TOML, then these defaults). Sections `ling`, "
+           "`harts`,",
            "`data`, `rl` and `profile` are HARTS's; the others are torchtitan 0.2.2's, of which only the fields",
            "listed here are read. Setting any other torchtitan field is an error at load, so a config never silently",
            "does nothing.", ""]
@@ -143,7 +144,8 @@ def main(argv=None) -> int:
     if args.check:
         with open(args.out) as f:
             same = f.read() == text
-        print(f"{args.out} {'is up to date' if same else 'differs from the config classes: run python -m harts.bench.docgen'}")
+        fix = "differs from the config classes: run python -m harts.bench.docgen"
+        print(f"{args.out} {'is up to date' if same else fix}")
         return 0 if same else 1
     with open(args.out, "w") as f:
         f.write(text)

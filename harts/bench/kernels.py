@@ -118,7 +118,7 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
                          kernels_fla=_kernel_times(run_fla, trace=_tr(trace_dir, "fla", lens)),
                          kernels_round=_kernel_times(run_round(True), trace=_tr(trace_dir, "round", lens)),
                          kernels_round_no_req=_kernel_times(run_round(False))))
-        del q, k, v, g, beta, do, dB
+        q = k = v = g = beta = do = dB = leaves = None  # free this layout's tensors (the closures hold them)
         torch.cuda.empty_cache()
     return rows
 
@@ -288,7 +288,8 @@ def main(argv=None):
             x = range(len(labels))
             ax[0].bar([i - 0.25 for i in x], [r["fla_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="fla chunk_kda")
             ax[0].bar(list(x), [r["round_no_req_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="round, no req")
-            ax[0].bar([i + 0.25 for i in x], [r["round_fwd_bwd_ms"] for r in res["kda"]], 0.25, label="round, 1/4 chunks")
+            ax[0].bar([i + 0.25 for i in x], [r["round_fwd_bwd_ms"] for r in res["kda"]], 0.25,
+                      label="round, 1/4 chunks")
             ax[0].set_xticks(list(x), labels)
             ax[0].set_ylabel("fwd+bwd ms")
             ax[0].legend()

@@ -157,7 +157,8 @@ def print_table(r: dict) -> None:
         ("backends", json.dumps(r["overrides"]) if r["overrides"] else "auto (all fast)"),
         ("tokens / trajectories / max len", f"{r['tokens']} / {r['num_trajectories']} / {r['max_len']}"),
         ("params total / active", f"{r['params_total'] / 1e9:.3f}B / {r['params_active'] / 1e9:.3f}B"),
-        ("step time (median)", f"{r['step_s_median']:.3f} s  (all: {', '.join(f'{t:.3f}' for t in r['step_times_s'])})"),
+        ("step time (median)",
+         f"{r['step_s_median']:.3f} s  (all: {', '.join(f'{t:.3f}' for t in r['step_times_s'])})"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
         ("model TFLOP/step (3x fwd)", f"{r['model_flops_per_step'] / 1e12:.1f}"),
         ("fwd TFLOP: matmul/attn/kda/conv", "/".join(f"{r['fwd_flops'][k] / 1e12:.2f}" for k in

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     if args.check:
         with open(args.out) as f:
             same = f.read() == text
-        print(f"{args.out} {'is up to date' if same else 'differs from the records: run python -m harts.bench.results'}")
+        fix = "differs from the records: run python -m harts.bench.results"
+        print(f"{args.out} {'is up to date' if same else fix}")
         return 0 if same else 1
     with open(args.out, "w") as f:
         f.write(text)

@@ -132,7 +132,8 @@ def headline(name: str, raw: dict) -> dict:
                            ("fbgrad_harts_s", "F/B/Grad HARTS s"), ("speedup_fbgrad", "F/B/Grad speedup"),
                            ("fbgrad_over_compression", "F/B/Grad speedup / row compression"),
                            ("fbgrad_over_flop_compression", "F/B/Grad speedup / FLOP compression"),
-                           ("speedup_core", "Core speedup"), ("core_over_compression", "Core speedup / row compression"),
+                           ("speedup_core", "Core speedup"),
+                           ("core_over_compression", "Core speedup / row compression"),
                            ("baseline_peak_gb", "peak GB baseline"), ("harts_peak_gb", "peak GB HARTS")):
             if raw.get(key) is not None:
                 v[label] = raw[key]
