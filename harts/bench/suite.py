@@ -51,7 +51,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
         "HARTS against trajectory-wise training, forward + backward per microbatch",
         ["--out", "{raw}", "--preset", "ling3-tiny", "--scale", "0.2", "--microbatches", "16"],
         ["--out", "{raw}", "--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128",
-         "--microbatches", "2", "--device", "cpu", "--dtype", "float64"],
+         "--microbatches", "2", "--device", "cpu", "--dtype", "float32"],
     ),
     "fidelity": (
         "Log-prob fidelity of HARTS against trajectory-wise execution",
