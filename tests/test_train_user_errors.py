@@ -200,3 +200,15 @@ def test_torchrun_data_error_is_one_line_from_rank_0(tmp_path):
     assert ours == [f"error: {path}:3: unknown field 'lossmask' (did you mean 'loss_mask'?) (free-form data goes "
                     "into 'meta')"], p.stderr
     assert "harts" not in "".join(l for l in p.stderr.splitlines() if l.strip().startswith("File ")), p.stderr
+
+
+def test_metrics_truncate_drops_later_steps_and_a_torn_line(tmp_path):
+    """What a run killed mid-write leaves (steps after the checkpoint, a half-written record) is cut away."""
+    from harts.train.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), rank=0, color=False)
+    with open(m.path, "w") as f:
+        f.write("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    assert m.truncate(2) == 3 and _records(tmp_path) == [1, 2]
+    assert m.truncate(2) == 0 and m.truncate(0) == 2 and _records(tmp_path) == []
+    assert MetricsLogger(str(tmp_path), rank=1).truncate(0) == 0  # other ranks own no file
