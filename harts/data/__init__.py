@@ -1,4 +1,5 @@
-"""Rollout data: trajectories with RL metadata, the compact trie, JSONL I/O and synthetic workloads.
+"""Rollout data: trajectories with RL metadata, the compact trie, JSONL I/O (``harts.data.jsonl``: the rollout
+file schema, version 1, documented in docs/byo-rollouts.md) and synthetic workloads.
 
 numpy and the standard library only, so it can run in data-loader workers.
 """
