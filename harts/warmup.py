@@ -88,18 +88,18 @@ def install_kernel_report(path: str, record: str | None = None) -> None:
     Autotuner.run = timed_run
 
 
-def _train_cmd(args, mode: str, folder: str) -> list[str]:
+def _train_cmd(args, config: str, mode: str, folder: str) -> list[str]:
     train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
     if not os.path.isfile(train_py):
         raise SystemExit(f"harts.warmup: {train_py} not found (the warm-up runs the trainer of a source checkout)")
-    return ["torchrun", "--nproc_per_node", str(args.nproc), "--standalone", train_py, "--config", args.config,
+    return ["torchrun", "--nproc_per_node", str(args.nproc), "--standalone", train_py, "--config", config,
             "--training.steps=1", f"--job.dump_folder={folder}", "--checkpoint.enable=false",
             "--profile.enable=false", f"--harts.enabled={'true' if mode == 'harts' else 'false'}", *args.overrides]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.warmup", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="training TOML, as given to train.py")
+    ap.add_argument("--config", required=True, nargs="+", help="training TOML(s), as given to train.py")
     ap.add_argument("--nproc", type=int, default=1, help="processes, as in torchrun --nproc_per_node")
     ap.add_argument("--modes", default="harts,baseline", help="comma-separated: harts, baseline")
     ap.add_argument("--record", metavar="PATH", help="write the autotune winners as a shipped table to PATH")
@@ -119,17 +119,18 @@ def main(argv=None) -> int:
         if os.path.exists(args.record):
             os.unlink(args.record)
     wall = {}
-    for i, mode in enumerate(modes, 1):
+    runs = [(c, m) for c in args.config for m in modes]
+    for i, (config, mode) in enumerate(runs, 1):
         with tempfile.TemporaryDirectory(prefix=f"harts_warmup_{mode}_") as folder:
-            cmd = _train_cmd(args, mode, folder)
-            print(f"[warmup] ({i}/{len(modes)}) {mode}: {' '.join(cmd)}", flush=True)
+            cmd = _train_cmd(args, config, mode, folder)
+            print(f"[warmup] ({i}/{len(runs)}) {config} {mode}: {' '.join(cmd)}", flush=True)
             t0 = time.perf_counter()
             rc = subprocess.call(cmd, env=env)
-            wall[mode] = time.perf_counter() - t0
+            wall[config, mode] = time.perf_counter() - t0
             if rc != 0:
-                print(f"[warmup] {mode} failed (exit {rc}) after {wall[mode]:.0f} s", file=sys.stderr)
+                print(f"[warmup] {config} {mode} failed (exit {rc}) after {wall[config, mode]:.0f} s", file=sys.stderr)
                 return rc
-            print(f"[warmup] ({i}/{len(modes)}) {mode} done in {wall[mode]:.0f} s", flush=True)
+            print(f"[warmup] ({i}/{len(runs)}) {config} {mode} done in {wall[config, mode]:.0f} s", flush=True)
     rows = [json.loads(line) for line in open(report)]
     os.unlink(report)
     by_family = collections.defaultdict(lambda: [0, 0.0])
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     tuned = sum(s for _, s in by_family.values())
     total = sum(wall.values())
     print(f"{'autotuned kernels, total':<28} {len(rows):>5} {tuned:>8.1f}")
-    print(f"{'whole warm-up (all modes)':<28} {'':>5} {total:>8.1f}  (the rest: start-up, model build, data, "
+    print(f"{'whole warm-up (all runs)':<28} {'':>5} {total:>8.1f}  (the rest: start-up, model build, data, "
           f"inductor and untuned kernels)")
     if args.record:
         print(f"[warmup] autotune table written to {args.record}")
