@@ -1,4 +1,6 @@
-"""HARTS trainer entry point: ``torchrun --nproc_per_node N train.py --config configs/X.toml [--section.key=value ...]``.
+"""HARTS trainer entry point.
+
+``torchrun --nproc_per_node N train.py --config configs/X.toml [--section.key=value ...]``.
 
 Single process: ``python train.py --config configs/X.toml``. See docs/training.md.
 
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
+    from harts.warmup import cache_dirs
+
+    cache_dirs()  # persistent Triton/inductor caches (~/.cache/harts) unless set: docs/first-gpu-run.md
     code, trainer = 0, None
     try:
         from harts.train.config import parse_args

@@ -64,8 +64,7 @@ class Harts:
     """All-reduce a hash of the step's plan and fail if ranks disagree (one tiny collective per step)."""
     fill_pipeline: bool = True
     """With pipeline parallelism: plan at the largest capacity (<= ``capacity``) that gives every DP rank at
-    least as many microbatches as there are stages; with fewer, the stages wait for each other (on two
-    H200s, PP2 with one HARTS microbatch ran at 0.48 of compression)."""
+    least as many microbatches as there are stages; with fewer, the stages wait for each other."""
 
 
 @dataclass
@@ -165,7 +164,7 @@ class Optimizer(tt.Optimizer):
     bf16_fused: str = "auto"
     """With bf16_update = 'fp32_master': 'true' runs the update as one Triton kernel per tensor
     (harts.kernels.bf16_adamw) instead of ~20 torch ops, equal up to the last fp32 bits of the master
-    weights (H200: 0.43 -> 0.08 s per one-GPU step, docs/results.md); 'false' runs the torch ops; 'auto'
+    weights; 'false' runs the torch ops; 'auto'
     (default) is 'true' on CUDA and 'false' elsewhere (the kernel runs on CPU only interpreted)."""
 
 

@@ -113,7 +113,8 @@ def pad_rows(batch: CompactBatch, multiple: int) -> CompactBatch:
     z = torch.zeros(pad, dtype=torch.long)
     cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
     return dataclasses.replace(
-        batch, input_ids=torch.cat([batch.input_ids, z]), position_ids=torch.cat([batch.position_ids, torch.arange(pad)]),
+        batch, input_ids=torch.cat([batch.input_ids, z]),
+        position_ids=torch.cat([batch.position_ids, torch.arange(pad)]),
         multiplicity=torch.cat([batch.multiplicity, z]), cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad))
 
 
@@ -141,7 +142,8 @@ def plan_trajectory_wise(lengths, *, dp_degree: int, capacity: int) -> Microbatc
         raise PlanningError(f"{n} trajectories cannot fill {dp_degree} DP replicas")
     if lengths.max() > capacity:
         i = int(np.argmax(lengths > capacity))
-        raise PlanningError(f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity {capacity}")
+        raise PlanningError(f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity "
+                            f"{capacity}")
     order = np.argsort(-lengths, kind="stable")
     k = max(dp_degree, -(-int(np.ceil(lengths.sum() / capacity)) // dp_degree) * dp_degree)
     while True:
@@ -315,7 +317,7 @@ class StepBuilder:
         for slot, mb_id in enumerate(plan.replicas[self.d]):
             sub = [trajs[i] for i in plan.microbatches[mb_id]]
             batch = pack(sub, chunk_size=self.chunk_size, prefix_sharing=self.cfg.harts.enabled,
-                         conv_width=self.conv_width, pad_to_multiple=self.row_multiple)
+                         conv_width=self.conv_width, vocab_size=self.vocab_size, pad_to_multiple=self.row_multiple)
             if not batch.prefix_sharing and self.row_multiple > 1:
                 batch = pad_rows(batch, self.row_multiple)
             if self.cp_group is not None:
