@@ -67,7 +67,8 @@ def bf16_adamw_update_(w, low, m, v, g, *, lr: float, beta1: float, beta2: float
     if n == 0:
         return
     if not 0.0 <= 1.0 - beta1 < 0.5:
-        raise ValueError(f"bf16_adamw_update_: beta1 = {beta1}; the kernel uses torch.lerp's formula for 1 - beta1 < 0.5")
+        raise ValueError(f"bf16_adamw_update_: beta1 = {beta1}; "
+                         "the kernel uses torch.lerp's formula for 1 - beta1 < 0.5")
     grid = (triton.cdiv(n, block),)
     bf16_adamw_fwd_kernel_update[grid](
         w.view(torch.int16), low, m.view(torch.int16), v.view(torch.int16), g, n, 1.0 - beta1, beta2, 1.0 - beta2, eps,

@@ -27,7 +27,6 @@ from harts.planning.calls import naive_schedule, plan_calls_for_trie, plan_segme
 from harts.planning.segments import SegmentTree
 
 
-
 def _positions(parent: np.ndarray, rng, B: int):
     """start/end of every segment: a child starts at its parent's end; fork positions biased to a(p)+-1."""
     G = parent.shape[0]

@@ -12,11 +12,12 @@ FAMILIES = (
     ("kda_state_scan", ("kda_round", "chunk_gated_delta_rule_fwd_kernel_h", "chunk_gated_delta_rule_bwd_kernel_dhu")),
     ("kda_other", ("kda", "chunk_", "wy_", "recompute_w_u", "l2norm", "gla", "solve_tril", "intra")),
     ("attention", ("flash", "fmha", "attention", "varlen", "attn")),
-    ("moe_grouped_gemm", ("grouped", "_grouped_mm", "groupproblem")),  # CUTLASS sm90 grouped GEMM: ...GroupProblemShape...
+    # CUTLASS sm90 grouped GEMM: ...GroupProblemShape...
+    ("moe_grouped_gemm", ("grouped", "_grouped_mm", "groupproblem")),
     ("logprobs", ("logprobs",)),
     ("softmax_logsumexp", ("softmax", "logsumexp")),
-    ("gather_scatter_routing", ("index_select", "index_copy", "index_add", "gather", "scatter", "indexing", "index", "sort",
-                                "topk", "radix", "bincount")),
+    ("gather_scatter_routing", ("index_select", "index_copy", "index_add", "gather", "scatter", "indexing", "index",
+                                "sort", "topk", "radix", "bincount")),
     ("conv", ("conv",)),
     ("gemm", ("gemm", "matmul", "mm", "cutlass", "sm90", "nvjet", "cublas", "splitk")),
     ("communication", ("nccl", "all_to_all", "allreduce", "reduce_scatter", "all_gather")),

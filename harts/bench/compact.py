@@ -227,7 +227,8 @@ def main(argv=None) -> int:
         rt = res["routing"]
         print(f"routing: top-k set differs at {100 * max(rt['topk_differs_per_layer']):.2f}% of positions in the worst "
               f"MoE layer (first {100 * rt['topk_differs_per_layer'][0]:.3f}%, last "
-              f"{100 * rt['topk_differs_per_layer'][-1]:.2f}%); {100 * rt['positions_routed_identically_everywhere']:.1f}% "
+              f"{100 * rt['topk_differs_per_layer'][-1]:.2f}%); "
+              f"{100 * rt['positions_routed_identically_everywhere']:.1f}% "
               f"of positions routed identically in every layer, mean cosine there "
               f"{rt['mean_cosine_identical_routing']}, elsewhere {rt['mean_cosine_some_flip']}", flush=True)
         for name, f in res["fidelity"].items():

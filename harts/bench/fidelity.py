@@ -43,7 +43,10 @@ def handoff_depth_of_rows(batch) -> np.ndarray:
         seq_depth = np.array([0 if s < 0 else depth_of_state[s] + 1 for s in init], dtype=np.int64)
         out = r.output_positions.cpu().numpy()
         seq_of_pos = np.searchsorted(cu, out, side="right") - 1
-        rows = np.arange(r.phys_start, r.phys_start + out.shape[0]) if r.phys_end > r.phys_start else r.gather.cpu().numpy()[out]
+        if r.phys_end > r.phys_start:
+            rows = np.arange(r.phys_start, r.phys_start + out.shape[0])
+        else:
+            rows = r.gather.cpu().numpy()[out]
         row_depth[rows] = seq_depth[seq_of_pos]
         depth_of_state.extend(seq_depth[r.emit_seq.numpy()].tolist())
     return row_depth
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
         model.config.recompute = False
         tgt = harts_r.logprob_targets
         dep = depth_rows.to(dev)[harts_r.logprob_rows].clamp_max(D - 1)
-        acc = {n: {"cos": 0.0, "symkl": torch.zeros(D, dtype=torch.float64), "dnll": torch.zeros(D, dtype=torch.float64)}
+        acc = {n: {"cos": 0.0, "symkl": torch.zeros(D, dtype=torch.float64),
+                   "dnll": torch.zeros(D, dtype=torch.float64)}
                for n in names}
         acc["harts_replay_recompute"] = {"cos": 0.0}
         count = torch.zeros(D, dtype=torch.float64)
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
                 acc[n]["dnll"] += torch.zeros(D, dtype=torch.float64).index_add_(0, d, dnll.double().cpu())
                 loss[n] += lp.sum().item()
             zrc = (hs_rc[sl] @ W.T).float()
-            acc["harts_replay_recompute"]["cos"] += torch.nn.functional.cosine_similarity(zrc, za, dim=-1).double().sum().item()
+            cos_rc = torch.nn.functional.cosine_similarity(zrc, za, dim=-1)
+            acc["harts_replay_recompute"]["cos"] += cos_rc.double().sum().item()
     res["tokens_by_depth"] = count.tolist()
     res["mean_token_cosine"] = {n: acc[n]["cos"] / S for n in acc}
     res["mean_nll"] = {n: -v / S for n, v in loss.items()}
@@ -160,7 +165,8 @@ def _plot(res, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     d = np.arange(len(res["tokens_by_depth"]))
-    for ax, key, title in ((axes[0], "symkl_by_depth", "SymKL (Eq. 25)"), (axes[1], "abs_dnll_by_depth", "|dNLL| (Eq. 26)")):
+    for ax, key, title in ((axes[0], "symkl_by_depth", "SymKL (Eq. 25)"),
+                           (axes[1], "abs_dnll_by_depth", "|dNLL| (Eq. 26)")):
         for n, lab in (("baseline_B", "Baseline B (rerun)"), ("baseline_C", "Baseline C (one trajectory per call)"),
                        ("harts_replay", "Replay"), ("harts_no_replay", "No-replay")):
             ax.plot(d, res[key][n], marker="o", label=lab)

@@ -94,7 +94,8 @@ def step_gradient(trainer, data, masks, part: str, model=None) -> list[torch.Ten
         if part != "all":
             keep = microbatch_mask(mb, data.plan, masks)
             mb = dataclasses.replace(mb, coeff=mb.coeff * (keep if part == "shared" else ~keep))
-        trainer.microbatch_loss(mb.to(trainer.device, meta_dtype), router, model=None if own_model else model)[0].backward()
+        loss = trainer.microbatch_loss(mb.to(trainer.device, meta_dtype), router, model=None if own_model else model)[0]
+        loss.backward()
         if own_model:
             trainer.accumulate_grads()
     return _param_grads(trainer if own_model else None, model)
@@ -216,8 +217,8 @@ def run(cfg, parts=PARTS, with_truth: bool = False, truth_kda: str = "auto") -> 
                "raw_tokens": data_h.stats["raw_tokens"], "compact_rows": data_h.stats["compact_rows"],
                "microbatches_harts": len(data_h.microbatches), "microbatches_baseline": len(data_b.microbatches),
                "parts": {}}
-        log.info("step 1: %d trajectories, %d predicted positions, %d (%.1f %%) on shared rows; HARTS %d microbatch(es), "
-                 "baseline %d", len(trajs), n_pos, n_shared, 100 * n_shared / max(n_pos, 1),
+        log.info("step 1: %d trajectories, %d predicted positions, %d (%.1f %%) on shared rows; "
+                 "HARTS %d microbatch(es), baseline %d", len(trajs), n_pos, n_shared, 100 * n_shared / max(n_pos, 1),
                  len(data_h.microbatches), len(data_b.microbatches))
         truth = build_truth(trainer, truth_kda) if with_truth else None
         if truth is not None:
@@ -243,7 +244,8 @@ def run(cfg, parts=PARTS, with_truth: bool = False, truth_kda: str = "auto") -> 
             r = compare({k: vec[k] for k in ("harts", "baseline", "truth") if k in vec}, pairs, groups)
             r.update(baseline_s=t1 - t0, harts_s=t2 - t1, **secs)
             res["parts"][part] = r
-            log.info("%-6s |g| HARTS %.4e baseline %.4e  |diff| %.4e (%.3e of baseline)  cosine %.6f  (%.0f s + %.0f s)",
+            log.info("%-6s |g| HARTS %.4e baseline %.4e  |diff| %.4e (%.3e of baseline)  cosine %.6f  "
+                     "(%.0f s + %.0f s)",
                      part, r["norm_harts"], r["norm_baseline"], r["diff_harts_baseline"], r["rel_harts_baseline"],
                      r["cos_harts_baseline"], t1 - t0, t2 - t1)
             if truth is not None:

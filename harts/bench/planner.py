@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat-budget", type=float, default=2.0,
                     help="stop repeating a planner once its runs on the step took this many seconds")
     ap.add_argument("--oversized", choices=["error", "drop"], default="error",
-                    help="trajectories longer than the capacity: stop with an error, or drop them (counted in the table)")
+                    help="trajectories longer than the capacity: stop with an error, "
+                         "or drop them (counted in the table)")
     ap.add_argument("--json", default="planner_bench.json")
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
@@ -309,21 +310,27 @@ def main(argv=None) -> int:
               "repeat_budget": args.repeat_budget, "results": {}}
     for dp in args.dp:
         rows = []
-        print(f"\n== DP{dp}  capacity {args.capacity:,}  preset {args.preset}  (times: fastest of up to {args.repeat} runs, "
+        print(f"\n== DP{dp}  capacity {args.capacity:,}  preset {args.preset}  "
+              f"(times: fastest of up to {args.repeat} runs, "
               f"repeats stop after {args.repeat_budget:g} s) ==")
         print(f"{'step':>4} {'paths':>6} {'drop':>4} {'raw tokens':>12} {'HARTS':>10} {'OR-Tools':>10} {'OR/HARTS':>9} "
-              f"{'natural':>10} {'raw FFD':>10} {'raw/HARTS':>9} {'HARTS s':>8} {'OR s':>7} {'OR/HARTS t':>10} {'HARTS paper':>12} {'s':>6}")
+              f"{'natural':>10} {'raw FFD':>10} {'raw/HARTS':>9} {'HARTS s':>8} {'OR s':>7} {'OR/HARTS t':>10} "
+              f"{'HARTS paper':>12} {'s':>6}")
         for s in steps:
             check_inputs(np.asarray([a.shape[0] for a in s["arrays"]]), dp, args.capacity)
             r = run_step(s["arrays"], dp, args.capacity, args.ortools_time_limit, args.repeat, args.repeat_budget)
             h, o = r["harts"], r["ortools"]
-            print(f"{s['seed'] + 1:>4} {s['paths']:>6,} {s['dropped']:>4} {s['raw']:>12,} {h['compact']:>10,} {o['compact']:>10,} "
-                  f"{o['compact'] / h['compact']:>8.4f}x {r['natural']['compact']:>10,} {r['raw_ffd']['compact']:>10,} "
+            print(f"{s['seed'] + 1:>4} {s['paths']:>6,} {s['dropped']:>4} {s['raw']:>12,} {h['compact']:>10,} "
+                  f"{o['compact']:>10,} "
+                  f"{o['compact'] / h['compact']:>8.4f}x {r['natural']['compact']:>10,} "
+                  f"{r['raw_ffd']['compact']:>10,} "
                   f"{s['raw'] / h['compact']:>9.3f} {h['seconds']:>8.3f} {o['seconds']:>7.3f} "
-                  f"{o['seconds'] / h['seconds']:>9.2f}x {r['harts_paper']['compact']:>12,} {r['harts_paper']['seconds']:>6.3f}",
+                  f"{o['seconds'] / h['seconds']:>9.2f}x {r['harts_paper']['compact']:>12,} "
+                  f"{r['harts_paper']['seconds']:>6.3f}",
                   flush=True)
             rows.append({"seed": s["seed"], "paths": s["paths"], "dropped": s["dropped"], "raw": s["raw"], **r})
-        print(f"\n{'planner':>8} {'slots':>6} {'compact':>12} {'raw/compact':>11} {'slot P50 %':>10} {'slot P95 %':>10} "
+        print(f"\n{'planner':>8} {'slots':>6} {'compact':>12} {'raw/compact':>11} {'slot P50 %':>10} "
+              f"{'slot P95 %':>10} "
               f"{'step P50 %':>10} {'step max %':>10} {'time s (sum)':>12}")
         summary = {}
         raw_total = sum(r["raw"] for r in rows)
@@ -339,8 +346,10 @@ def main(argv=None) -> int:
                 "max_seconds": max(r[name]["seconds"] for r in rows),
             }
             m = summary[name]
-            print(f"{name:>8} {m['slots']:>6} {m['compact']:>12,} {raw_total / m['compact']:>11.3f} {100 * m['slot_p50']:>10.4f} "
-                  f"{100 * m['slot_p95']:>10.4f} {100 * m['step_p50']:>10.4f} {100 * m['step_max']:>10.4f} {m['seconds']:>12.3f}")
+            print(f"{name:>8} {m['slots']:>6} {m['compact']:>12,} {raw_total / m['compact']:>11.3f} "
+                  f"{100 * m['slot_p50']:>10.4f} "
+                  f"{100 * m['slot_p95']:>10.4f} {100 * m['step_p50']:>10.4f} {100 * m['step_max']:>10.4f} "
+                  f"{m['seconds']:>12.3f}")
         cp = {}
         for r in rows:
             for kk, v in r["ortools"]["cp_sat"].items():
@@ -350,9 +359,12 @@ def main(argv=None) -> int:
         wins_paper = all(r["harts_paper"]["compact"] <= r["ortools"]["compact"] for r in rows)
         never_worse = all(tuple(r["harts"]["objective"]) <= tuple(r["harts_paper"]["objective"]) for r in rows)
         print(f"HARTS paper-literal (N0 = 512 only) compact <= OR-Tools on every step: {wins_paper}; max time "
-              f"{summary['harts_paper']['max_seconds']:.3f} s; default J <= paper-literal J on every step: {never_worse}")
-        print(f"HARTS compact <= OR-Tools on every step: {wins}; max HARTS planning time {summary['harts']['max_seconds']:.3f} s; "
-              f"min time ratio OR/HARTS {min(r['ortools']['seconds'] / r['harts']['seconds'] for r in rows):.2f}x")
+              f"{summary['harts_paper']['max_seconds']:.3f} s; "
+              f"default J <= paper-literal J on every step: {never_worse}")
+        print(f"HARTS compact <= OR-Tools on every step: {wins}; "
+              f"max HARTS planning time {summary['harts']['max_seconds']:.3f} s; "
+              f"min time ratio OR/HARTS "
+              f"{min(r['ortools']['seconds'] / r['harts']['seconds'] for r in rows):.2f}x")
         report["results"][f"dp{dp}"] = {"rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,8 @@ Compares two runs of ``train.py`` with the same config and data except ``--harts
 gradients, optimizer excluded), Core seconds (F/B/Grad plus the step's planning and packing, which the
 trainer's data worker overlaps with the previous step: the paper's Core charges them), mean step seconds
 (optimizer included), raw tokens, compact rows, peak memory and MFU. The speedups are the baseline's time
-over HARTS's; "of compression" divides by the non-replay compression raw / compact. Writes ``train_speedup.json`` and ``train_speedup.png``.
+over HARTS's; "of compression" divides by the non-replay compression raw / compact. Writes
+``train_speedup.json`` and ``train_speedup.png``.
 
 ``--config X.toml [--section.key=value ...]`` (the runs' config and overrides) also counts the step's
 forward FLOPs of both paths on a meta-device model (harts.bench.flops; the trainer's planners, the DP

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     from harts.data.trie import build_trie
 
     rows = []
-    hdr = f"{'seed':>4} {'paths':>6} {'raw':>12} {'compact':>11} {'compr':>6} {'mean path':>9} {'tree uniq p50':>13} {'gen s':>6} {'trie s':>6}"
+    hdr = (f"{'seed':>4} {'paths':>6} {'raw':>12} {'compact':>11} {'compr':>6} {'mean path':>9} "
+           f"{'tree uniq p50':>13} {'gen s':>6} {'trie s':>6}")
     if args.plan:
         hdr += f" {'planned':>11} {'raw/plan':>8} {'plan s':>6}"
     print(hdr)

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import DecoderLayer, MoE
 from harts.runtime.batch import CompactBatch
-from harts.runtime.compact import kda_mix, logprobs as compact_logprobs, mla_mix
+from harts.runtime.compact import kda_mix, mla_mix
+from harts.runtime.compact import logprobs as compact_logprobs
 
 __all__ = ["AddRouterLoss", "TrainDecoderLayer", "HartsPolicy", "build_policy", "DTYPES"]
 

@@ -235,7 +235,8 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     tp = tp_mesh.size()
     cfg = model.config
     if cfg.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by tensor_parallel_degree={tp}")
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} "
+                         f"is not divisible by tensor_parallel_degree={tp}")
 
     def dist_(mod, name, placement):
         p = getattr(mod, name)
@@ -341,7 +342,8 @@ def apply_compile(model, backend: str = "inductor") -> list[str]:
     compiled = []
     for layer in model.decoder_layers():
         i = layer.layer_idx
-        targets = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm", layer.post_attention_layernorm)]
+        targets = [("input_layernorm", layer.input_layernorm),
+                   ("post_attention_layernorm", layer.post_attention_layernorm)]
         if isinstance(layer.mlp, MoE):
             targets.append(("mlp.shared_experts", layer.mlp.shared_experts))
         else:

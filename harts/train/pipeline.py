@@ -74,7 +74,8 @@ class HartsStage(HartsPolicy):
             self.mb_counts = cnt if self.mb_counts is None else self.mb_counts + cnt
             if self._router is not None:
                 with torch.no_grad():
-                    self.router_sum += sum(float(router_term(s, self._router, i)) for s, i in zip(stats, self.moe_ids()))
+                    self.router_sum += sum(float(router_term(s, self._router, i))
+                                           for s, i in zip(stats, self.moe_ids()))
         if not self.last:
             return F.pad(h, (0, 0, 0, self.rows - h.shape[0]))
         logp = mb.select(self.head(h, batch))  # this CP rank's positions (all without CP)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 _SCORE_ELEMS = 1 << 28  # per query block: 1 GiB of fp32 scores
 
 

@@ -5,9 +5,12 @@ Chunks follow fla's grid: each packed sequence is cut into chunks of C tokens fr
 the last one possibly partial. Within a chunk, with gc = cumsum of g over the chunk and S0 the state at
 the chunk start, the delta rule is solved in WY form:
 
-    (I + A_kk) W = diag(beta) (V - (K * exp(gc)) S0),  A_kk[i, j] = beta_i sum_d k_i[d] k_j[d] exp(gc_i - gc_j)[d], j < i
-    O  = (Q * exp(gc)) S0 + A_qk W,                    A_qk[i, j] = sum_d q_i[d] k_j[d] exp(gc_i - gc_j)[d], j <= i
+    (I + A_kk) W = diag(beta) (V - (K * exp(gc)) S0)
+    O  = (Q * exp(gc)) S0 + A_qk W
     S1 = exp(gc_L) S0 + (K * exp(gc_L - gc))^T W
+
+    with A_kk[i, j] = beta_i sum_d k_i[d] k_j[d] exp(gc_i - gc_j)[d] for j < i,
+         A_qk[i, j] = sum_d q_i[d] k_j[d] exp(gc_i - gc_j)[d] for j <= i.
 
 Only exponents <= 0 are ever evaluated (masked entries get -inf before exp), so nothing overflows; the
 triangular solve is exact up to rounding. Computation is in float32 or wider (float64 stays float64).
@@ -46,7 +49,8 @@ def _check(q, k, v, f, beta, A_log, dt_bias, cu_seqlens, initial_state):
         raise ValueError(f"kda: cu_seqlens must be non-decreasing from 0 to T={T}, got {cu[:4]}...{cu[-2:]}")
     N = len(cu) - 1
     if initial_state is not None and initial_state.shape != (N, H, K, v.shape[2]):
-        raise ValueError(f"kda: initial_state {tuple(initial_state.shape)} must be [N={N}, H={H}, K={K}, V={v.shape[2]}]")
+        raise ValueError(f"kda: initial_state {tuple(initial_state.shape)} "
+                         f"must be [N={N}, H={H}, K={K}, V={v.shape[2]}]")
     return cu
 
 

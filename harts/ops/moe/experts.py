@@ -2,9 +2,10 @@
 
 Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows.
 The reference loops over experts (exact in float64) and weights each slot's D-wide output; the fast
-path sorts the M rows by expert (row gathers both ways, deterministic), runs three torch._grouped_mm calls with unpadded group offsets (bf16
-needs D and F to be multiples of 8) and weights the F-wide activation before the down projection. Both
-sum a token's K slots in a fixed order, so results are deterministic.
+path sorts the M rows by expert (row gathers both ways, deterministic), runs three torch._grouped_mm
+calls with unpadded group offsets (bf16 needs D and F to be multiples of 8) and weights the F-wide
+activation before the down projection. Both sum a token's K slots in a fixed order, so results are
+deterministic.
 """
 from __future__ import annotations
 

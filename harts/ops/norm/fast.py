@@ -10,13 +10,13 @@ size-aware autotuning is kept per size class, but over a run at most ~log2(max r
 compile (6 for up to 65536 rows), instead of one per distinct size.
 
 The non-gated backward kernels also take the rows per program ``BS = cdiv(rows, programs)`` and the
-group size ``GS`` (= programs with one group) as constexprs, so they recompiled (the tuned config only) at
-every new size too; GS is passed as one constant (any value >= the program count is the same kernel
-math); the gated ones specialise on BS by divisibility. The blocked kernels (D <= 512) walk their BS rows in tiles of BT rows (fla's
-configs: 32 or 64; gated 16-64), so BS is rounded up to a multiple of the smallest BT: each program runs
-as many tiles as with fla's BS, and there are fewer programs. The per-row kernels (D > 512) loop row by
-row; there BS keeps its top three bits (rounded down: no program gets more rows than with fla's BS, up
-to 25% more programs), about 4 values per octave.
+group size ``GS`` (= programs with one group) as constexprs, so they recompiled (the tuned config only)
+at every new size too; GS is passed as one constant (any value >= the program count is the same kernel
+math); the gated ones specialise on BS by divisibility. The blocked kernels (D <= 512) walk their BS
+rows in tiles of BT rows (fla's configs: 32 or 64; gated 16-64), so BS is rounded up to a multiple of
+the smallest BT: each program runs as many tiles as with fla's BS, and there are fewer programs. The
+per-row kernels (D > 512) loop row by row; there BS keeps its top three bits (rounded down: no program
+gets more rows than with fla's BS, up to 25% more programs), about 4 values per octave.
 
 Rounding differs from the torch reference in one place: the weight multiplies in fp32 before the single
 cast back (the reference rounds the normalised row first, as HF does); the gated norm is the same math.
@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import torch
 import triton
-from fla.modules.norm.fused_norm_gate import (layer_norm_gated_bwd_kernel, layer_norm_gated_bwd_kernel_row,
-                                              layer_norm_gated_fwd_kernel, layer_norm_gated_fwd_kernel_row)
-from fla.modules.norm.l2norm import (l2norm_bwd_kernel, l2norm_bwd_kernel_row, l2norm_fwd_kernel,
-                                     l2norm_fwd_kernel_row)
-from fla.modules.norm.layernorm import (layer_norm_bwd_kernel, layer_norm_bwd_kernel_row, layer_norm_fwd_kernel,
-                                        layer_norm_fwd_kernel_row)
+from fla.modules.norm.fused_norm_gate import (
+    layer_norm_gated_bwd_kernel,
+    layer_norm_gated_bwd_kernel_row,
+    layer_norm_gated_fwd_kernel,
+    layer_norm_gated_fwd_kernel_row,
+)
+from fla.modules.norm.l2norm import l2norm_bwd_kernel, l2norm_bwd_kernel_row, l2norm_fwd_kernel, l2norm_fwd_kernel_row
+from fla.modules.norm.layernorm import (
+    layer_norm_bwd_kernel,
+    layer_norm_bwd_kernel_row,
+    layer_norm_fwd_kernel,
+    layer_norm_fwd_kernel_row,
+)
 from fla.utils import IS_INTEL, get_multiprocessor_count, input_guard
 
 __all__ = ["bucket_nb", "rms_norm_fast", "gated_rms_norm_fast", "l2norm_fwd_bucketed", "l2norm_bwd_bucketed"]

@@ -54,7 +54,8 @@ def tree_short_conv_reference(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_
     """Gather-based path convolution; exact in float64 and differentiable (index_select backward
     accumulates each row's gradient from every descendant window that reads it)."""
     if x_CP.dim() != 2 or weight_PW.dim() != 2 or x_CP.shape[1] != weight_PW.shape[0]:
-        raise ValueError(f"tree_short_conv: x {tuple(x_CP.shape)} must be [C, P], weight {tuple(weight_PW.shape)} [P, W]")
+        raise ValueError(f"tree_short_conv: x {tuple(x_CP.shape)} must be [C, P], "
+                         f"weight {tuple(weight_PW.shape)} [P, W]")
     W = weight_PW.shape[1]
     if pred_CW.shape != (x_CP.shape[0], W):
         raise ValueError(f"tree_short_conv: pred must be [C={x_CP.shape[0]}, W={W}], got {tuple(pred_CW.shape)}")
