@@ -6,6 +6,7 @@ import torch
 
 from harts.train.bf16_adamw import BF16AdamW
 from harts.train.parallelize import clip_grad_norm_mixed_
+from tests.helpers import spawn_ranks
 
 HP = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -68,8 +69,8 @@ def test_compensated_weights_follow_fp32_master_adamw_on_cuda():
     # CUDA's single-tensor AdamW orders its fp32 operations differently from ours (on CPU the two agree to
     # 3.7e-9), so each step may round differently in the last bit of the weight: bound the error in fp32 ulps
     # of the weight's scale along its path, max(|start|, |end|). Ulps of the end value alone overstate the
-    # error of weights that end near zero (H200, session 6: the same 1.19e-7 maximum error, one ulp at
-    # |w| = 1, read as 296 ulps of some small end value).
+    # error of weights that end near zero (a 1.19e-7 error, one ulp at |w| = 1, reads as 296 ulps of some
+    # small end value).
     scale = torch.maximum(ref.abs(), w0.abs()).clamp_min(2.0**-126)
     ulps_all = err / (torch.finfo(torch.float32).eps * scale)
     worst = int(ulps_all.argmax())
@@ -228,10 +229,9 @@ def _sharded_problem():
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["torch_ops", "fused_kernel"])
 def test_sharded_parameters_update_exactly_like_one_process(tmp_path, fused):
-    from tests.spawn import spawn_ranks
-
     full = _sharded_problem()
     params = [torch.nn.Parameter(full[n].clone()) for n in "abc"]
     opt = BF16AdamW(params, **HP, fused=fused)
@@ -286,13 +286,15 @@ def _compare_fused(device: str):
     return ulps, same_w
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case; on CUDA the gpu-marked variant runs both checks")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter case; on CUDA the gpu-marked variant runs both checks")
 def test_fused_kernel_equals_the_torch_ops_update():
     """Interpreted on CPU (the kernel only moves int16 bit patterns and fp32, so TRITON_INTERPRET runs it)."""
     _compare_fused("cpu")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case; on CUDA the gpu-marked variant runs both checks")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter case; on CUDA the gpu-marked variant runs both checks")
 def test_fused_kernel_follows_fp32_master_adamw_over_200_steps():
     p, opt, ref, w0 = _run(lambda p: BF16AdamW([p], **HP, fused=True))
     moved = (ref - w0).norm()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from harts.ops.tree_conv import tree_short_conv, tree_short_conv_reference
 from harts.runtime import pack
-from tests.test_runtime_equivalence import fork_tree
+from tests.helpers import fork_tree
 
 
 def _batch(B=4, seed=0):

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.spawn import spawn_ranks
-from tests.test_runtime_equivalence import fork_tree, make_model
+from tests.helpers import fork_tree, make_model, spawn_ranks
 
 B = 4
 
@@ -56,9 +55,10 @@ def _worker(rank, world, port, out_dir):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    os._exit(0)  # avoid the gloo teardown abort seen with spawn (docs/testing notes)
+    os._exit(0)  # a spawned gloo process can abort in interpreter teardown; its work is saved by now
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_equals_cp1(tmp_path, cp):
     trajs = fork_tree(B, np.random.default_rng(11))

@@ -8,22 +8,11 @@ per-position advantages and masks, and the multiplicity-weighted MoE statistics 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from harts.models.ling import LingConfig, LingForCausalLM
 from harts.runtime import logprobs, pack
-
-VOCAB = 512
-
-
-def make_model(chunk_size: int, recompute: bool = False, seed: int = 0):
-    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=chunk_size, recompute=recompute)
-    torch.manual_seed(seed)
-    model = LingForCausalLM(cfg).double()
-    # Non-zero expert bias so grouped routing with the bias is exercised.
-    for i, m in enumerate(model.moe_layers()):
-        m.gate.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts, dtype=torch.float32).roll(i))
-    return model
+from tests.helpers import VOCAB, fork_tree, make_model
 
 
 def grpo_loss(lp_S, adv_S, mask_S):
@@ -66,23 +55,6 @@ def assert_equivalent(trajs, chunk_size, recompute=False, seed=0):
         assert abs(a.z_loss.item() - b.z_loss.item()) <= 1e-12 * max(1.0, abs(b.z_loss.item()))
         assert abs(a.aux_loss.item() - b.aux_loss.item()) <= 1e-12 * max(1.0, abs(b.aux_loss.item()))
     return hb
-
-
-def fork_tree(B: int, rng: np.random.Generator):
-    """Forks at B-1, B, B+1 and 2B+1 (deeper), fan-out 4 at one fork, a prefix trajectory, a duplicate,
-    a single-token trajectory and a second, unrelated tree."""
-    root = rng.integers(0, VOCAB, 3 * B + 5).tolist()
-
-    def branch(p, n):
-        first = (root[p] + 1 + int(rng.integers(0, VOCAB - 1))) % VOCAB if p < len(root) else int(rng.integers(0, VOCAB))
-        return root[:p] + [first] + rng.integers(0, VOCAB, n - 1).tolist()
-
-    trajs = [root, branch(B - 1, 6), branch(B, 5), branch(B + 1, 2 * B), branch(2 * B + 1, 3)]
-    trajs += [branch(B + 1, 4) for _ in range(2)]  # fan-out 4 at position B + 1
-    trajs += [root[: B + 3], list(trajs[1]), root[:1]]
-    other = rng.integers(0, VOCAB, B + 7).tolist()
-    trajs += [other, other[: B // 2] + [(other[B // 2] + 1) % VOCAB] * 3]
-    return trajs
 
 
 @pytest.mark.parametrize("chunk_size", [4, 16])

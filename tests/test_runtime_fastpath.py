@@ -7,7 +7,7 @@ import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.runtime import pack
-from tests.test_runtime_equivalence import fork_tree
+from tests.helpers import fork_tree
 
 
 def _run(model, batch):

@@ -1,9 +1,10 @@
 """One-process trainer tests in float64 on ling3-tiny-debug (4 layers) and a truncated tiny workload.
 
-HARTS and the trajectory-wise baseline give the same loss sequence (and weights) over 5 steps: the
+HARTS and the trajectory-wise baseline give the same loss sequence (and weights) over 3 steps: the
 baseline is planned and packed differently (its own microbatches, no sharing), so this also checks that
 the step's objective does not depend on the split. Activation checkpointing changes nothing; NaN/Inf
 stop the step naming it; the expert bias follows the multiplicity-weighted counts and is no parameter.
+The multi-step tests are marked slow (CI runs them).
 """
 import json
 import math
@@ -13,7 +14,7 @@ import torch
 
 from harts.train.config import load_config
 from harts.train.trainer import NonFiniteError, Trainer
-from tests.train_toml import COMMON, write_ppo_steps
+from tests.helpers import COMMON, write_ppo_steps
 
 BASE = COMMON + """[metrics]
 log_freq = 100
@@ -33,16 +34,25 @@ def make(tmp_path):
     return build
 
 
+@pytest.fixture(scope="module")
+def harts_run(tmp_path_factory):
+    """Three HARTS steps of the base config and the final weights, shared by the tests that compare with it
+    (a step's loss and gradient norm do not depend on how many steps the run has)."""
+    d = tmp_path_factory.mktemp("single")
+    (d / "base.toml").write_text(BASE)
+    tr = Trainer(load_config(str(d / "base.toml"), **{"training.steps": 3, "job.dump_folder": str(d / "out")}))
+    return tr.train(), {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
 def _close(a, b, rel=1e-10):
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-30)
 
 
-def test_harts_equals_baseline_for_five_steps(make):
-    runs = {}
-    for enabled in (True, False):
-        tr = make(**{"training.steps": 5, "harts.enabled": enabled})
-        runs[enabled] = (tr.train(), {k: v.detach().clone() for k, v in tr.model.state_dict().items()})
-    (h, hs), (b, bs) = runs[True], runs[False]
+@pytest.mark.slow
+def test_harts_equals_baseline_for_three_steps(make, harts_run):
+    tr = make(**{"training.steps": 3, "harts.enabled": False})
+    (h, hs), (b, bs) = harts_run, (tr.train(), {k: v.detach().clone() for k, v in tr.model.state_dict().items()})
+    assert len(h) == len(b) == 3
     assert all(r["compression"] > 1.2 for r in h) and all(r["compression"] == 1 for r in b)
     assert all(r["microbatches"] >= 2 for r in h + b)
     assert any(r["router_loss"] != 0 for r in h)
@@ -54,9 +64,11 @@ def test_harts_equals_baseline_for_five_steps(make):
         assert (hs[k] - bs[k]).abs().max().item() <= 1e-9 * max(scale, 1e-12), k
 
 
-def test_activation_checkpointing_is_exact(make):
-    a = make(**{"training.steps": 2}).train()
+@pytest.mark.slow
+def test_activation_checkpointing_is_exact(make, harts_run):
+    a = harts_run[0][:2]
     b = make(**{"training.steps": 2, "activation_checkpoint.mode": "full"}).train()
+    assert len(b) == 2
     for ra, rb in zip(a, b):
         assert _close(ra["loss"], rb["loss"], 1e-13) and _close(ra["grad_norm"], rb["grad_norm"], 1e-12)
 
@@ -97,10 +109,10 @@ def test_expert_bias_follows_weighted_counts_and_is_not_optimised(make):
         assert m.gate.expert_bias.abs().sum() > 0
 
 
-def test_compile_and_profiler(make, tmp_path):
+def test_compile_and_profiler(make, harts_run, tmp_path):
     """Per-block compile of the layout-free modules leaves the step unchanged (float64); --profile.enable
     writes a chrome trace with the microbatch ranges for the chosen step."""
-    a = make(**{"training.steps": 1}).train()
+    a = harts_run[0]
     b = make(**{"training.steps": 1, "compile.enable": True, "profile.enable": True, "profile.steps": [1],
                 "job.dump_folder": str(tmp_path / "prof")}).train()
     assert _close(a[0]["loss"], b[0]["loss"], 1e-12) and _close(a[0]["grad_norm"], b[0]["grad_norm"], 1e-12)
@@ -113,15 +125,17 @@ def test_compile_and_profiler(make, tmp_path):
     assert summ["ranges_s"]["harts.microbatch"] > 0 and summ["ranges_s"]["harts.backward"] > 0
 
 
+@pytest.mark.slow
 def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
-    """PPO-clip + k3 KL on a JSONL step carrying old/ref log-probs and data advantages (two files cycled):
+    """PPO-clip + k3 KL on JSONL steps carrying old/ref log-probs and data advantages (one file per step):
     HARTS and baseline agree, the clip is active, and 'recompute' old log-probs make the first update's
     ratio 1 (so PPO's loss then equals GRPO's on the same advantages)."""
     paths = [str(p) for p in write_ppo_steps(tmp_path, seed=10)]
-    common = {"training.steps": 3, "data.source": "jsonl", "data.path": paths, "data.reward": "data",
+    common = {"training.steps": 2, "data.source": "jsonl", "data.path": paths, "data.reward": "data",
               "rl.advantages": "data", "rl.kl_coef": 0.1}
     h = make(**common, **{"rl.objective": "ppo"}).train()
     b = make(**common, **{"rl.objective": "ppo", "harts.enabled": False}).train()
+    assert len(h) == len(b) == 2
     for rh, rb in zip(h, b):
         for k in ("loss", "policy_loss", "kl", "clip_frac", "grad_norm"):
             assert _close(rh[k], rb[k]), (rh["step"], k, rh[k], rb[k])
@@ -131,16 +145,15 @@ def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
     assert p[0]["clip_frac"] == 0 and _close(p[0]["grad_norm"], g[0]["grad_norm"], 1e-12)
 
 
+@pytest.mark.slow
 def test_train_speedup_reads_both_runs(make, tmp_path):
     """fbgrad_s is logged inside step_s, and harts.bench.train_speedup compares a HARTS and a baseline run of
     the same fixed step (and refuses runs that trained different rollouts)."""
-    import json
-
     from harts.bench import train_speedup
 
     recs = {}
     for enabled in (True, False):
-        recs[enabled] = make(**{"training.steps": 3, "harts.enabled": enabled, "data.fixed_step": True,
+        recs[enabled] = make(**{"training.steps": 2, "harts.enabled": enabled, "data.fixed_step": True,
                                 "metrics.log_freq": 1, "job.dump_folder": str(tmp_path / f"run{enabled}")}).train()
     for r in recs[True] + recs[False]:
         assert 0 < r["fbgrad_s"] <= r["step_s"]
@@ -149,7 +162,7 @@ def test_train_speedup_reads_both_runs(make, tmp_path):
                                str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out)]) == 0
     res = json.loads((out / "train_speedup.json").read_text())
     h = recs[True][1:]
-    assert res["harts"]["steps"] == [2, 3]
+    assert res["harts"]["steps"] == [2]
     assert abs(res["compression"] - sum(r["raw_tokens"] for r in h) / sum(r["compact_rows"] for r in h)) < 1e-12
     want = (sum(r["fbgrad_s"] for r in recs[False][1:]) / sum(r["fbgrad_s"] for r in h))
     assert abs(res["speedup_fbgrad"] - want) < 1e-9 * want
@@ -160,7 +173,8 @@ def test_train_speedup_reads_both_runs(make, tmp_path):
     # whatever the grouping), and the speedups against the FLOP compression
     cfg = ["--config", str(tmp_path / "base.toml"), "--data.fixed_step=true"]
     assert train_speedup.main(["--harts", str(tmp_path / "runTrue" / "metrics.jsonl"), "--baseline",
-                               str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out), *cfg]) == 0
+                               str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out),
+                               *cfg]) == 0
     res = json.loads((out / "train_speedup.json").read_text())
     from harts.bench.flops import active_matmul_params, batch_forward_flops
     from harts.runtime import pack

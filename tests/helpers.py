@@ -1,0 +1,236 @@
+"""Helpers shared by the test files: test files import from here, never from each other.
+
+- Processes: ``free_port``, ``spawn_ranks`` (a test's worker on several gloo ranks), ``torchrun`` (train.py
+  on N gloo CPU processes).
+- Trainer runs: ``COMMON`` (the float64 debug-training settings, one place to change them), ``DIST_BASE``
+  (``COMMON`` plus the distributed tests' steps, checkpoints and HF export), ``write_ppo_steps`` (JSONL steps
+  with old/ref log-probs), ``records`` / ``weights`` (a run's metrics and exported weights),
+  ``one_process_reference`` and ``assert_same_run`` (a layout equals the one-process run).
+- Models and rollout trees: ``make_model`` (float64 debug Ling, non-zero expert bias), ``fork_tree``.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 512  # the debug preset's vocabulary
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, world: int, *args, timeout: float = 300) -> None:
+    """Runs ``target(rank, world, port, *args)`` in ``world`` spawned processes and waits for them; any
+    nonzero exit code fails the test."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for r, p in enumerate(procs):
+        p.join(timeout)
+        assert p.exitcode == 0, f"rank {r}: worker exit code {p.exitcode}"
+
+
+def torchrun(cfg: Path, out: Path, *extra: str, nproc: int = 2, env: dict | None = None) -> None:
+    """``train.py --config cfg --job.dump_folder=out *extra`` on ``nproc`` gloo processes (one thread each)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "train.py"), "--config", str(cfg), f"--job.dump_folder={out}", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+def torchrun_many(runs: list[tuple[Path, Path, list[str], dict]], nproc: int) -> None:
+    """Several trainer runs ``(config, out folder, extra arguments, environment)`` one after another in one
+    torchrun: the processes start, import and join the gloo group once (``python -m tests.helpers``). Each
+    run builds its own Trainer (meshes, model, optimizer, checkpointer) from its own config, as train.py
+    does; only the process group is shared."""
+    spec = Path(runs[0][1]).parent / f"runs_{'_'.join(Path(r[1]).name for r in runs)}.json"
+    spec.write_text(json.dumps([dict(config=str(c), out=str(o), args=list(a), env=dict(e)) for c, o, a, e in runs]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "tests.helpers", str(spec)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+def _run_many(spec: str) -> None:
+    """The worker of ``torchrun_many`` (one rank): each run of the spec file in turn."""
+    import torch.distributed as dist
+
+    from harts.train.config import parse_args
+    from harts.train.trainer import Trainer
+
+    for run in json.loads(Path(spec).read_text()):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run: {run['out']} {' '.join(run['args'])}", flush=True)
+        saved = {k: os.environ.get(k) for k in run["env"]}
+        os.environ.update(run["env"])
+        try:
+            trainer = Trainer(parse_args(["--config", run["config"], f"--job.dump_folder={run['out']}", *run["args"]]))
+            trainer.train()
+            trainer.checkpointer.close()  # Trainer.close() would also end the process group the next run uses
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- trainer runs
+
+COMMON = """
+[ling]
+preset = "ling3-tiny-debug"
+num_hidden_layers = 4
+backend = "reference"
+dtype = "float64"
+[harts]
+capacity = 64
+[data]
+preset = "tiny"
+max_length = 40
+reward = "learnable"
+prefetch = 1
+[rl]
+z_loss_coef = 1e-3
+aux_loss_coef = 1e-3
+expert_bias_rate = 1e-2
+[optimizer]
+lr = 1e-3
+implementation = "foreach"
+weight_decay = 0.0
+[lr_scheduler]
+warmup_steps = 0
+"""
+
+# Three steps: step 2 is the first whose loss depends on an optimizer update; a run killed after step 2's
+# checkpoint and resumed computes step 3 from restored weights, optimizer moments and data position.
+DIST_STEPS = 3
+DIST_BASE = COMMON + f"""[training]
+steps = {DIST_STEPS}
+[metrics]
+log_freq = 1
+disable_color_printing = true
+[checkpoint]
+export_hf = true
+folder = "ckpt"
+interval = 2
+keep_latest_k = 0
+last_save_model_only = false
+"""
+
+
+def write_ppo_steps(folder: Path, seed: int) -> list[Path]:
+    """Two JSONL steps of the tiny workload (generator seeds ``seed`` and ``seed + 1``), truncated to 40
+    tokens, each trajectory with a data advantage and random old/ref log-probs around log(1/512)."""
+    from harts.data.synthetic import generate
+
+    paths = []
+    for k in range(2):
+        rng = np.random.default_rng(k)
+        path = folder / f"step{k}.jsonl"
+        with open(path, "w") as f:
+            for t in generate("tiny", seed=seed + k).trajectories:
+                L = min(len(t), 40)
+                f.write(json.dumps({"tokens": t.tokens[:L].tolist(), "loss_mask": t.loss_mask[:L].tolist(),
+                                    "advantage": float(rng.normal()), "group_id": int(t.group_id),
+                                    "old_logprobs": (np.log(1 / 512) + 0.5 * rng.normal(size=L)).tolist(),
+                                    "ref_logprobs": (np.log(1 / 512) + 0.3 * rng.normal(size=L)).tolist()}) + "\n")
+        paths.append(path)
+    return paths
+
+
+def records(out: Path) -> list[dict]:
+    """The run's metrics.jsonl records, one per logged step."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict:
+    """The run's final weights as exported to HF safetensors."""
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "ckpt" / "hf" / "model-00001-of-00001.safetensors"))
+
+
+def one_process_reference(d: Path, **over):
+    """Writes ``DIST_BASE`` to ``d/base.toml`` and trains it in this process into ``d/one``: the run every
+    layout must equal. Returns (config path, run folder)."""
+    from harts.train.config import load_config
+    from harts.train.trainer import Trainer
+
+    cfg = d / "base.toml"
+    cfg.write_text(DIST_BASE)
+    one = d / "one"
+    Trainer(load_config(str(cfg), **{"job.dump_folder": str(one), "checkpoint.enable": False, **over})).train()
+    return cfg, one
+
+
+def assert_same_run(ref: Path, got: Path, rel: float = 1e-10, wrel: float = 1e-9,
+                    keys=("loss", "policy_loss", "router_loss", "grad_norm")) -> None:
+    """Two float64 runs of the same steps: every step's ``keys`` to ``rel`` relative, and every final weight
+    (the expert bias included) to ``wrel`` of that tensor's largest magnitude."""
+    a, b = records(ref), records(got)
+    assert [r["step"] for r in b] == [r["step"] for r in a] and a, ([r["step"] for r in a], [r["step"] for r in b])
+    for ra, rb in zip(a, b):
+        for k in keys:
+            assert abs(ra[k] - rb[k]) <= rel * max(abs(ra[k]), 1e-30), (ra["step"], k, ra[k], rb[k])
+    wa, wb = weights(ref), weights(got)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        scale = wa[k].abs().max().item()
+        assert (wa[k] - wb[k]).abs().max().item() <= wrel * max(scale, 1e-12), k
+
+
+# ---------------------------------------------------------------------------------- models and rollout trees
+
+def make_model(chunk_size: int, recompute: bool = False, seed: int = 0):
+    """The float64 debug Ling on the reference ops, with a non-zero expert bias (so grouped routing with the
+    bias is exercised)."""
+    from harts.models.ling import LingConfig, LingForCausalLM
+
+    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=chunk_size, recompute=recompute)
+    torch.manual_seed(seed)
+    model = LingForCausalLM(cfg).double()
+    for i, m in enumerate(model.moe_layers()):
+        m.gate.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts, dtype=torch.float32).roll(i))
+    return model
+
+
+def fork_tree(B: int, rng: np.random.Generator) -> list[list[int]]:
+    """Forks at B-1, B, B+1 and 2B+1 (deeper), fan-out 4 at one fork, a prefix trajectory, a duplicate,
+    a single-token trajectory and a second, unrelated tree."""
+    root = rng.integers(0, VOCAB, 3 * B + 5).tolist()
+
+    def branch(p, n):
+        if p < len(root):
+            first = (root[p] + 1 + int(rng.integers(0, VOCAB - 1))) % VOCAB  # differs from the root at p
+        else:
+            first = int(rng.integers(0, VOCAB))
+        return root[:p] + [first] + rng.integers(0, VOCAB, n - 1).tolist()
+
+    trajs = [root, branch(B - 1, 6), branch(B, 5), branch(B + 1, 2 * B), branch(2 * B + 1, 3)]
+    trajs += [branch(B + 1, 4) for _ in range(2)]  # fan-out 4 at position B + 1
+    trajs += [root[: B + 3], list(trajs[1]), root[:1]]
+    other = rng.integers(0, VOCAB, B + 7).tolist()
+    trajs += [other, other[: B // 2] + [(other[B // 2] + 1) % VOCAB] * 3]
+    return trajs
+
+
+if __name__ == "__main__":
+    _run_many(sys.argv[1])
