@@ -18,7 +18,8 @@ triangular solve is exact up to rounding. Computation is in float32 or wider (fl
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
+
+from harts.ops.recompute import recompute_in_backward
 
 
 def kda_gate_reference(f_THK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_P: torch.Tensor,
@@ -93,12 +94,9 @@ def kda_chunk_reference(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P,
         for t0 in range(cu[n], cu[n + 1], chunk_size):
             t1 = min(t0 + chunk_size, cu[n + 1])
             args = (S, q[t0:t1], k[t0:t1], v[t0:t1], beta[t0:t1], g[t0:t1])
-            # Checkpointed under autograd: the [H, L, L, K] decay tensor of every chunk would otherwise stay
-            # in the graph (GBs at K = 128); the backward recomputes the same operations.
-            if torch.is_grad_enabled():
-                o_c, S = torch.utils.checkpoint.checkpoint(_chunk_step, *args, use_reentrant=False)
-            else:
-                o_c, S = _chunk_step(*args)
+            # Recomputed in backward under autograd: the [H, L, L, K] decay tensor of every chunk would
+            # otherwise stay in the graph (GBs at K = 128); the backward reruns the same operations.
+            o_c, S = recompute_in_backward(_chunk_step, *args)
             outs.append(o_c)
         finals.append(S)
     o = torch.cat(outs, 0) if outs else v.new_zeros(0, H, V)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+
+from harts.ops.recompute import recompute_in_backward
 
 L2NORM_EPS = 1e-6  # fla.modules.norm.l2norm default
 
@@ -205,18 +206,14 @@ def chunk_kda_round_reference(
         S = torch.zeros(N, HV, K, V, dtype=acc, device=q.device)
     snaps = []  # snaps[c] = S before local token c*BT (for every sequence at once)
     o_chunks = []
-    # Under autograd each chunk's token steps are recomputed in backward (checkpointed): the graph then
-    # holds one [N, HV, K, V] state per chunk instead of one per token (GBs at K = V = 128), and the
-    # recomputation repeats the same operations, so values and gradients are unchanged.
-    ckpt = torch.is_grad_enabled()
+    # Under autograd each chunk's token steps are recomputed in backward: the graph then holds one
+    # [N, HV, K, V] state per chunk instead of one per token (GBs at K = V = 128), and the recomputation
+    # repeats the same operations, so values and gradients are unchanged.
     for t0 in range(0, Tmax, BT):
         snaps.append(S)
         sl = slice(t0, min(t0 + BT, Tmax))
         args = (S, q_NLHK[:, sl], k_NLHK[:, sl], v_NLHV[:, sl], a_NLHK[:, sl], b_NLH[:, sl])
-        if ckpt:
-            S, o_c = torch.utils.checkpoint.checkpoint(_token_steps, *args, use_reentrant=False)
-        else:
-            S, o_c = _token_steps(*args)
+        S, o_c = recompute_in_backward(_token_steps, *args)
         o_chunks.append(o_c)
     snaps.append(S)  # index ceil(Tmax/BT): the end state of every sequence
 
