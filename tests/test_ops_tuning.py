@@ -85,3 +85,23 @@ def test_autotuners_found_in_the_kernel_modules():
     assert "harts.kernels.kda_round:kda_round_fwd_kernel_h" in names
     assert any(n.startswith("fla.ops.kda.") for n in names)
     assert family("fla.ops.kda.chunk_bwd:chunk_kda_bwd_kernel_dAv") == "fla.ops.kda"
+
+
+def test_tuned_entry_points_import_their_kernels_and_apply_first(monkeypatch):
+    """On CUDA, a decorated entry point imports the kernel modules it launches lazily and applies the table
+    before running; elsewhere it only runs."""
+    calls = []
+    monkeypatch.setattr(tuning, "apply", lambda: calls.append("apply"))
+
+    @tuning.tuned("json")
+    def entry(x):
+        calls.append(("run", x))
+        return x
+
+    monkeypatch.setattr(tuning, "_cuda", lambda: False)
+    assert entry(1) == 1 and calls == [("run", 1)]
+    calls.clear()
+    monkeypatch.setattr(tuning, "_cuda", lambda: True)
+    monkeypatch.delitem(__import__("sys").modules, "json")
+    assert entry(2) == 2 and calls == ["apply", ("run", 2)]
+    assert "json" in __import__("sys").modules

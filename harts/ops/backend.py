@@ -83,26 +83,6 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, request
     return None
 
 
-# The modules holding the autotuned kernels of each Triton-backed op (fla's and ours): imported before the
-# shipped autotune table is applied, so that their autotuners exist when it is.
-_KERNEL_MODULES = {"kda": ("fla.ops.kda", "harts.ops.kda_round.chunk"), "conv": ("fla.modules.causal_conv1d",),
-                   "norm": ("harts.ops.norm.fast",)}
-_tuned_ops: set[str] = set()
-
-
-def _restrict_autotuners(op: str) -> None:
-    if op in _tuned_ops:
-        return
-    _tuned_ops.add(op)
-    import importlib
-
-    from harts.ops import tuning
-
-    for m in _KERNEL_MODULES[op]:
-        importlib.import_module(m)
-    tuning.apply()
-
-
 def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -> str:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
@@ -123,8 +103,6 @@ def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -
         choice_name = f"fast:{attention_fast_impl()}"
     else:
         choice_name = choice
-    if choice == "fast" and device.type == "cuda" and op in _KERNEL_MODULES:
-        _restrict_autotuners(op)
     key = (op, choice_name, why)
     if key not in _logged:
         _logged.add(key)

@@ -6,8 +6,8 @@ before the first training step, on every new container. The winners depend on th
 key (head count, head dims, chunk size, dtypes), not on the data, so they are recorded once per GPU
 architecture and shipped as data (``harts/ops/tuned/sm90.json``).
 
-``apply()`` (called once when a fast backend is first resolved on CUDA) restricts every autotuner named in
-the table for the running device's architecture:
+``apply()`` (called by the fast entry points, ``@tuned``, before their first launch on CUDA) restricts
+every autotuner named in the table for the running device's architecture:
 
 - a key recorded exactly is entered into the autotuner's cache: no benchmarking, one compile;
 - an unseen key of a recorded kernel is pruned to the recorded config whose key agrees with it in most
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import json
 import logging
 import os
 import sys
 from typing import Any
 
-__all__ = ["autotuners", "record", "apply", "table_path", "mode"]
+__all__ = ["autotuners", "record", "apply", "table_path", "mode", "tuned"]
 
 log = logging.getLogger("harts.ops.tuning")
 
@@ -179,6 +180,7 @@ def _restrict(name: str, at, rows: list[dict]) -> int:
 
 
 _table_cache: dict[str, Any] = {}
+_modules_seen = -1  # len(sys.modules) at the last apply(): new kernels can only come with new modules
 _restricted: set[int] = set()
 _summary = {"mode": None, "table": None, "kernels": 0, "keys": 0}
 
@@ -197,9 +199,13 @@ def apply(path: str | None = None) -> dict[str, Any]:
 
     Incremental: autotuners of modules imported since the last call are restricted too, the others are
     left as they are. Returns the running summary ``{"mode", "table", "kernels", "keys"}``.
-    ``harts.ops.backend.resolve`` calls it when it first picks a fast kernel backend on CUDA.
+    The fast entry points call it through ``@tuned`` before they launch anything.
     """
+    global _modules_seen
     first = _summary["mode"] is None
+    if not first and path is None and len(sys.modules) == _modules_seen:
+        return dict(_summary)
+    _modules_seen = len(sys.modules)
     _summary["mode"] = mode()
     if first and os.environ.get("HARTS_KERNEL_REPORT"):  # set by harts.warmup for its training processes
         from harts.warmup import install_kernel_report
@@ -227,3 +233,33 @@ def apply(path: str | None = None) -> dict[str, Any]:
         log.info("autotuning: shipped table %s (%s, %s); HARTS_AUTOTUNE=full benchmarks every config instead",
                  path, table.get("device"), table.get("date"))
     return dict(_summary)
+
+
+@functools.cache
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def tuned(*modules: str):
+    """Decorator for the public fast-path entry points (``chunk_kda_round``, ``kda_fast``, the fused norms,
+    the short convolutions): on CUDA, import ``modules`` (the kernels the function launches, where it
+    imports them lazily) and restrict the loaded autotuners to the shipped table before the first launch,
+    whichever entry point a caller uses first. After that a call costs a dict lookup per module and one
+    ``len(sys.modules)``."""
+    import importlib
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if _cuda():
+                for m in modules:
+                    if m not in sys.modules:
+                        importlib.import_module(m)
+                apply()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.tuning import tuned
 
+
+@tuned("fla.modules.causal_conv1d")
 def short_conv_fast(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor,
                     activation: str | None = "silu") -> torch.Tensor:
     from fla.modules.causal_conv1d import causal_conv1d

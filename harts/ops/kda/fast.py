@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.tuning import tuned
 
+
+@tuned("fla.ops.kda", "harts.ops.norm.fast")
 def kda_fast(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens, *, lower_bound=-5.0,
              chunk_size=64, initial_state_NHKV=None, output_final_state=False):
     from fla.ops.kda import chunk_kda

@@ -28,6 +28,7 @@ from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
 from harts.ops.kda_round.naive import check_round_inputs
 from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
+from harts.ops.tuning import tuned
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class ChunkKDARoundFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
+@tuned()
 def chunk_kda_round(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -40,6 +40,8 @@ from fla.modules.norm.layernorm import (
 )
 from fla.utils import IS_INTEL, get_multiprocessor_count, input_guard
 
+from harts.ops.tuning import tuned
+
 __all__ = ["bucket_nb", "rms_norm_fast", "gated_rms_norm_fast", "l2norm_fwd_bucketed", "l2norm_bwd_bucketed"]
 
 LN_ROWS_PER_NB = 2048  # fla's NB divisor in layernorm.py
@@ -158,18 +160,21 @@ class _GatedRMSNorm(torch.autograd.Function):
         return dx_TD, dg_TD, dw_SD.sum(0).to(w_D.dtype), None
 
 
+@tuned()
 def rms_norm_fast(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (any leading dims, strided rows allowed: copied as fla does)."""
     D = x_TD.shape[-1]
     return _RMSNorm.apply(x_TD.reshape(-1, D), w_D, eps).view(x_TD.shape)
 
 
+@tuned()
 def gated_rms_norm_fast(x_TD: torch.Tensor, g_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * w * sigmoid(g) over the last dim."""
     D = x_TD.shape[-1]
     return _GatedRMSNorm.apply(x_TD.reshape(-1, D), g_TD.reshape(-1, D), w_D, eps).view(x_TD.shape)
 
 
+@tuned()
 def l2norm_fwd_bucketed(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None):
     """fla's ``l2norm_fwd`` (same arguments and returns: y like x, rstd [*x.shape[:-1]] fp32), bucketed NB."""
     D = x.shape[-1]
@@ -213,6 +218,7 @@ class _L2Norm(torch.autograd.Function):
         return l2norm_bwd_bucketed(y, rstd, dy, ctx.eps), None
 
 
+@tuned()
 def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ||x|| over the last dim, differentiable: what fla's ``chunk_kda`` does inside with
     ``use_qk_l2norm_in_kernel`` (same kernels, same saved tensors), with the bucketed size classes, so a

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from harts.ops.tuning import tuned
 
+
+@tuned("fla.modules.causal_conv1d")
 def tree_short_conv_fast(x_CP: torch.Tensor, weight_PW: torch.Tensor, seq_cu: torch.Tensor,
                          context_QW1: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     from fla.modules.causal_conv1d import causal_conv1d
