@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from harts.ops.recompute import recompute_in_backward
 
 
 def _chunk_logprobs(h_BD: torch.Tensor, weight_VD: torch.Tensor, targets_B: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ def compact_logprobs_reference(hidden_CD: torch.Tensor, weight_VD: torch.Tensor,
         h = hidden_CD[rows_S[s0:s0 + chunk_size]]
         t = targets_S[s0:s0 + chunk_size]
         if need_grad:
-            out.append(checkpoint(_chunk_logprobs, h, weight_VD, t, use_reentrant=False))
+            out.append(recompute_in_backward(_chunk_logprobs, h, weight_VD, t))
         else:
             out.append(_chunk_logprobs(h, weight_VD, t))
     if not out:
