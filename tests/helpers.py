@@ -1,7 +1,8 @@
 """Helpers shared by the test files: test files import from here, never from each other.
 
 - Processes: ``free_port``, ``spawn_ranks`` (a test's worker on several gloo ranks), ``torchrun`` (train.py
-  on N gloo CPU processes).
+  on N gloo CPU processes), ``torchrun_many`` (several trainer runs in one torchrun: ``python -m tests.helpers``
+  is its worker).
 - Trainer runs: ``COMMON`` (the float64 debug-training settings, one place to change them), ``DIST_BASE``
   (``COMMON`` plus the distributed tests' steps, checkpoints and HF export), ``write_ppo_steps`` (JSONL steps
   with old/ref log-probs), ``records`` / ``weights`` (a run's metrics and exported weights),
