@@ -6,6 +6,8 @@ for rounds without requests. The loss is L = <o, do> + <S_T, dS_T> + sum_j <B_j,
 CPU runs the Triton kernels under the interpreter in float32 on a few small cases; the bf16 /
 K = 64, 128 / speed-shaped checks are GPU tests.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,6 +221,17 @@ def _compare(out, grads, out_r, grads_r, tol_out, tol_grad):
 # lens: T mod 32 == 0 (64), != 0 (40), T < 32 (20); requests: chunk 0 with h0, interior, end states
 INTERP_LENS, INTERP_BT = [40, 64, 20], 32
 INTERP_REQ = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
+GVA = dict(H=1, HV=2, K=32, V=16)  # the inputs of several interpreter tests (with h0, seed 0)
+
+
+@functools.cache
+def _gva_runs():
+    """Interpreted Triton round and reference, outputs and gradients, on the GVA inputs with the INTERP_REQ
+    requests: computed once (the interpreter takes seconds per run), only read by the tests."""
+    ins, cu, h0 = make_inputs(INTERP_LENS, **GVA)
+    seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
+    return (run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk),
+            run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk))
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
@@ -227,10 +240,13 @@ INTERP_REQ = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
     (1, 1, 96, 7),  # the scans hold the state as two 64-row tiles, the second partly masked
 ], ids=["h0_gva", "several_state_row_tiles"])
 def test_triton_interpreter_boundaries(H, HV, K, seed):
-    ins, cu, h0 = make_inputs(INTERP_LENS, H=H, HV=HV, K=K, V=16, seed=seed)
-    seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
-    out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
-    out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    if dict(H=H, HV=HV, K=K, V=16) == GVA and seed == 0:
+        (out, grads), (out_r, grads_r) = _gva_runs()
+    else:
+        ins, cu, h0 = make_inputs(INTERP_LENS, H=H, HV=HV, K=K, V=16, seed=seed)
+        seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
+        out, grads = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+        out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
     errs, bad = _compare(out, grads, out_r, grads_r, 1e-5, 1e-4)
     assert not bad, errs
 
@@ -240,9 +256,9 @@ def test_host_copy_of_cu_seqlens_is_checked_and_changes_nothing():
     """``cu_seqlens_cpu`` (what the runtime passes to avoid a stream sync per call) must describe the same
     packing: one of the wrong shape (or not ending at T) is an error naming it; a correct one gives
     bit-identical results. Values are not compared with the device tensor: that would be the sync."""
-    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=2, K=32, V=16)
+    ins, cu, h0 = make_inputs(INTERP_LENS, **GVA)
     seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
-    a = run_with_grads(_fast(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    a = _gva_runs()[0]
     b = run_with_grads(_fast(chunk_size=INTERP_BT, cu_seqlens_cpu=cu.clone()), ins, cu, h0, seq, chunk)
     for d_a, d_b in zip(a, b):
         for n in d_a:
@@ -273,10 +289,10 @@ def test_triton_interpreter_gate_in_kernel_l2norm_no_h0():
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
 def test_triton_interpreter_wrong_placement_fails():
     """Negative control: adding dB_c at the top of iteration c (gradient of S_end(c)) must be caught."""
-    ins, cu, h0 = make_inputs(INTERP_LENS, H=1, HV=2, K=32, V=16)
+    ins, cu, h0 = make_inputs(INTERP_LENS, **GVA)
     seq, chunk = [r[0] for r in INTERP_REQ], [r[1] for r in INTERP_REQ]
     out, grads = run_with_grads(_fast(chunk_size=INTERP_BT, _inject_at_top=True), ins, cu, h0, seq, chunk)
-    out_r, grads_r = run_with_grads(_ref(chunk_size=INTERP_BT), ins, cu, h0, seq, chunk)
+    out_r, grads_r = _gva_runs()[1]
     errs, bad = _compare(out, grads, out_r, grads_r, 1e-5, 1e-4)
     assert {"dk", "dv", "dg", "dbeta"} <= set(bad), errs
     assert min(errs[n] for n in ("dk", "dv", "dg")) > 0.05, errs
