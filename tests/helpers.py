@@ -8,6 +8,8 @@
   with old/ref log-probs), ``records`` / ``weights`` (a run's metrics and exported weights),
   ``one_process_reference`` and ``assert_same_run`` (a layout equals the one-process run).
 - Models and rollout trees: ``make_model`` (float64 debug Ling, non-zero expert bias), ``fork_tree``.
+- Planner inputs: ``tree_specs`` (a hypothesis strategy of small forests with forks near chunk boundaries)
+  and ``trajectories_from_spec``, ``figure2`` (the paper's Figure 2 trajectories).
 """
 import json
 import os
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # the debug preset's vocabulary
@@ -235,3 +238,70 @@ def fork_tree(B: int, rng: np.random.Generator) -> list[list[int]]:
 
 if __name__ == "__main__":
     _run_many(sys.argv[1])
+
+
+# ------------------------------------------------------------------------------------------ planner inputs
+
+def trajectories_from_spec(spec, *, extra_prefixes=(), duplicates=()):
+    """spec: list of trees; a tree node is (length, [children]). Returns token lists.
+
+    Sibling segments differ in their first token and trees in their root token, so build_trie recovers
+    exactly these segments. ``extra_prefixes`` (leaf index, cut) adds a trajectory ending inside a path;
+    ``duplicates`` repeats leaves.
+    """
+    leaves = []
+
+    def walk(node, prefix, first_tok):
+        length, kids = node
+        toks = prefix + [first_tok] + [0] * (length - 1)
+        if not kids:
+            leaves.append(toks)
+        for k, child in enumerate(kids):
+            walk(child, toks, k + 1)
+
+    for t, tree in enumerate(spec):
+        walk(tree, [], 100 + t)
+    out = list(leaves)
+    for leaf_idx, cut in extra_prefixes:
+        leaf = leaves[leaf_idx % len(leaves)]
+        out.append(leaf[: max(1, cut % len(leaf) + 1)])
+    for leaf_idx in duplicates:
+        out.append(list(leaves[leaf_idx % len(leaves)]))
+    return out
+
+
+@st.composite
+def tree_specs(draw, max_internal=6):
+    """Small forests with forks biased to B-1, B, B+1 (and 2B +- 1), fan-out 2..4."""
+    B = draw(st.sampled_from([2, 3, 4, 5, 8]))
+    budget = {"internal": draw(st.integers(1, max_internal))}
+
+    def length_at(start):
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            return draw(st.integers(1, 2 * B + 2))
+        # Target a fork position near the next or next-but-one chunk boundary.
+        m = start // B + draw(st.integers(1, 2))
+        target = m * B + draw(st.sampled_from([-1, 0, 1]))
+        return target - start if target > start else draw(st.integers(1, B))
+
+    def node(start, depth):
+        L = length_at(start)
+        if depth < 5 and budget["internal"] > 0 and draw(st.integers(0, 3)) > 0:
+            budget["internal"] -= 1
+            k = draw(st.integers(2, 4))
+            return (L, [node(start + L, depth + 1) for _ in range(k)])
+        return (L, [])
+
+    n_trees = draw(st.sampled_from([1, 1, 2, 3]))
+    spec = [node(0, 0) for _ in range(n_trees)]
+    prefixes = draw(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=2))
+    dups = draw(st.lists(st.integers(0, 50), max_size=2))
+    return B, trajectories_from_spec(spec, extra_prefixes=prefixes, duplicates=dups)
+
+
+def figure2(B):
+    """Paper Figure 2: v0 forks into v1, v2 at p1 = B-1; v1 forks into v3, v4 at p2 = B+1."""
+    v0 = [9] * (B - 1)
+    v1 = [1, 0]
+    return [v0 + v1 + [3, 0, 0], v0 + v1 + [4, 0], v0 + [2, 0, 0, 0, 0]]

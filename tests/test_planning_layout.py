@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from harts.planning.calls import plan_calls
 from harts.planning.layout import build_layout
-from tests.test_planning_calls import figure2, tree_specs
+from tests.helpers import figure2, tree_specs
 
 MOD = (1 << 61) - 1
 

@@ -3,9 +3,8 @@ import numpy as np
 import pytest
 
 from harts.planning.microbatch import PlanningError
-from harts.train.data import plan_trajectory_wise
-
 from harts.train import config
+from harts.train.data import plan_trajectory_wise
 
 
 def test_toml_and_cli_precedence(tmp_path):

@@ -167,7 +167,7 @@ def test_run_directory_lifecycle(tmp_path, capfd, caplog):
     stdout = capfd.readouterr().out
     assert "\033[" not in stdout and "step    2" in stdout
     assert f"metrics: {out}/metrics.jsonl" in caplog.text
-    assert f"done: steps 1-2 of 2" in caplog.text and "compression" in caplog.text
+    assert "done: steps 1-2 of 2" in caplog.text and "compression" in caplog.text
     assert _records(out) == [1, 2]
 
     msg = _fails(capfd, _argv(out, *JSONL))

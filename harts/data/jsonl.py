@@ -64,7 +64,8 @@ def requirements(*, objective: str = "grpo", advantages: str = "grpo", old_logpr
             req["reward"] = "rl.advantages = 'grpo' with data.reward = 'data'"
         req["group_id"] = "rl.advantages = 'grpo'"
         for f in ("advantage", "advantages"):
-            forbidden[f] = "rl.advantages = 'grpo' (it computes the advantages; set rl.advantages = 'data' to use these)"
+            forbidden[f] = ("rl.advantages = 'grpo' (it computes the advantages; set rl.advantages = 'data' "
+                            "to use these)")
     elif advantages == "data":
         req["advantage(s)"] = "rl.advantages = 'data'"
     if objective == "ppo" and old_logprobs == "data":

@@ -85,7 +85,8 @@ class MetricsLogger:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, rec["step"])
-        keys = [("loss", "loss"), ("reward", "reward"), ("logp_gap", "gap"), ("grad_norm", "gnorm"), ("raw_tok_s", "raw tok/s"),
+        keys = [("loss", "loss"), ("reward", "reward"), ("logp_gap", "gap"), ("grad_norm", "gnorm"),
+                ("raw_tok_s", "raw tok/s"),
                 ("compact_tok_s", "compact tok/s"), ("compression", "compr"), ("step_s", "step s"),
                 ("data_wait_s", "wait s"), ("plan_s", "plan s"), ("mfu", "mfu%"), ("peak_mem_gib", "mem GiB"),
                 ("expert_load_max_over_mean", "load max/mean")]

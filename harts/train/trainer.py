@@ -101,7 +101,8 @@ class Trainer:
         self.n_moe = len(self.model.moe_layers())  # of the whole model (a pipeline stage has fewer)
         if lc.load_hf:
             if lc.init_on_meta:
-                raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before sharding)")
+                raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before "
+                                 "sharding)")
             from harts.models.ling.checkpoint import load_hf_state_dict, read_hf_tensors
 
             load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
@@ -171,7 +172,8 @@ class Trainer:
         self.metrics = MetricsLogger(self.dump, rank=self.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.save_tb_folder,
                                      color=not cfg.metrics.disable_color_printing and sys.stdout.isatty())
-        self.flops_per_row = 6 * (self._active_nonembed_params() + self.model_cfg.hidden_size * self.model_cfg.vocab_size)
+        head = self.model_cfg.hidden_size * self.model_cfg.vocab_size
+        self.flops_per_row = 6 * (self._active_nonembed_params() + head)
         self.peak_flops = None
         if self.device.type == "cuda":
             from torchtitan.tools.utils import get_peak_flops
