@@ -115,12 +115,6 @@ class CompactBatch:
         flat = np.concatenate(parts) if parts else np.zeros(0)
         return torch.as_tensor(flat, dtype=dtype, device=self.device)
 
-    def mix(self, attention, x_PD: torch.Tensor) -> torch.Tensor:
-        """The sequence mixer of one layer on this compact layout (called by DecoderLayer)."""
-        from harts.runtime.compact import kda_mix, mla_mix
-
-        return (kda_mix if hasattr(attention, "A_log") else mla_mix)(attention, x_PD, self)
-
     def local_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a per-row tensor (all rows without context parallelism)."""
         return t if self.cp is None else self.cp.local(t)

@@ -1,7 +1,9 @@
 """Compact execution of Ling-3.0 on a ``CompactBatch`` (paper 3.4, 4.2).
 
 Every layer reads and writes the same physical rows: embeddings, projections, norms, MoE and the LM
-head run once per compact row. Only the sequence mixers see other views:
+head run once per compact row. Only the sequence mixers see other views; the mixers (harts.models.ling
+.blocks) compute their projections and call the layout-specific parts here (``kda_tree``,
+``mla_tree_attention``):
 
 - KDA: projections once per row; the causal short convolution over each row's true ancestors
   (``conv_pred``); then one packed call per planned round. A round gathers its input rows (replay
@@ -25,7 +27,8 @@ from harts.ops.backend import resolve
 from harts.ops.tree_conv import tree_short_conv
 from harts.runtime.batch import CompactBatch
 
-__all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_mix", "kda_rounds", "mla_mix"]
+__all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_tree", "kda_rounds",
+           "mla_tree_attention"]
 
 
 def check_batch(batch: CompactBatch, cfg) -> None:
@@ -96,18 +99,17 @@ def kda_rounds(q, k, v, f, beta, A_log, dt_bias, batch: CompactBatch, cfg) -> to
     return o_PHV
 
 
-def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
-    """KDA layer on the compact layout; returns the layer output (before the residual).
+def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:
+    """The KDA mixer's layout-specific part on a compact batch: per-row q, k, v (before the short
+    convolution), f [p, H, K] and beta [p, H] -> o [p, H, V] (p: this rank's rows); ``conv_W`` the q/k/v
+    depthwise weights [H*K, w].
 
-    Projections run per row (per own row under context parallelism); the short convolution runs on
-    the rows' true ancestors and, like the core, needs whole paths, so under CP it runs after the
-    rows-to-heads exchange on the rank's own channels (the convolution is depthwise per channel).
+    The short convolution runs on the rows' true ancestors and, like the core, needs whole paths, so
+    under context parallelism it runs after the rows-to-heads exchange on the rank's own channels (the
+    convolution is depthwise per channel).
     """
-    cfg, cp = attn.cfg, batch.cp
-    check_batch(batch, cfg)
-    H, Kh = attn.H, attn.Kh
-    q, k, v, f = (p(x_PD).view(-1, H, Kh) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_proj))
-    beta = torch.sigmoid(attn.b_proj(x_PD).to(torch.promote_types(x_PD.dtype, torch.float32)))
+    cp = batch.cp
+    H, Kh = q.shape[1], q.shape[2]
     heads = slice(0, H)
     if cp is not None:
         q, k, v, f, beta = (cp.rows_to_heads(t) for t in (q, k, v, f, beta[..., None]))
@@ -115,33 +117,30 @@ def kda_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
         heads = cp.head_slice(H)
     h = heads.stop - heads.start
     chans = slice(heads.start * Kh, heads.stop * Kh)
-    q, k, v = (tree_short_conv(t.flatten(1), c.weight.squeeze(1)[chans], batch.conv_pred, "silu",
-                               seq_cu=batch.conv_cu_seqlens, context=batch.conv_context, num_rows=batch.num_rows,
+    q, k, v = (tree_short_conv(t.flatten(1), w[chans], batch.conv_pred, "silu", seq_cu=batch.conv_cu_seqlens,
+                               context=batch.conv_context, num_rows=batch.num_rows,
                                backend=cfg.op_backend("conv")).view(-1, h, Kh)
-               for t, c in ((q, attn.q_conv1d), (k, attn.k_conv1d), (v, attn.v_conv1d)))
-    o = kda_rounds(q, k, v, f, beta, attn.A_log[heads], attn.dt_bias.view(H, Kh)[heads].flatten(), batch, cfg)
-    if cp is not None:
-        o = cp.heads_to_rows(o)
-    return attn.output(o, x_PD)
+               for t, w in zip((q, k, v), conv_W))
+    o = kda_rounds(q, k, v, f, beta, A_log[heads], dt_bias.view(H, Kh)[heads].flatten(), batch, cfg)
+    return o if cp is None else cp.heads_to_rows(o)
 
 
 # ------------------------------------------------------------------------------------------ MLA
-def mla_mix(attn, x_PD: torch.Tensor, batch: CompactBatch) -> torch.Tensor:
+def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str = "auto") -> torch.Tensor:
+    """The MLA mixer's layout-specific part on a compact batch: per-row q, k [p, H, Dqk], v [p, H, Dv]
+    -> o [p, H, Dv]; each branch's own rows attend to its ancestors + own rows (bottom-right causal)."""
     cp = batch.cp
-    q, k, v = attn.project(x_PD, batch.position_ids if cp is None else cp.local(batch.position_ids))
     if cp is not None:
         q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
     P = q.shape[0]
     if not batch.mla_q_is_identity:
         q = q.index_select(0, batch.mla_q_rows)
     o = varlen_attention(q, k.index_select(0, batch.mla_kv_rows), v.index_select(0, batch.mla_kv_rows),
-                         batch.cu_seqlens_q, batch.cu_seqlens_k, attn.scale, backend=attn.cfg.op_backend("attention"),
+                         batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
                          max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
     if not batch.mla_q_is_identity:
         o = torch.zeros((P,) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, batch.mla_q_rows, o)
-    if cp is not None:
-        o = cp.heads_to_rows(o)
-    return attn.output(o, x_PD)
+    return o if cp is None else cp.heads_to_rows(o)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -150,21 +149,20 @@ def compact_hidden(model, batch: CompactBatch) -> torch.Tensor:
     return model(layout=batch)
 
 
-def hidden_states(model, batch: CompactBatch) -> torch.Tensor:
-    """Hidden states of the batch's rows: compact path, or the ordinary packed path for the baseline."""
-    check_batch(batch, model.config)
-    if batch.prefix_sharing:
-        return model(layout=batch)
-    return model(batch.input_ids, batch.position_ids, batch.cu_seqlens, None, batch.max_seqlen)
+def hidden_states(model, batch: CompactBatch, router: tuple | None = None) -> torch.Tensor:
+    """Final-normed hidden states of the batch's rows [P, D]: the model's one forward, which runs the
+    compact views for a HARTS batch and the packed path for a trajectory-wise one."""
+    return model(layout=batch, router=router)
 
 
-def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
+def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None,
+             router: tuple | None = None) -> torch.Tensor:
     """log softmax(z_{m(s)})[y_s] for every nonterminal semantic position in original order [S'].
 
     Row max / sum-exp are computed once per compact row; no S' x V tensor exists (Eq. 19 backward
     accumulates each row's gradient from all its semantic positions).
     """
-    h = hidden_states(model, batch) if hidden_PD is None else hidden_PD
+    h = hidden_states(model, batch, router) if hidden_PD is None else hidden_PD
     rows, targets = batch.logprob_rows, batch.logprob_targets
     cp = batch.cp
     if cp is not None:  # own rows only; other ranks' positions are zero (sum over the CP group)

@@ -29,14 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harts.models.ling.blocks import MoE
+from harts.models.ling.blocks import DecoderLayer, MoE
 from harts.ops.backend import resolve
 from harts.ops.moe.experts import _combine
-from harts.train.model import TrainMoE
+from harts.train.model import redistribute
 
 log = logging.getLogger("harts.train")
 
-__all__ = ["build_parallel_dims", "apply_ep", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallelMoE"]
+__all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallel"]
 
 
 def build_parallel_dims(pcfg, world_size: int, device_type: str):
@@ -106,30 +106,30 @@ def _expert_major_order(recv_counts: torch.Tensor, ep: int, El: int, total: int)
     return torch.sort((seg_M % El) * ep + seg_M // El, stable=True).indices
 
 
-class ExpertParallelMoE(TrainMoE):
-    """MoE whose routed experts are sharded over the ``ep`` mesh dim (Shard(0) on the expert dim)."""
+class ExpertParallel:
+    """A MoE layer's routed experts over the ``ep`` mesh dim (weights Shard(0) on the expert dim): the
+    callable ``MoE.expert_parallel`` (x_TD, idx_TK, w_TK, experts) -> y_TD, set by ``apply_ep``."""
 
-    ep_group = None
-    ep_size = 1
+    def __init__(self, ep_group, ep_size: int, num_experts: int, backend: str):
+        self.ep_group, self.ep_size, self.num_experts, self.backend = ep_group, ep_size, num_experts, backend
+        self.tp_mesh = None  # with TP, each TP rank dispatches a disjoint slice of the (replicated) rows
 
-    tp_mesh = None  # with TP, each TP rank dispatches a disjoint slice of the (replicated) rows
-
-    def routed(self, x_TD, idx_TK, w_TK):
+    def __call__(self, x_TD, idx_TK, w_TK, experts):
         if self.tp_mesh is None:
-            return self._dispatch(x_TD, idx_TK, w_TK)
+            return self._dispatch(x_TD, idx_TK, w_TK, experts)
         # inside a TP region: rank r of the TP group sends only its contiguous slice of rows, so no
         # token reaches the experts twice; the zero-padded result is a partial sum that the region's
         # exit all-reduces
         tp, r = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
         rows = torch.tensor_split(torch.arange(x_TD.shape[0], device=x_TD.device), tp)[r]
-        y = self._dispatch(x_TD.index_select(0, rows), idx_TK.index_select(0, rows), w_TK.index_select(0, rows))
+        y = self._dispatch(x_TD.index_select(0, rows), idx_TK.index_select(0, rows), w_TK.index_select(0, rows),
+                           experts)
         return x_TD.new_zeros(x_TD.shape[0], y.shape[1]).index_copy(0, rows, y)
 
-    def _dispatch(self, x_TD, idx_TK, w_TK):
-        ex, ep, group = self.experts, self.ep_size, self.ep_group
-        wg, wu, wd = (p.to_local() if hasattr(p, "to_local") else p for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
-        wg, wu, wd = (w.to(x_TD.dtype) for w in (wg, wu, wd))
-        E, El = self.cfg.num_experts, wg.shape[0]
+    def _dispatch(self, x_TD, idx_TK, w_TK, experts):
+        ep, group = self.ep_size, self.ep_group
+        wg, wu, wd = (p.to_local().to(x_TD.dtype) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+        E, El = self.num_experts, wg.shape[0]
         T, K = idx_TK.shape
         flat_M = idx_TK.reshape(-1)
         order_M = torch.sort(flat_M, stable=True).indices  # expert-major == destination-rank-major
@@ -144,7 +144,7 @@ class ExpertParallelMoE(TrainMoE):
         in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
         x_recv = _a2a(x_MD, out_splits, in_splits, group)
         y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), recv.view(ep, El).sum(0),
-                                  wg, wu, wd, self.cfg.op_backend("moe"))
+                                  wg, wu, wd, self.backend)
         y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
         y_back = _a2a(y_recv, in_splits, out_splits, group)
         y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
@@ -152,7 +152,7 @@ class ExpertParallelMoE(TrainMoE):
 
 
 def apply_ep(model, ep_mesh) -> None:
-    """Shard every MoE layer's routed experts over ``ep_mesh`` and swap in the all-to-all forward."""
+    """Shard every MoE layer's routed experts over ``ep_mesh`` and give it the all-to-all dispatch."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep = ep_mesh.size()
@@ -163,12 +163,11 @@ def apply_ep(model, ep_mesh) -> None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             p = getattr(ex, name)
             ex.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
-        moe.__class__ = ExpertParallelMoE
-        moe.ep_group, moe.ep_size = ep_mesh.get_group(), ep
+        moe.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep, moe.cfg.num_experts, moe.cfg.op_backend("moe"))
 
 
 def expert_params(model) -> set:
-    return {p for m in model.moe_layers() if isinstance(m, ExpertParallelMoE)
+    return {p for m in model.moe_layers() if m.expert_parallel is not None
             for p in (m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj)}
 
 
@@ -207,10 +206,42 @@ def _local_view_hooks(owner: nn.Module, targets: list[tuple[nn.Module, str]]) ->
     owner.register_forward_hook(post)
 
 
+def _tp_region(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Make ``module`` (a mixer or an FFN, whose first argument is its input rows) a TP region, from
+    outside: its input is replicated (all-gathered from row shards under SP) with its gradient, of which
+    every rank produces a part, all-reduced (reduce-scattered); its output, a partial sum, is all-reduced
+    (reduce-scattered into row shards)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rows = (Shard(0),) if sequence_parallel else (Replicate(),)
+
+    def enter(mod, args):
+        return (redistribute(args[0], tp_mesh, rows, (Replicate(),), grad_placements=(Partial(),)),) + args[1:]
+
+    def leave(mod, args, out):
+        return redistribute(out, tp_mesh, (Partial(),), rows)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def _sequence_parallel(model, tp_mesh) -> None:
+    """SP outside the layers: the embeddings' output keeps this TP rank's rows (backward: all-gather of
+    the row gradients); the final norm (and the replicated LM head after it) sees all rows."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if model.model.word_embeddings is not None:
+        model.model.word_embeddings.register_forward_hook(
+            lambda mod, args, out: redistribute(out, tp_mesh, (Replicate(),), (Shard(0),)))
+    if model.model.norm is not None:
+        model.model.norm.register_forward_pre_hook(
+            lambda mod, args: (redistribute(args[0], tp_mesh, (Shard(0),), (Replicate(),)),) + args[1:])
+
+
 def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     """Megatron-style tensor parallelism without sequence parallelism, as two TP regions per layer.
 
-    Each decoder layer's sequence mixer and FFN is a region (``TrainDecoderLayer.tp_enter/tp_exit``): its
+    Each decoder layer's sequence mixer and FFN is a region (``_tp_region``, hooks on the modules): its
     input is replicated and its input gradient all-reduced; inside, heads (KDA q/k/v/f/g/beta, convs,
     A_log, dt_bias; MLA q_b/kv_b/g) and FFN widths (dense, shared expert, routed experts' F) are
     sharded (Shard(0) for column-, Shard(1)/Shard(2) for row-parallel weights), so the region's output is
@@ -230,8 +261,6 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     such tensor at once without changing the model."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from harts.train.model import TrainDecoderLayer
-
     tp = tp_mesh.size()
     cfg = model.config
     if cfg.num_attention_heads % tp:
@@ -248,8 +277,8 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
                 dist_(m.down_proj, "weight", Shard(1))]
 
     for layer in model.decoder_layers():
-        if not isinstance(layer, TrainDecoderLayer):
-            raise TypeError("apply_tp expects a HartsPolicy (TrainDecoderLayer layers)")
+        if not isinstance(layer, DecoderLayer):
+            raise TypeError(f"apply_tp expects Ling decoder layers, got {type(layer).__name__}")
         attn, local = layer.attention, []
         if layer.kind == "kda":
             local += [dist_(getattr(attn, n), "weight", Shard(0))
@@ -270,8 +299,9 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
         if isinstance(layer.mlp, MoE):
             ex = layer.mlp.experts
             local += ffn(layer.mlp.shared_experts) + [dist_(layer.mlp.gate, "weight", Replicate())]
-            if isinstance(layer.mlp, ExpertParallelMoE):  # experts already sharded over ep (which spans tp)
-                layer.mlp.tp_mesh = tp_mesh
+            layer.mlp.router_loss_scale = 1.0 / tp  # every TP rank seeds the term; the router grad sums them
+            if layer.mlp.expert_parallel is not None:  # experts already sharded over ep (which spans tp)
+                layer.mlp.expert_parallel.tp_mesh = tp_mesh
             else:
                 local += [dist_(ex, "gate_proj", Shard(1)), dist_(ex, "up_proj", Shard(1)),
                           dist_(ex, "down_proj", Shard(2))]
@@ -281,10 +311,10 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
             local += [dist_(layer.input_layernorm, "weight", Replicate()),
                       dist_(layer.post_attention_layernorm, "weight", Replicate())]
         _local_view_hooks(layer, local)
-        layer.tp_mesh = tp_mesh
-        layer.sequence_parallel = sequence_parallel
+        _tp_region(layer.attention, tp_mesh, sequence_parallel)
+        _tp_region(layer.mlp, tp_mesh, sequence_parallel)
     if sequence_parallel:
-        model.sp_mesh = tp_mesh
+        _sequence_parallel(model, tp_mesh)
 
 
 def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) -> torch.Tensor:
@@ -328,9 +358,10 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
 # ------------------------------------------------------------------------------------------ AC / compile
 def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
     """Full activation checkpointing of every decoder layer (torchtitan's 'full' mode); layers with
-    collectives are always recomputed whole (no early stop)."""
-    model.activation_checkpoint = mode == "full"
-    model.ac_early_stop = not collectives_in_layers
+    collectives (TP all-reduces, EP all-to-alls, CP exchanges) recompute whole, without early stop, or
+    ranks can stop at different collectives (observed: wrong gradients with TP x PP)."""
+    model.model.checkpoint_layers = mode == "full"
+    model.model.checkpoint_early_stop = not collectives_in_layers
 
 
 def apply_compile(model, backend: str = "inductor") -> list[str]:
@@ -361,7 +392,7 @@ def apply_fsdp(model, dp_mesh, *, param_dtype=None, reduce_dtype=None, reshard_a
 
     Gradients are summed over DP (divide factor 1): the loss is already normalised by the step's global
     token count (harts.rl.losses), so averaging would divide by DP twice."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dp_mesh, mp_policy=mp)
@@ -372,6 +403,7 @@ def apply_fsdp(model, dp_mesh, *, param_dtype=None, reduce_dtype=None, reshard_a
         fully_shard(layer, reshard_after_forward=reshard_after_forward,
                     ignored_params={p for p in layer.parameters() if p in ign} or None, **kw)
     fully_shard(model, reshard_after_forward=False, ignored_params=ign or None, **kw)
+    register_fsdp_forward_method(model, "logprobs")  # the trainer's forward: the root's hooks run around it
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

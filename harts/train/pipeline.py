@@ -3,15 +3,18 @@
 All stages of one pipeline belong to the same DP replica, so they hold the same planned microbatches
 in the same slot order and the same layouts (every rank packs its replica's microbatches itself). A
 stage's forward therefore takes only the activation tensor and reads the microbatch's layout from a
-per-step list with a cursor (schedules run each stage's forwards in microbatch order). Activations are
+per-step list with a cursor (schedules run each stage's forwards in microbatch order): ``Stage`` is
+the pruned model's input/output preparation, a pair of forward hooks (torchtitan's
+PrepareModuleInput/Output), not a second model. Activations are
 sent padded to ``rows`` = the microbatch capacity (a HARTS microbatch has at most that many physical
 rows, a baseline one at most that many tokens), which gives the schedules the static shapes they
 preallocate buffers for; padding rows carry zeros and get zero gradients. The last stage computes the
 microbatch's objective (already normalised by the step's global weights) and returns it as the stage
 output; the schedule's loss function only sums it, and gradients are not rescaled (scale_grads=False).
 
-FQNs stay those of the full model (the stage keeps its layers in a ModuleDict under their original
-indices and drops the embeddings / final norm / LM head it does not own), so checkpoints line up.
+A stage is the same ``LingForCausalLM`` pruned (``prune_to_stage``): it keeps its layers in a ModuleDict
+under their original indices and sets the embeddings / final norm / LM head it does not own to None, so
+FQNs, and checkpoints, stay those of the full model.
 
 Legend: R padded rows (= capacity), P physical rows of a microbatch, D hidden.
 """
@@ -21,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.models.ling import LingForCausalLM
+from harts.models.ling.blocks import router_term
 from harts.rl.losses import token_losses
-from harts.train.model import HartsPolicy, router_term
+from harts.runtime.compact import logprobs as compact_logprobs
 
-__all__ = ["stage_layers", "prune_to_stage", "HartsStage", "PipelineRunner"]
+__all__ = ["stage_layers", "prune_to_stage", "Stage", "PipelineRunner"]
 
 
 def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
@@ -40,16 +45,19 @@ def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
     return out
 
 
-class HartsStage(HartsPolicy):
-    """A pipeline stage of HartsPolicy; ``forward(x)`` processes the next microbatch of the step."""
+class Stage:
+    """A pruned model's pipeline-stage hooks: the stage input (a dummy on the first stage, the previous
+    stage's padded rows otherwise) becomes the next microbatch's ``model(layout=..., router=...,
+    hidden_PD=...)`` call; the output becomes the padded rows (the last stage: the microbatch's loss)."""
 
-    first: bool = True
-    last: bool = True
-    rows: int = 0
-    row_split: int = 1  # context / sequence parallelism: a stage passes on this CP and TP rank's rows
-    act_dtype: torch.dtype = torch.float32
-
-    recompute: bool = False  # forward-only pass that records each microbatch's log-probs (PPO old_logprobs)
+    def __init__(self, model: LingForCausalLM, first: bool, last: bool):
+        self.model, self.first, self.last = model, first, last
+        self.rows = 0
+        self.row_split = 1  # context / sequence parallelism: a stage passes on this CP and TP rank's rows
+        self.recompute = False  # forward-only pass that records each microbatch's log-probs (PPO old_logprobs)
+        self.begin_step([], None, None)
+        model.register_forward_pre_hook(self._input, with_kwargs=True)
+        model.register_forward_hook(self._output)
 
     def begin_step(self, mbs, router, loss_cfg, old_logp: dict | None = None):
         self._mbs, self._router, self._loss_cfg, self._cursor = mbs, router, loss_cfg, 0
@@ -60,15 +68,17 @@ class HartsStage(HartsPolicy):
 
     def moe_ids(self) -> list[int]:
         """Global MoE-layer indices of this stage's MoE layers (rows of the full counts / f tensors)."""
-        return [l.moe_index for l in self.decoder_layers() if l.moe_index >= 0]
+        return [m.moe_index for m in self.model.moe_layers()]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mb = self._mbs[self._cursor]
+    def _input(self, model, args, kwargs):
+        self._mb = mb = self._mbs[self._cursor]
         self._cursor += 1
-        batch = mb.batch
-        h = self.embed(batch) if self.first else x[: batch.num_phys // self.row_split]
-        h = self.run_layers(h, batch, self._router)
-        stats = self.router_stats()
+        hidden = None if self.first else args[0][: mb.batch.num_phys // self.row_split]
+        return (), dict(layout=mb.batch, router=self._router, hidden_PD=hidden)
+
+    def _output(self, model, args, h):
+        mb = self._mb
+        stats = model.router_stats()
         if stats:
             cnt = torch.stack([s.counts_E for s in stats]).double().detach()
             self.mb_counts = cnt if self.mb_counts is None else self.mb_counts + cnt
@@ -78,7 +88,7 @@ class HartsStage(HartsPolicy):
                                            for s, i in zip(stats, self.moe_ids()))
         if not self.last:
             return F.pad(h, (0, 0, 0, self.rows - h.shape[0]))
-        logp = mb.select(self.head(h, batch))  # this CP rank's positions (all without CP)
+        logp = mb.select(compact_logprobs(model, mb.batch, hidden_PD=h))  # this CP rank's positions
         if self.recompute:
             self.mb_records.append((mb.index, logp.detach()))
             return logp.new_zeros(1, dtype=torch.promote_types(logp.dtype, torch.float32))
@@ -93,33 +103,34 @@ class HartsStage(HartsPolicy):
         return loss.reshape(1)
 
 
-def prune_to_stage(model: HartsPolicy, stage: int, pp: int) -> HartsStage:
+def prune_to_stage(model: LingForCausalLM, stage: int, pp: int) -> Stage:
+    """Keep this stage's layers (under their indices) and the ends it owns, in place; returns its hooks."""
     keep = stage_layers(len(model.decoder_layers()), pp)[stage]
     layers = model.decoder_layers()
     model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
-    model.__class__ = HartsStage
-    model.first, model.last = stage == 0, stage == pp - 1
-    if not model.first:
+    first, last = stage == 0, stage == pp - 1
+    if not first:
         model.model.word_embeddings = None
-    if not model.last:
+    if not last:
         model.model.norm = None
         model.lm_head = None
-    return model
+    return Stage(model, first, last)
 
 
 class PipelineRunner:
     """One pipeline schedule per slot count (plans may change K from step to step)."""
 
-    def __init__(self, stage_model: HartsStage, *, stage: int, pp: int, group, device, schedule: str,
+    def __init__(self, stage_io: Stage, *, stage: int, pp: int, group, device, schedule: str,
                  rows: int, hidden: int, act_dtype: torch.dtype, loss_dtype: torch.dtype, row_split: int = 1):
         if rows % row_split:
             raise ValueError(f"harts.capacity={rows} must be a multiple of {row_split} (context_parallel_degree x "
                              "tensor_parallel_degree with sequence parallelism) with pipeline parallelism")
         rows //= row_split
-        self.model, self.stage, self.pp, self.group, self.device = stage_model, stage, pp, group, device
+        self.io, self.model = stage_io, stage_io.model
+        self.stage, self.pp, self.group, self.device = stage, pp, group, device
         self.schedule_name, self.rows, self.hidden = schedule, rows, hidden
         self.act_dtype, self.loss_dtype = act_dtype, loss_dtype
-        stage_model.rows, stage_model.row_split = rows, row_split
+        stage_io.rows, stage_io.row_split = rows, row_split
         self._cache: dict[tuple[int, bool], object] = {}  # (microbatches, train) -> schedule
 
     def _schedule(self, n: int, train: bool = True):
@@ -129,12 +140,12 @@ class PipelineRunner:
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            m = self.model
+            m = self.io
             act = lambda: torch.empty(self.rows, self.hidden, dtype=self.act_dtype, device=self.device,
                                       requires_grad=train)  # static metadata: activations carry gradients
             inp = torch.empty(1, 1, device=self.device) if m.first else act()
             out = torch.empty(1, dtype=self.loss_dtype, device=self.device, requires_grad=train) if m.last else act()
-            st = PipelineStage(m, self.stage, self.pp, self.device, input_args=inp, output_args=out,
+            st = PipelineStage(self.model, self.stage, self.pp, self.device, input_args=inp, output_args=out,
                                group=self.group)
             name = self.schedule_name
             if (n < self.pp or not train) and name.lower() != "gpipe":
@@ -147,10 +158,10 @@ class PipelineRunner:
         return self._cache[(n, train)]
 
     def _step(self, sched, n: int, with_target: bool) -> None:
-        target = torch.zeros(n, 1, device=self.device) if with_target and self.model.last else None
-        if self.model.first:
+        target = torch.zeros(n, 1, device=self.device) if with_target and self.io.last else None
+        if self.io.first:
             sched.step(torch.zeros(n, 1, device=self.device), target=target)
-        elif self.model.last:
+        elif self.io.last:
             sched.step(target=target)
         else:
             sched.step()
@@ -158,7 +169,7 @@ class PipelineRunner:
     def old_logprobs(self, mbs) -> dict:
         """PPO ``old_logprobs = 'recompute'``: a forward-only pass over the step's microbatches before the
         update; returns {microbatch index: log-probs} on the last stage (where the loss is), {} elsewhere."""
-        m = self.model
+        m = self.io
         m.begin_step(mbs, None, None)
         m.recompute = True
         try:
@@ -170,5 +181,5 @@ class PipelineRunner:
 
     def run(self, mbs, router, loss_cfg, old_logp: dict | None = None) -> None:
         n = len(mbs)
-        self.model.begin_step(mbs, router, loss_cfg, old_logp)
+        self.io.begin_step(mbs, router, loss_cfg, old_logp)
         self._step(self._schedule(n), n, with_target=True)

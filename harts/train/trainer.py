@@ -115,7 +115,7 @@ class Trainer:
 
             pp_mesh = d.get_mesh("pp")
             self.pp_group, self.pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
-            prune_to_stage(self.model, self.pp_rank, d.pp)
+            self.stage_io = prune_to_stage(self.model, self.pp_rank, d.pp)
         self._parallelize()
         if lc.init_on_meta:
             init_sharded(self.model, self.device, lc.init_seed)
@@ -153,7 +153,7 @@ class Trainer:
             from harts.train.pipeline import PipelineRunner
 
             act = self.mp_param_dtype or self.dtype
-            self.pipe = PipelineRunner(self.model, stage=self.pp_rank, pp=d.pp, group=self.pp_group, device=self.device,
+            self.pipe = PipelineRunner(self.stage_io, stage=self.pp_rank, pp=d.pp, group=self.pp_group, device=self.device,
                                        schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
                                        hidden=self.model_cfg.hidden_size, act_dtype=act,
                                        loss_dtype=torch.promote_types(act, torch.float32),
@@ -459,7 +459,7 @@ class Trainer:
             json.dump(out, f, indent=0)
         log.info("wrote %d gradient norms to %s.rank%d.json", len(out), path, self.rank)
 
-    def _dump_hidden(self, path: str, data: StepData, mbs) -> None:
+    def _dump_hidden(self, path: str, data: StepData, mbs, captured: list) -> None:
         """Debugging a layout's fidelity (``HARTS_DUMP_HIDDEN=PATH``; compare two runs with
         ``python -m harts.bench.layout_fidelity``): step 1's final hidden state (after the last norm: the
         LM head's input) at every predicted position this rank computed, keyed by (trajectory index in the
@@ -469,11 +469,9 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         model, stride = self.model, int(os.environ.get("HARTS_DUMP_HIDDEN_STRIDE", "1"))
-        captured, model.head_capture = model.head_capture or [], None
-        by_batch = {id(mb.batch): mb for mb in mbs}
         keys, hidden, targets = [], [], []
-        for batch, h_PD in captured:
-            mb = by_batch[id(batch)]
+        for mb, h_PD in zip(mbs, captured):  # the final norm's outputs, one per microbatch in order
+            batch = mb.batch
             traj = torch.as_tensor(data.plan.microbatches[mb.index], dtype=torch.long)
             off = torch.as_tensor(batch.logprob_offsets, dtype=torch.long)
             n_S = off[1:] - off[:-1]
@@ -556,10 +554,11 @@ class Trainer:
                 if self.pipe is not None:  # a forward-only pipeline pass; the last stage keeps them
                     old_pp = self.pipe.old_logprobs(mbs)
                 else:
-                    old = [mb.select(model(mb.batch)).detach() for mb in mbs]
+                    old = [mb.select(model.logprobs(mb.batch)).detach() for mb in mbs]
         dump_hidden = os.environ.get("HARTS_DUMP_HIDDEN") if step == 1 else None
-        if dump_hidden:  # the training forward's final hidden states (step 1, before any update)
-            model.head_capture = []
+        captured, capture = [], None  # the training forward's final hidden states (step 1, before any update)
+        if dump_hidden and model.model.norm is not None:
+            capture = model.model.norm.register_forward_hook(lambda m, a, out: captured.append(out.detach()))
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
@@ -609,7 +608,9 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
         if dump_hidden:
-            self._dump_hidden(dump_hidden, data, mbs)
+            if capture is not None:
+                capture.remove()
+            self._dump_hidden(dump_hidden, data, mbs, captured)
         if os.environ.get("HARTS_DUMP_GRAD_NORMS") and data.step == 1:
             self._dump_grad_norms(os.environ["HARTS_DUMP_GRAD_NORMS"])
         if self.bf16_opt:
@@ -628,7 +629,7 @@ class Trainer:
         self.optimizers.zero_grad()
         if counts is not None:
             if cfg.rl.expert_bias_rate > 0:
-                own = model.moe_ids() if self.pipe is not None else list(range(self.n_moe))
+                own = self.pipe.io.moe_ids() if self.pipe is not None else list(range(self.n_moe))
                 model.update_expert_bias(cfg.rl.expert_bias_rate, counts[own].to(torch.float32))
             c = self.model_cfg
             self.state.moe_f = counts * (c.num_experts / (c.num_experts_per_tok * data.normalizer.raw_tokens))
@@ -644,7 +645,7 @@ class Trainer:
         ``model`` (e.g. an fp32 copy) runs in place of the trainer's, without its autocast."""
         amp = self.amp if model is None else contextlib.nullcontext()
         with amp:
-            logp = mb.select((model or self.model)(mb.batch, router))  # this CP rank's positions (all without CP)
+            logp = mb.select((model or self.model).logprobs(mb.batch, router))  # this CP rank's positions
             terms = token_losses(logp, mb.adv, self.loss_cfg,
                                  old_logp_S=old_logp if old_logp is not None else mb.old_logp, ref_logp_S=mb.ref_logp)
             c = mb.coeff.to(terms[0].dtype)
@@ -659,7 +660,7 @@ class Trainer:
         """All slots through the pipeline schedule; returns this rank's metric sums and MoE counts (full
         [MoE layers, E] with this stage's rows filled), to be reduced over DP and PP like the others.
         ``old_logp``: PPO's recomputed old log-probs by microbatch index (last stage)."""
-        m = self.model
+        m = self.pipe.io
         with torch.profiler.record_function("harts.pipeline"), self.amp:
             self.pipe.run(mbs, router, self.loss_cfg, old_logp)
         counts = None

@@ -7,15 +7,19 @@ Module and parameter names are the official checkpoint's (``attention.q_a_proj``
 ``mlp.gate.expert_bias``, ...) so the state dict maps onto the HF layout with one rule (experts are
 stored stacked here and per expert in the checkpoint; see checkpoint.py).
 
-Each sequence mixer is split into (projection) -> core op -> (output) so that a later runtime can swap
-only the core: ``KDA.project`` returns already convolved q, k, v plus f (raw gate input) and beta for
-``harts.ops.kda.kda``; ``MLA.project`` returns per-row q, k, v at explicit positions for
-``harts.ops.attention.varlen_attention`` (bottom-right causal over cu_seqlens_q / cu_seqlens_k).
+Every block has one forward, and a sequence mixer's forward takes the batch description ``batch``:
+``Packed`` trajectories (each its own varlen sequence) or a prefix-shared ``harts.CompactBatch``. The
+mixer computes its per-row projections itself and runs its core on that layout: ``harts.ops`` for
+packed trajectories, ``harts.runtime.compact`` (tree convolution, KDA rounds, MLA over ancestor rows,
+context-parallel exchanges) for a compact batch. Row-wise parts (norms, projections, MoE) never look at
+the layout. Router losses join the MoE output's backward (``AddRouterLoss``) and each call's router
+statistics are kept on the MoE module.
 """
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +67,23 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(o, gate, self.weight, self.eps, self.backend)
+
+
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """Packed trajectories as a batch description: every sequence its own varlen segment (reset at the
+    ``cu_seqlens`` boundaries), positions explicit, no prefix sharing and no context parallelism. A
+    trajectory-wise ``harts.CompactBatch`` (``prefix_sharing=False``) reads the same way."""
+
+    position_ids: torch.Tensor  # [T] long
+    cu_seqlens: torch.Tensor  # [N+1]
+    max_seqlen: int | None = None  # optional: avoids a host sync in the fast attention path
+    prefix_sharing = False
+    cp = None
+
+    @staticmethod
+    def local_rows(t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def rope_interleaved(x_THR: torch.Tensor, position_ids_T: torch.Tensor, theta: float) -> torch.Tensor:
@@ -126,11 +147,17 @@ class MLA(nn.Module):
         gate_TH = torch.sigmoid(self.g_proj(x_TD).to(_compute_dtype(x_TD.dtype))).to(o_THDv.dtype)
         return self.dense((o_THDv * gate_TH[..., None]).flatten(1))
 
-    def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
-        q, k, v = self.project(x_TD, position_ids_T)
-        o = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, self.scale,
-                             backend=self.cfg.op_backend("attention"), max_seqlen_q=max_seqlen,
-                             max_seqlen_k=max_seqlen)
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        q, k, v = self.project(x_TD, batch.local_rows(batch.position_ids))
+        be = self.cfg.op_backend("attention")
+        if batch.prefix_sharing:
+            from harts.runtime.compact import mla_tree_attention
+
+            o = mla_tree_attention(q, k, v, batch, self.scale, be)
+        else:
+            o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
         return self.output(o, x_TD)
 
 
@@ -165,28 +192,31 @@ class KDA(nn.Module):
         self.o_norm = GatedRMSNorm(Kh, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.o_proj = nn.Linear(P, D, bias=False)
 
-    def project(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor):
-        """Convolved q, k, v [T,H,Kh], raw gate input f [T,H,Kh], beta [T,H] (sigmoid applied, fp32+)."""
-        T, be = x_TD.shape[0], self.cfg.op_backend("conv")
-        conv = lambda proj, c: short_conv(proj(x_TD), c.weight.squeeze(1), cu_seqlens, "silu", backend=be)
-        q = conv(self.q_proj, self.q_conv1d).view(T, self.H, self.Kh)
-        k = conv(self.k_proj, self.k_conv1d).view(T, self.H, self.Kh)
-        v = conv(self.v_proj, self.v_conv1d).view(T, self.H, self.Kh)
-        f = self.f_proj(x_TD).view(T, self.H, self.Kh)
-        beta = torch.sigmoid(self.b_proj(x_TD).to(_compute_dtype(x_TD.dtype)))
-        return q, k, v, f, beta
-
-    def core(self, q, k, v, f, beta, cu_seqlens, initial_state=None, output_final_state=False):
-        return kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu_seqlens, lower_bound=self.cfg.kda_lower_bound,
-                   chunk_size=self.cfg.kda_chunk_size, initial_state_NHKV=initial_state,
-                   output_final_state=output_final_state, backend=self.cfg.op_backend("kda"))
+    def project(self, x_TD: torch.Tensor):
+        """Per-row q, k, v (before the short convolution), raw gate input f [T,H,Kh] and beta [T,H]
+        (sigmoid applied, fp32+)."""
+        q, k, v, f = (p(x_TD).view(x_TD.shape[0], self.H, self.Kh)
+                      for p in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
+        return q, k, v, f, torch.sigmoid(self.b_proj(x_TD).to(_compute_dtype(x_TD.dtype)))
 
     def output(self, o_THV: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
         gate = self.g_proj(x_TD).view(o_THV.shape)
         return self.o_proj(self.o_norm(o_THV, gate).flatten(1))
 
-    def forward(self, x_TD, position_ids_T, cu_seqlens, max_seqlen: int | None = None):
-        o, _ = self.core(*self.project(x_TD, cu_seqlens), cu_seqlens)
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        q, k, v, f, beta = self.project(x_TD)
+        conv_W = [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        if batch.prefix_sharing:
+            from harts.runtime.compact import kda_tree
+
+            o = kda_tree(q, k, v, f, beta, conv_W, self.A_log, self.dt_bias, batch, self.cfg)
+        else:
+            be, cu = self.cfg.op_backend("conv"), batch.cu_seqlens
+            q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be).view(t.shape)
+                       for t, w in zip((q, k, v), conv_W))
+            o, _ = kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
+                       chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
         return self.output(o, x_TD)
 
 
@@ -224,22 +254,63 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
 
 
+class AddRouterLoss(torch.autograd.Function):
+    """y -> y in forward; backward also returns ``scale`` for the scalar router term, so the term joins
+    the loss inside the layer's own backward (which FSDP2's per-layer reduce-scatter, activation
+    checkpointing and pipeline stages require). Under tensor parallelism scale = 1 / tp: the router's
+    gradient is summed over the tp ranks, each of which seeds the same term."""
+
+    @staticmethod
+    def forward(ctx, y, term, scale: float = 1.0):
+        ctx.term_meta = (term.shape, term.dtype, term.device, scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shape, dtype, device, scale = ctx.term_meta
+        return grad_y, torch.full(shape, scale, dtype=dtype, device=device), None
+
+
+def router_term(st: RouterStats, router: tuple, moe_index: int) -> torch.Tensor:
+    """One MoE layer's share of the step's router loss for one microbatch (see harts.rl.losses).
+
+    router = (coef_2, f_LE): coef = (c_z, c_aux) / (W * MoE layers); f_LE the detached load fractions of
+    the previous step's global counts (or None: no balance term). z: W_b * z_b. Balance: W_b * (f_prev .
+    P_b), linear in the microbatch (P_b is a weighted mean over its rows), so the step's sum does not
+    depend on the split.
+    """
+    coef, f_LE = router
+    c = coef.to(st.z_loss.dtype)
+    term = st.weight_sum * c[0] * st.z_loss
+    if f_LE is not None:
+        term = term + st.weight_sum * c[1] * (f_LE[moe_index].to(st.P_E.dtype) * st.P_E).sum()
+    return term
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: LingConfig):
+    """Routed experts + shared experts. ``moe_index`` is the layer's position among the model's MoE
+    layers (its row of the router-loss and count tensors). Parallelisms attach from outside:
+    ``expert_parallel`` (a callable (x_TD, idx_TK, w_TK, experts) -> y_TD, e.g. the trainer's all-to-all
+    dispatch) replaces the local routed experts, ``router_loss_scale`` scales the router term's seed."""
+
+    def __init__(self, cfg: LingConfig, moe_index: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.moe_index = moe_index
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts)
         self.last_stats: RouterStats | None = None
+        self.expert_parallel = None
+        self.router_loss_scale = 1.0
 
-    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_with_stats(x_TD, token_weight_T)[0]
-
-    def forward_with_stats(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
-        """Output and this call's router statistics. A loss must use the stats of the same call: a
-        checkpointing recomputation runs inside backward (where ``last_stats`` deliberately keeps the
-        forward's), and pipeline schedules interleave microbatches."""
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
+                router: tuple | None = None) -> torch.Tensor:
+        """``token_weight_T`` (row multiplicities) weights the router statistics; ``router`` = (coef_2,
+        f_LE or None) adds this call's router loss (``router_term``) to the backward. The statistics of
+        this call are ``last_stats``, except inside backward: a checkpointing recomputation keeps the
+        forward's (same values) so as not to pin the recomputed graph (one layer's activations per MoE
+        layer, ~100 GB at 64K tokens)."""
         c = self.cfg
         logits, scores, idx_TK, w_TK = route(
             x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
@@ -247,20 +318,23 @@ class MoE(nn.Module):
             norm_topk_prob=c.norm_topk_prob)
         stats = router_stats(logits, scores, idx_TK, token_weight_T)
         if not _in_backward():
-            # A recomputation (activation checkpointing) runs inside backward: keeping its graph-connected
-            # stats would pin that layer's recomputed activations until the next forward (one layer's
-            # worth per MoE layer, ~100 GB at 64K tokens). The forward's stats have the same values.
             self.last_stats = stats
-        return self.routed(x_TD, idx_TK, w_TK) + self.shared_experts(x_TD), stats
-
-    def routed(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """The routed experts (expert parallelism overrides this with its all-to-all dispatch)."""
         ex = self.experts
-        return moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj,
-                           backend=self.cfg.op_backend("moe"))
+        if self.expert_parallel is not None:
+            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
+        else:
+            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
+        y = y + self.shared_experts(x_TD)
+        if router is not None:
+            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
+        return y
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: h + mixer(norm(h), batch), then h + mlp(norm(h)). Every row-wise part runs
+    unchanged on packed tokens or compact rows; only the mixer reads ``batch``. Parallel wrappers (FSDP2,
+    checkpointing, compile, TP hooks on ``attention`` and ``mlp``) attach to the module calls."""
+
     def __init__(self, cfg: LingConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -268,22 +342,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
         self.attention = MLA(cfg) if self.kind == "mla" else KDA(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
-        self.mlp = MoE(cfg) if cfg.mlp_type(layer_idx) == "moe" else MLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, h_TD, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen: int | None = None,
-                *, layout=None):
-        """``layout`` (a ``harts.CompactBatch`` with prefix sharing) swaps in the compact sequence-mixer
-        views through ``layout.mix(attention, x)``; everything else in the block is row-wise and runs
-        unchanged on the compact rows. Going through the module call keeps parallel wrappers (FSDP2
-        hooks, checkpointing, compile) in effect on both paths."""
-        x = self.input_layernorm(h_TD)
-        if layout is not None:
-            h_TD = h_TD + layout.mix(self.attention, x)
+        if cfg.mlp_type(layer_idx) == "moe":
+            self.mlp = MoE(cfg, sum(cfg.mlp_type(i) == "moe" for i in range(layer_idx)))
         else:
-            h_TD = h_TD + self.attention(x, position_ids_T, cu_seqlens, max_seqlen)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
+                router: tuple | None = None) -> torch.Tensor:
+        """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE."""
+        h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         x = self.post_attention_layernorm(h_TD)
-        y = self.mlp(x, token_weight_T) if isinstance(self.mlp, MoE) else self.mlp(x)
-        return h_TD + y
+        return h_TD + (self.mlp(x, token_weight_T, router) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -4,7 +4,11 @@ Legend: T packed tokens, D hidden, V vocab, N sequences (trajectories), S select
 
 ``forward(input_ids_T, position_ids_T, cu_seqlens)`` returns the final-normed hidden states [T, D];
 positions are an explicit input (never derived inside attention) and every sequence mixer resets at the
-``cu_seqlens`` boundaries. The LM head is separate: ``token_logprobs`` chunks over tokens so a 64K x 157K
+``cu_seqlens`` boundaries. ``forward(layout=batch)`` runs a ``harts.CompactBatch`` through the same
+layers (prefix-shared or trajectory-wise), and ``logprobs(batch)`` scores it: the trainer, the
+benchmarks and library users all run this forward. A pipeline stage is this model pruned
+(``harts.train.pipeline``): absent embeddings take ``hidden_PD`` as input, an absent norm passes
+the hidden states on. The LM head is separate: ``token_logprobs`` chunks over tokens so a 64K x 157K
 fp32 logits tensor never exists. Construct on ``torch.device("meta")`` for deferred init, then
 ``to_empty`` + ``init_weights``.
 """
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts.models.ling.blocks import DecoderLayer, MoE, RMSNorm, init_module_weights
+from harts.models.ling.blocks import DecoderLayer, MoE, Packed, RMSNorm, init_module_weights
 from harts.models.ling.config import LingConfig
 from harts.models.ling.logprobs import compact_logprobs_reference
 from harts.ops.moe import RouterStats
@@ -64,33 +68,49 @@ class LingModel(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
+        # activation checkpointing of every layer (harts.train.parallelize.apply_ac sets these); early stop
+        # ends a recomputation once the saved tensors are back, which layers with collectives must not do
+        self.checkpoint_layers, self.checkpoint_early_stop = cfg.recompute, True
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
-                *, layout=None):
-        """Packed trajectories (input_ids, position_ids, cu_seqlens), or a compact ``layout``: a
-        ``harts.CompactBatch`` with prefix sharing, whose rows (its own share under context
-        parallelism) and multiplicities replace the packed inputs."""
+                *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None):
+        """Packed trajectories (input_ids, position_ids, cu_seqlens), or a ``layout``: a
+        ``harts.CompactBatch``, whose rows (its own share under context parallelism) and multiplicities
+        replace the packed inputs. ``router``: see ``MoE.forward``. ``hidden_PD``: the input hidden
+        states of a pipeline stage without embeddings. ``forward(batch)`` is ``forward(layout=batch)``."""
+        if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
+            layout, input_ids_T = input_ids_T, None
         if layout is not None:
             from harts.runtime.compact import check_batch
 
             check_batch(layout, self.cfg)
-            input_ids_T, token_weight_T = layout.local_rows(layout.input_ids), layout.local_rows(layout.multiplicity)
-            if layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size:  # else pack checked them
-                _check_token_ids(input_ids_T, self.cfg.vocab_size, where="CompactBatch.input_ids", unit="physical row")
+            batch, input_ids_T = layout, layout.local_rows(layout.input_ids)
+            token_weight_T = layout.local_rows(layout.multiplicity)
+            checked = layout.vocab_size is not None and layout.vocab_size <= self.cfg.vocab_size  # by pack
         else:
             _check_packed(input_ids_T, position_ids_T, cu_seqlens)
-            _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
-        h_TD = self.word_embeddings(input_ids_T)
+            batch, checked = Packed(position_ids_T, cu_seqlens, max_seqlen), False
+        if self.word_embeddings is not None:
+            if not checked and batch.prefix_sharing:
+                _check_token_ids(input_ids_T, self.cfg.vocab_size, where="CompactBatch.input_ids", unit="physical row")
+            elif not checked:
+                _check_token_ids(input_ids_T, self.cfg.vocab_size, batch.cu_seqlens)
+            h_TD = self.word_embeddings(input_ids_T)
+        elif hidden_PD is None:
+            raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
+        else:
+            h_TD = hidden_PD
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
-        args = (position_ids_T, cu_seqlens, token_weight_T, max_seqlen)
-        for layer in self.layers:
-            if self.cfg.recompute and torch.is_grad_enabled():
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
+            if self.checkpoint_layers and torch.is_grad_enabled():
                 # Under HARTS the plan is fixed: recomputation reruns the same views, nothing is replanned.
-                h_TD = checkpoint(layer, h_TD, *args, layout=layout, use_reentrant=False)
+                with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop):
+                    h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
             else:
-                h_TD = layer(h_TD, *args, layout=layout)
-        return self.norm(h_TD)
+                h_TD = layer(h_TD, batch, token_weight_T, router)
+        return h_TD if self.norm is None else self.norm(h_TD)
 
 
 class LingForCausalLM(nn.Module):
@@ -131,11 +151,14 @@ class LingForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
-                max_seqlen: int | None = None, *, layout=None) -> torch.Tensor:
-        """Final hidden states [T, D] of a packed stream, or [P, D] of a compact ``layout`` (HARTS).
+                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None,
+                hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch).
         ``token_weight_T`` (multiplicity per row, default ones) only weights the router statistics;
-        ``max_seqlen`` (optional) avoids a host sync in the fast attention path."""
-        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout)
+        ``max_seqlen`` (optional) avoids a host sync in the fast attention path; ``router`` adds the
+        router losses to the backward (see ``MoE.forward``); ``hidden_PD``: see ``LingModel.forward``."""
+        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
+                          router=router, hidden_PD=hidden_PD)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """Full logits in fp32+ (small inputs / tests only)."""
@@ -150,13 +173,14 @@ class LingForCausalLM(nn.Module):
                                           chunk_size=self.config.logprobs_chunk_size)
 
     # ------------------------------------------------------------------ HARTS batches
-    def logprobs(self, batch) -> torch.Tensor:
+    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
         """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
-        order (use ``batch.split`` for per-trajectory tensors). Runs the compact path for a HARTS batch
-        and the ordinary packed path for a trajectory-wise one; no [S, V] tensor is built."""
+        order (use ``batch.split`` for per-trajectory tensors; under context parallelism the positions of
+        other ranks' rows are zero). Runs the compact path for a HARTS batch and the packed path for a
+        trajectory-wise one; no [S, V] tensor is built. ``router``: see ``MoE.forward``."""
         from harts.runtime.compact import logprobs
 
-        return logprobs(self, batch)
+        return logprobs(self, batch, router=router)
 
     def moe_counts(self) -> torch.Tensor:
         """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward (what the
@@ -164,8 +188,13 @@ class LingForCausalLM(nn.Module):
         return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
 
     # ------------------------------------------------------------------ MoE
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers this module holds (all, or a pipeline stage's, kept under their indices)."""
+        layers = self.model.layers
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
     def moe_layers(self) -> list[MoE]:
-        return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)]
+        return [l.mlp for l in self.decoder_layers() if isinstance(l.mlp, MoE)]
 
     def router_stats(self) -> list[RouterStats]:
         """Statistics of the last forward, one entry per MoE layer (in layer order)."""
