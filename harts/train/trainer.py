@@ -153,7 +153,8 @@ class Trainer:
             from harts.train.pipeline import PipelineRunner
 
             act = self.mp_param_dtype or self.dtype
-            self.pipe = PipelineRunner(self.stage_io, stage=self.pp_rank, pp=d.pp, group=self.pp_group, device=self.device,
+            self.pipe = PipelineRunner(self.stage_io, stage=self.pp_rank, pp=d.pp, group=self.pp_group,
+                                       device=self.device,
                                        schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
                                        hidden=self.model_cfg.hidden_size, act_dtype=act,
                                        loss_dtype=torch.promote_types(act, torch.float32),
