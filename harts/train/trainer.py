@@ -10,9 +10,10 @@ objective on the predicted positions of their own rows; metric sums and MoE coun
 DP x CP, gradients by FSDP2 over dp_shard x cp.
 
 From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (OptimizersContainer),
-build_lr_schedulers, clip_grad_norm_ (PP/EP aware), CheckpointManager (DCP), get_peak_flops, and
-maybe_enable_amp. Ours: the policy module, EP dispatch, the data worker and planner integration, the
-objectives and their normalisation, metrics, the NaN/Inf check, the profiler hook and the HF export.
+build_lr_schedulers, CheckpointManager (DCP), get_peak_flops, and maybe_enable_amp. Ours: applying the
+parallelisms to the one model (harts.train.parallelize), gradient clipping (one mesh-aware norm), EP
+dispatch, the data worker and planner integration, the objectives and their normalisation, metrics,
+the NaN/Inf check, the profiler hook and the HF export.
 """
 from __future__ import annotations
 
@@ -614,17 +615,9 @@ class Trainer:
             self._dump_hidden(dump_hidden, data, mbs, captured)
         if os.environ.get("HARTS_DUMP_GRAD_NORMS") and data.step == 1:
             self._dump_grad_norms(os.environ["HARTS_DUMP_GRAD_NORMS"])
-        if self.bf16_opt:
-            grad_norm = par.clip_grad_norm_mixed_(None, cfg.training.max_norm, pp_group=self.pp_group,
-                                                  grads=self._grads(local=False))
-        elif self.dims.tp > 1 or self.dims.pp > 1:
-            grad_norm = par.clip_grad_norm_mixed_(list(model.parameters()), cfg.training.max_norm,
-                                                  pp_group=self.pp_group)
-        else:
-            from torchtitan.distributed.utils import clip_grad_norm_
-
-            grad_norm = clip_grad_norm_([p for p in model.parameters()], cfg.training.max_norm,
-                                        foreach=True, ep_enabled=self.dims.ep > 1)
+        # one clipping path for every layout: the mesh-aware norm of FSDP / TP / EP DTensor and plain gradients
+        grad_norm = par.clip_grad_norm_mixed_(None, cfg.training.max_norm, pp_group=self.pp_group,
+                                              grads=self._grads(local=False))
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
