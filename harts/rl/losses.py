@@ -18,7 +18,7 @@ tokens, W = the step's raw tokens) it becomes a step-level token mean. The balan
 (DeepSeek-V3's f and P) has a detached factor f computed from expert counts; with f from the current
 microbatch it would change with the split, so the trainer uses f from the *previous step's* global,
 multiplicity-weighted counts (uniform before the first step) and P_b weighted by W_b / W, which makes
-the whole term linear in the microbatches (``harts.train.model.router_term``).
+the whole term linear in the microbatches (``harts.models.ling.blocks.router_term``).
 
 Legend: S predicted (nonterminal) positions of a microbatch, N trajectories.
 """
