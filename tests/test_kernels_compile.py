@@ -4,7 +4,7 @@ The interpreter (what the other CPU tests run) executes kernels as Python and do
 the way the compiler does: e.g. a variable rebound from a bf16 to an fp32 pointer inside a branch runs
 fine interpreted and is a CompilationError on the GPU. ``triton.compile`` with an explicit target runs
 the whole pipeline (frontend, TTGIR, LLVM, PTX, the wheel's ptxas) without a GPU, so CI catches those.
-The compile runs in a subprocess: this test session has TRITON_INTERPRET=1, under which ``triton.jit``
+The compile runs in a subprocess: this pytest process has TRITON_INTERPRET=1, under which ``triton.jit``
 builds interpreter objects instead of compilable functions.
 """
 import os
