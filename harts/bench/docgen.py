@@ -17,6 +17,8 @@ import os
 import sys
 import textwrap
 
+from harts.bench.output import write_or_check
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_MD = os.path.join(ROOT, "docs", "configuration.md")
 
@@ -140,17 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=CONFIG_MD)
     ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        with open(args.out) as f:
-            same = f.read() == text
-        fix = "differs from the config classes: run python -m harts.bench.docgen"
-        print(f"{args.out} {'is up to date' if same else fix}")
-        return 0 if same else 1
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check(args.out, render(), args.check, "python -m harts.bench.docgen")
 
 
 if __name__ == "__main__":

@@ -18,3 +18,17 @@ def write_results(out: str, name: str, res: dict, plot=None) -> None:
         plot(res, os.path.join(out, f"{name}.png"))
     except ImportError as e:  # matplotlib is a bench extra
         print(f"no PNG: {e}")
+
+
+def write_or_check(path: str, text: str, check: bool, regenerate: str) -> int:
+    """A generated file: write ``text`` to ``path``, or with ``check`` compare and say how to regenerate.
+    Returns the exit status (1: the file differs)."""
+    if check:
+        with open(path) as f:
+            same = f.read() == text
+        print(f"{path} {'is up to date' if same else f'differs from its sources: run {regenerate}'}")
+        return 0 if same else 1
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")
+    return 0

@@ -22,6 +22,8 @@ import json
 import os
 import sys
 
+from harts.bench.output import write_or_check
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
@@ -121,17 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULTS_MD)
     ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     args = ap.parse_args(argv)
-    text = render(load_records(args.records))
-    if args.check:
-        with open(args.out) as f:
-            same = f.read() == text
-        fix = "differs from the records: run python -m harts.bench.results"
-        print(f"{args.out} {'is up to date' if same else fix}")
-        return 0 if same else 1
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(f"wrote {args.out} from {args.records}")
-    return 0
+    return write_or_check(args.out, render(load_records(args.records)), args.check, "python -m harts.bench.results")
 
 
 if __name__ == "__main__":
