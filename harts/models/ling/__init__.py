@@ -1,10 +1,13 @@
-"""Native Ling-3.0 (BailingMoeV3 / HF ``bailing_hybrid``): config, model, HF checkpoint I/O."""
+"""Native Ling-3.0 (BailingMoeV3 / HF ``bailing_hybrid``): config, model, HF checkpoint I/O, generation
+(``harts.models.ling.generate``: incremental decoding, sampling, forkable decoding state)."""
 from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM, LingModel
 
 _CHECKPOINT = ("load_pretrained", "save_pretrained", "load_hf_state_dict", "to_hf_state_dict", "CheckpointError")
 
-__all__ = ["LingConfig", "LingForCausalLM", "LingModel", *_CHECKPOINT, "compact_logprobs_reference"]
+_GENERATE = ("DecodeCache", "Sampling")  # generate(): harts.models.ling.generate.generate
+
+__all__ = ["LingConfig", "LingForCausalLM", "LingModel", *_CHECKPOINT, *_GENERATE, "compact_logprobs_reference"]
 
 
 def __dir__():
@@ -16,6 +19,10 @@ def __getattr__(name):
         from harts.models.ling import checkpoint
 
         return getattr(checkpoint, name)
+    if name in _GENERATE:
+        import importlib
+
+        return getattr(importlib.import_module("harts.models.ling.generate"), name)
     if name == "compact_logprobs_reference":
         from harts.models.ling.logprobs import compact_logprobs_reference
 

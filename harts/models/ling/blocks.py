@@ -1,7 +1,8 @@
 """Ling-3.0 blocks: RMSNorm, MLA, KDA, dense SwiGLU, MoE and the decoder layer, on packed token streams.
 
 Legend: T packed tokens, D hidden, H heads, N sequences, E experts, K experts per token (MoE) or the
-KDA key dim, P = H * head_dim (KDA width), Dqk = nope + rope (192), Dv value dim, R rope dim (64).
+KDA key dim, P = H * head_dim (KDA width), Dqk = nope + rope (192), Dv value dim, R rope dim (64),
+W short-convolution width.
 
 Module and parameter names are the official checkpoint's (``attention.q_a_proj``, ``attention.dense``,
 ``mlp.gate.expert_bias``, ...) so the state dict maps onto the HF layout with one rule (experts are
@@ -160,6 +161,20 @@ class MLA(nn.Module):
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
         return self.output(o, x_TD)
 
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
+        attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, H,
+        Dqk] / [t_n, H, Dv]; the new row's key and value are appended by replacing the list entries (a
+        forked cache that shares the old tensors is unaffected)."""
+        q, k, v = self.project(x_ND, position_ids_N)
+        cache.k = [torch.cat((kc, k[n:n + 1])) for n, kc in enumerate(cache.k)]
+        cache.v = [torch.cat((vc, v[n:n + 1])) for n, vc in enumerate(cache.v)]
+        lens = torch.tensor([0] + [kc.shape[0] for kc in cache.k], device=x_ND.device).cumsum(0)
+        cu_q = torch.arange(len(cache.k) + 1, device=x_ND.device)
+        o = varlen_attention(q, torch.cat(cache.k), torch.cat(cache.v), cu_q, lens, self.scale,
+                             backend=self.cfg.op_backend("attention"))
+        return self.output(o, x_ND)
+
 
 class ShortConvWeight(nn.Module):
     """Holds a depthwise conv weight [P, 1, W] under the official name ``{q,k,v}_conv1d.weight``."""
@@ -218,6 +233,35 @@ class KDA(nn.Module):
             o, _ = kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
                        chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
         return self.output(o, x_TD)
+
+    def step(self, x_ND: torch.Tensor, cache) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward``
+        in float32+ torch ops. ``cache.conv``: the last W-1 pre-convolution q, k, v rows of each sequence
+        ([N, W-1, P] each; zeros before its first token, as the packed convolution's zero padding);
+        ``cache.state``: the delta-rule state [N, H, K, V]. Both are replaced, never written in place, so
+        a forked cache that shares them is unaffected. Per head (harts.ops.kda):
+        S <- diag(exp(g)) S;  S <- S + beta k (v - k^T S)^T;  o = q^T S."""
+        q, k, v, f, beta = self.project(x_ND)
+        N, dt = x_ND.shape[0], _compute_dtype(x_ND.dtype)
+        convs, windows = (self.q_conv1d, self.k_conv1d, self.v_conv1d), []
+        qkv = []
+        for t, conv, prev_NWP in zip((q, k, v), convs, cache.conv):
+            win_NWP = torch.cat((prev_NWP, t.reshape(N, 1, -1)), 1)
+            y_NP = torch.einsum("nwp,pw->np", win_NWP, conv.weight.squeeze(1).to(win_NWP.dtype))
+            qkv.append(F.silu(y_NP).view(t.shape))
+            windows.append(win_NWP[:, 1:])
+        cache.conv = tuple(windows)
+        from harts.ops.kda.reference import kda_gate_reference, l2norm
+
+        g_NHK = kda_gate_reference(f, self.A_log, self.dt_bias, self.cfg.kda_lower_bound)
+        q_NHK = l2norm(qkv[0].to(dt)) * self.Kh ** -0.5
+        k_NHK, v_NHV = l2norm(qkv[1].to(dt)), qkv[2].to(dt)
+        S = cache.state.to(dt) * g_NHK.exp()[..., None]
+        u_NHV = beta.to(dt)[..., None] * (v_NHV - torch.einsum("nhk,nhkv->nhv", k_NHK, S))
+        S = S + k_NHK[..., None] * u_NHV[:, :, None, :]
+        cache.state = S
+        o = torch.einsum("nhk,nhkv->nhv", q_NHK, S).to(q.dtype)
+        return self.output(o, x_ND)
 
 
 class MLP(nn.Module):
@@ -353,6 +397,14 @@ class DecoderLayer(nn.Module):
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         x = self.post_attention_layernorm(h_TD)
         return h_TD + (self.mlp(x, token_weight_T, router) if isinstance(self.mlp, MoE) else self.mlp(x))
+
+    def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
+        x = self.input_layernorm(h_ND)
+        h_ND = h_ND + (self.attention.step(x, cache, position_ids_N) if self.kind == "mla"
+                       else self.attention.step(x, cache))
+        x = self.post_attention_layernorm(h_ND)
+        return h_ND + self.mlp(x)
 
 
 def param_seed(seed: int, name: str) -> int:
