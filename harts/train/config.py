@@ -4,9 +4,10 @@ torchtitan's ``ConfigManager`` gives TOML loading and ``--section.key value`` CL
 precedence CLI > TOML > defaults. We reuse its sections for what they mean there (``job``, ``training``
 (steps, max_norm, mixed precision), ``optimizer``, ``lr_scheduler``, ``parallelism``, ``checkpoint``,
 ``activation_checkpoint``, ``compile``, ``metrics``, ``debug``) and add ours: ``ling`` (the model),
-``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl`` and ``profile``. Fields of torchtitan
-sections that this trainer does not read (tokenizer, HF datasets, float8, fault tolerance, ...) are
-rejected by ``validate`` when changed from their default, so a config never silently does nothing.
+``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``, ``online`` (rollouts sampled from the
+policy) and ``profile``. Fields of torchtitan sections that this trainer does not read (tokenizer, HF
+datasets, float8, fault tolerance, ...) are rejected by ``validate`` when changed from their default, so a
+config never silently does nothing.
 
 Besides tyro's own syntax we accept ``--config X.toml`` (= ``--job.config_file``), ``--a.b=true|false``
 for booleans and ``--a.b=1,2`` for lists.
@@ -116,6 +117,29 @@ class RL:
 
 
 @dataclass
+class Online:
+    enabled: bool = False
+    """Online RL: every step samples rollout trees from the current policy (harts.rl.rollout) on
+    ``online.task`` and trains on them; [data]'s source is not read. One process (docs/online.md)."""
+    task: str = "lookup"
+    """Built-in environment (harts.rl.tasks.TASKS): 'lookup' (a lookup-tool task)."""
+    episodes: int = 8
+    """Rollout trees per step (each is one GRPO group)."""
+    branching: list[int] = field(default_factory=lambda: [4, 2])
+    """Branches per turn: every live branch forks into branching[t] at turn t (1 after the list)."""
+    max_turns: int = 8
+    """Turns after which an episode ends even if the environment has not ended it."""
+    temperature: float = 1.0
+    """Sampling temperature (1: the policy itself, so the sampler's log-probs are PPO's old log-probs)."""
+    top_p: float = 1.0
+    seed: int = 0
+    """Step s's episode seeds and sampler generator derive from (seed, s): a run is reproducible, and
+    HARTS on and off from the same seed sample the same rollouts."""
+    plot: bool = True
+    """Write reward_vs_step.png (reward per step) to job.dump_folder at the end; needs matplotlib."""
+
+
+@dataclass
 class Profile:
     enable: bool = False
     steps: list[int] = field(default_factory=lambda: [3])
@@ -174,6 +198,7 @@ class HartsJobConfig(tt.JobConfig):
     harts: Harts = field(default_factory=Harts)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
+    online: Online = field(default_factory=Online)
     profile: Profile = field(default_factory=Profile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
@@ -203,7 +228,7 @@ _USED = {
     "debug": {"seed", "deterministic", "check_finite", "exit_after_step"},
     "comm": {"init_timeout_seconds", "train_timeout_seconds"},
 }
-_OURS = {"ling", "harts", "data", "rl", "profile"}
+_OURS = {"ling", "harts", "data", "rl", "online", "profile"}
 
 
 class _Manager(ConfigManager):
@@ -352,6 +377,7 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         if cfg.data.preset not in PRESETS:
             raise ValueError(f"config: data.preset = {cfg.data.preset!r} is not a synthetic workload preset; "
                              f"known: {', '.join(sorted(PRESETS))}")
+    _validate_online(cfg)
     if cfg.training.steps < 1:
         raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
     if cfg.harts.capacity < 1:
@@ -364,6 +390,36 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
                          "parallelism is implemented for HARTS prefix-shared batches, not the trajectory-wise "
                          "baseline)")
     return cfg
+
+
+def _validate_online(cfg: HartsJobConfig) -> None:
+    on = cfg.online
+    from harts.rl.tasks import TASKS
+
+    if on.task not in TASKS:
+        raise ValueError(f"config: online.task = {on.task!r}; known: {', '.join(sorted(TASKS))}")
+    for name in ("episodes", "max_turns"):
+        if getattr(on, name) < 1:
+            raise ValueError(f"config: online.{name} = {getattr(on, name)} must be >= 1")
+    if not on.branching or any(k < 1 for k in on.branching):
+        raise ValueError(f"config: online.branching = {on.branching} must be a non-empty list of counts >= 1")
+    if not on.temperature >= 0:
+        raise ValueError(f"config: online.temperature = {on.temperature} must be >= 0")
+    if not 0 < on.top_p <= 1:
+        raise ValueError(f"config: online.top_p = {on.top_p} must lie in (0, 1]")
+    if not on.enabled:
+        return
+    if cfg.data.source != "synthetic" or cfg.data.path:
+        raise ValueError(f"config: online.enabled = true samples its own rollouts, but data.source = "
+                         f"{cfg.data.source!r}{' with data.path' if cfg.data.path else ''} is set too; remove it")
+    if cfg.data.reward not in ("auto", "data"):
+        raise ValueError(f"config: data.reward = {cfg.data.reward!r} would replace the environment's rewards in "
+                         "online mode; leave it at 'auto'")
+    if cfg.rl.advantages != "grpo":
+        raise ValueError("config: online.enabled = true needs rl.advantages = 'grpo' (rollouts carry rewards, not "
+                         "advantages)")
+    if cfg.rl.kl_coef > 0:
+        raise ValueError("config: rl.kl_coef > 0 needs reference log-probs, which online rollouts do not carry")
 
 
 def parse_args(argv: list[str] | None = None) -> HartsJobConfig:

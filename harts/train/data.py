@@ -14,6 +14,9 @@ over its cp ranks), so every CP rank of a DP replica plans, packs (padded to a m
 receives the same microbatches, then keeps its share of the rows (``CompactBatch.context_parallel``)
 and the predicted positions those rows produce (``Microbatch.own_positions``).
 
+Online mode (``online.enabled``): step s's trajectories are rollout trees that the trainer's current policy
+samples when the step is built (``StepBuilder.online``; no prefetch, the policy changes every step).
+
 With ``harts.enabled = false`` the same trajectories are grouped trajectory-wise (LPT on raw lengths,
 capacity in raw tokens) and packed without prefix sharing: the baseline through the same trainer.
 
@@ -182,7 +185,9 @@ class StepBuilder:
         self.row_multiple = row_multiple
         self.cp_group = cp_group  # every CP rank of a replica packs the same microbatches, then keeps its rows
         self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
-        self.reward = reward_mode(cfg.data)
+        # online mode: the trainer sets ``online`` (step -> harts.rl.rollout.Rollouts, sampled from its policy)
+        self.online, self.online_stats = None, {}
+        self.reward = "data" if cfg.online.enabled else reward_mode(cfg.data)
         self._told_reward = False
         self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
         if cfg.data.source == "synthetic":
@@ -197,13 +202,21 @@ class StepBuilder:
 
     def where(self, step: int, i: int) -> str:
         """Trajectory ``i`` of step ``step`` for error messages: ``file:line`` for JSONL data."""
+        if self.cfg.online.enabled:
+            return f"step {step}, online rollout {i}"
         if self.cfg.data.source == "jsonl":
             return f"{self.path(step)}:{i + 1}"
         return f"step {step}, synthetic trajectory {i}"
 
     def load(self, step: int) -> tuple[Trajectory, ...]:
         dc, rl = self.cfg.data, self.cfg.rl
-        if dc.source == "synthetic":
+        if self.cfg.online.enabled:
+            if self.online is None:
+                raise RuntimeError("online.enabled: the step builder has no policy to sample from (set "
+                                   "StepBuilder.online, as the trainer does)")
+            rollouts = self.online(step)
+            trajs, self.online_stats = rollouts.trajectories, dict(rollouts.stats)
+        elif dc.source == "synthetic":
             from harts.data.synthetic import PRESETS, generate
 
             if PRESETS[dc.preset].vocab_size > self.vocab_size:
@@ -334,6 +347,8 @@ class StepBuilder:
                  "reward": float(np.mean(rewards)) if rewards else float("nan"),
                  "load_s": t1 - t0, "plan_s": t2 - t1, "pack_s": t3 - t2,
                  "local_rows": int(sum(m.batch.num_rows for m in mbs))}
+        if self.cfg.online.enabled:  # what sampling measured (entropy, generated tokens, seconds)
+            stats.update({k: v for k, v in self.online_stats.items() if k not in stats})
         digest = hashlib.blake2b(json.dumps(plan.to_dict()).encode(), digest_size=7).digest()
         return StepData(step=step, microbatches=mbs, plan=plan, normalizer=norm, stats=stats,
                         plan_hash=int.from_bytes(digest, "little"))

@@ -148,7 +148,15 @@ class Trainer:
                                    conv_width=self.model_cfg.short_conv_kernel_size,
                                    row_multiple=self.row_split, cp_group=self.cp_group,
                                    min_slots=d.pp if cfg.harts.fill_pipeline else 1)
-        self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps, depth=cfg.data.prefetch)
+        if cfg.online.enabled:  # rollouts sampled from this model when each step is built (harts.rl.online)
+            if self.world_size > 1:
+                raise ValueError(f"online.enabled = true runs in one process (world size is {self.world_size}): "
+                                 "the sampler decodes with the whole, unsharded model")
+            from harts.rl.online import OnlineSource
+
+            self.builder.online = OnlineSource(cfg.online, self.model)
+        self.loader = Prefetcher(self.builder, start=1, end=cfg.training.steps,
+                                 depth=0 if cfg.online.enabled else cfg.data.prefetch)
         self.pipe, self._warned_pp_fill = None, False
         if d.pp > 1:
             from harts.train.pipeline import PipelineRunner
@@ -205,6 +213,11 @@ class Trainer:
         else:
             src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
         src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
+        if self.cfg.online.enabled:
+            o = self.cfg.online
+            return (f"online: {o.episodes} rollout trees per step on task {o.task!r} sampled from the policy "
+                    f"(branching {list(o.branching)}, temperature {o.temperature:g}, top_p {o.top_p:g}, seed "
+                    f"{o.seed}); rewards from the environment")
         if self.cfg.rl.advantages == "data":
             why = "advantages from the data (rl.advantages = 'data')"
         elif reward == "data":
@@ -372,6 +385,14 @@ class Trainer:
                     self._crash_exit()
             if cfg.checkpoint.export_hf:
                 self.export_hf(os.path.join(self.dump, cfg.checkpoint.folder, "hf"))
+            if cfg.online.enabled and cfg.online.plot and self.rank == 0 and self.history:
+                from harts.rl.online import plot_rewards
+
+                path = os.path.join(self.dump, "reward_vs_step.png")
+                label = "HARTS" if cfg.harts.enabled else "baseline"
+                if plot_rewards({label: ([r["step"] for r in self.history], [r["reward"] for r in self.history])},
+                                path):
+                    log.info("reward per step: %s", path)
         finally:
             self.loader.close()
             self.metrics.close()
@@ -746,6 +767,9 @@ class Trainer:
                "pp": self.dims.pp, "cp": self.dims.cp}
         if "logp_gap" in out:
             rec["logp_gap"] = out["logp_gap"]
+        if self.cfg.online.enabled:  # the sampler's measurements (harts.rl.rollout)
+            rec.update(entropy=st["entropy"], generated_tokens=st["generated_tokens"], rollout_s=st["rollout_s"],
+                       decode_tok_s=st["decoded_tokens"] / max(st["rollout_s"], 1e-9))
         flops = self.flops_per_row * st["compact_rows"]
         rec["tflops"] = flops / step_s / 1e12
         rec["mfu"] = flops / (step_s * self.world_size * self.peak_flops) if self.peak_flops else None
