@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         log.info("%s: mean reward %.3f over the first 5 steps, %.3f over the last 5", label,
                  sum(curves[label][1][:5]) / len(curves[label][1][:5]),
                  sum(curves[label][1][-5:]) / len(curves[label][1][-5:]))
-    if plot_rewards(curves, args.out, "online GRPO on the lookup task: HARTS vs baseline, same seed"):
+    if plot_rewards(curves, args.out, "lookup task, online GRPO, same seed"):
         log.info("wrote %s", args.out)
     return 0
 

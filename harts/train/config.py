@@ -132,6 +132,7 @@ class Online:
     temperature: float = 1.0
     """Sampling temperature (1: the policy itself, so the sampler's log-probs are PPO's old log-probs)."""
     top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens holding this much probability (1 = all)."""
     seed: int = 0
     """Step s's episode seeds and sampler generator derive from (seed, s): a run is reproducible, and
     HARTS on and off from the same seed sample the same rollouts."""
