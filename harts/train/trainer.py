@@ -7,7 +7,8 @@ expert-bias update. Every rank runs the same number of slots (the plan gives K/D
 FSDP2 and expert parallelism need because their collectives pair up across ranks. Under context
 parallelism the CP ranks of a replica run the same slots on their shares of the rows and evaluate the
 objective on the predicted positions of their own rows; metric sums and MoE counts are reduced over
-DP x CP, gradients by FSDP2 over dp_shard x cp.
+DP x CP, gradients by FSDP2 over dp_shard x cp. In online mode (``online.enabled``, one process) each
+step's trajectories are rollout trees sampled from this model just before the step (harts.rl.online).
 
 From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (OptimizersContainer),
 build_lr_schedulers, CheckpointManager (DCP), get_peak_flops, and maybe_enable_amp. Ours: applying the
