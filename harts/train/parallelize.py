@@ -2,8 +2,10 @@
 checkpointing, compile, FSDP2.
 
 The mesh is torchtitan 0.2.2's ``ParallelDims`` (dims pp / batch / cp / fsdp / tp / ep / efsdp, with the
-``fake`` backend for size-1 dims). On a CPU host we point its device type at "cpu" and register the
-``fake`` backend (torch's testing fake process group), which torchtitan expects to exist.
+``fake`` backend for size-1 dims). Its ``build_mesh`` takes the device type from a torchtitan module global
+detected at import ("cuda" on a host without an accelerator), so ``_build_mesh`` builds the same meshes for the
+trainer's device (gloo on CPU) and hands them to the ParallelDims. torch registers the ``fake`` backend itself
+when its FSDP package is imported, which importing torchtitan.distributed does.
 
 Expert parallelism follows the pattern of torchtitan's ``ExpertParallel`` style (counts all-to-all,
 token all-to-all with autograd, rank-major -> expert-major permutation, reverse on combine) but is our
@@ -41,11 +43,8 @@ __all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_com
 
 def build_parallel_dims(pcfg, world_size: int, device_type: str):
     """torchtitan ParallelDims from the [parallelism] section, usable on a CPU (gloo) host."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    import torchtitan.distributed.parallel_dims as pdm
     from torchtitan.distributed import ParallelDims
 
-    pdm.device_type = device_type
     cp = pcfg.context_parallel_degree
     if cp < 1:
         raise ValueError(f"parallelism.context_parallel_degree = {cp} must be >= 1")
@@ -62,8 +61,34 @@ def build_parallel_dims(pcfg, world_size: int, device_type: str):
         if dims.etp != 1:
             raise ValueError("expert_tensor_parallel_degree must be 1")
     if world_size > 1 or dims.pp > 1:
-        dims.build_mesh()
+        _build_mesh(dims, device_type)
     return dims
+
+
+def _build_mesh(dims, device_type: str):
+    """torchtitan 0.2.2's ``ParallelDims.build_mesh`` on ``device_type``: the world mesh unflattened into the
+    dataloading (pp, batch, cp, tp), dense (pp, dp_replicate, fsdp, tp) and sparse (pp, dp_replicate, efsdp,
+    ep, etp) meshes, the ``fake`` backend for dims that do not exist, and the loss mesh (batch x cp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
+
+    def unflatten(names: tuple[str, ...], degrees: tuple[int, ...]):
+        fake = {n: "fake" for n, k in zip(names, degrees, strict=True) if not dims._mesh_exist(n, k)}
+        return world._unflatten(0, degrees, names, backend_override=fake)
+
+    fsdp = dims.dp_shard * dims.cp
+    loading = unflatten(("pp", "batch", "cp", "tp"), (dims.pp, dims.dp_replicate * dims.dp_shard, dims.cp, dims.tp))
+    dense = unflatten(("pp", "dp_replicate", "fsdp", "tp"), (dims.pp, dims.dp_replicate, fsdp, dims.tp))
+    sparse = unflatten(("pp", "dp_replicate", "efsdp", "ep", "etp"),
+                       (dims.pp, dims.dp_replicate, fsdp * dims.tp // (dims.etp * dims.ep), dims.ep, dims.etp))
+    loss = loading["batch", "cp"]._flatten("loss_mesh")
+    dims._world_mesh = world
+    dims._global_meshes = {"dataloading": loading, "loss": loss, "dense": dense, "sparse": sparse}
+    dims._meshes = {"pp": loading["pp"], "batch": loading["batch"], "loss": loss, "cp": loading["cp"],
+                    "tp": loading["tp"], "dp_replicate": dense["dp_replicate"], "fsdp": dense["fsdp"],
+                    "ep": sparse["ep"], "efsdp": sparse["efsdp"], "etp": sparse["etp"]}
+    dims._validate_meshes()
 
 
 # ------------------------------------------------------------------------------------------ EP
