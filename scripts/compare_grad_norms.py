@@ -1,4 +1,4 @@
-"""Compare two step-1 gradient-norm dumps (``HARTS_DUMP_GRAD_NORMS``) parameter by parameter.
+"""Compare two step-1 gradient-norm dumps (``train.py --debug.dump_grad_norms=PREFIX``) parameter by parameter.
 
 Usage: python scripts/compare_grad_norms.py REF_PREFIX RUN_PREFIX [--top N]
 

@@ -41,5 +41,5 @@ def test_merge_dedupes_agreeing_ranks_and_names_disagreeing_ones(tmp_path):
     _dump(tmp_path / "r.rank1.pt", keys[:2], h[:2] + 1, t[:2])
     with pytest.raises(ValueError, match="ranks disagree on trajectory 0 position 2"):
         lf.load_run(str(tmp_path / "r"))
-    with pytest.raises(FileNotFoundError, match="HARTS_DUMP_HIDDEN"):
+    with pytest.raises(FileNotFoundError, match="debug.dump_hidden"):
         lf.load_run(str(tmp_path / "nothing"))

@@ -27,16 +27,16 @@ from harts.train.trainer import Trainer
 from tests.helpers import DIST_STEPS, assert_same_run, one_process_reference, records, torchrun, torchrun_many, weights
 
 PP_PPO = ["--rl.objective=ppo", "--rl.old_logprobs=recompute", "--rl.advantages=grpo"]
-TWO = {  # name -> (extra arguments, environment)
-    "fsdp": (["--checkpoint.enable"], {}),
-    "ep": (["--parallelism.expert_parallel_degree=2"], {}),
-    "ppfill": (["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full",
-                "--harts.capacity=1000000"], {}),
-    "pp_ppo": (["--parallelism.pipeline_parallel_degree=2", *PP_PPO], {}),
-    "fid_tp": (["--parallelism.tensor_parallel_degree=2", "--parallelism.enable_sequence_parallel=true",
-                "--parallelism.data_parallel_shard_degree=1", "--training.steps=1"], {"HARTS_DUMP_HIDDEN": "{d}/tp"}),
+TWO = {  # name -> extra arguments ({d}: the runs' folder)
+    "fsdp": ["--checkpoint.enable"],
+    "ep": ["--parallelism.expert_parallel_degree=2"],
+    "ppfill": ["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full",
+               "--harts.capacity=1000000"],
+    "pp_ppo": ["--parallelism.pipeline_parallel_degree=2", *PP_PPO],
+    "fid_tp": ["--parallelism.tensor_parallel_degree=2", "--parallelism.enable_sequence_parallel=true",
+               "--parallelism.data_parallel_shard_degree=1", "--training.steps=1", "--debug.dump_hidden={d}/tp"],
     # killed right after step 2's checkpoint (the process ends there, so this run comes last)
-    "resume": (["--checkpoint.enable", "--debug.exit_after_step=2"], {}),
+    "resume": ["--checkpoint.enable", "--debug.exit_after_step=2"],
 }
 FOUR = {
     "fsdp_tp_ep": ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=4",
@@ -71,8 +71,7 @@ def ref(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(ref):
     d, cfg, _ = ref
-    torchrun_many([(cfg, d / name, args, {k: v.format(d=d) for k, v in env.items()})
-                   for name, (args, env) in TWO.items()], nproc=2)
+    torchrun_many([(cfg, d / name, [a.format(d=d) for a in args], {}) for name, args in TWO.items()], nproc=2)
     return d
 
 
@@ -200,8 +199,8 @@ def test_expert_major_order_matches_a_brute_force_reordering(ep, El):
 
 
 @pytest.mark.slow
-def test_layout_fidelity_dumps_equal_one_process_baseline(ref, two, monkeypatch, tmp_path):
-    """HARTS_DUMP_HIDDEN + harts.bench.layout_fidelity (paper Table 5 under a layout): HARTS under TP2 + SP
+def test_layout_fidelity_dumps_equal_one_process_baseline(ref, two, tmp_path):
+    """debug.dump_hidden + harts.bench.layout_fidelity (paper Table 5 under a layout): HARTS under TP2 + SP
     (both TP ranks dump the same gathered rows, which must agree) against the one-process trajectory-wise
     baseline, float64: logit cosine 1 and |delta NLL| at rounding level at every predicted position. Dumps
     of different position sets are refused, naming the mismatch."""
@@ -209,9 +208,9 @@ def test_layout_fidelity_dumps_equal_one_process_baseline(ref, two, monkeypatch,
 
     d, cfg, _ = ref
     base = tmp_path / "base"
-    monkeypatch.setenv("HARTS_DUMP_HIDDEN", str(base))
     Trainer(load_config(str(cfg), **{"job.dump_folder": str(tmp_path / "one"), "checkpoint.enable": False,
-                                     "training.steps": 1, "harts.enabled": False})).train()
+                                     "training.steps": 1, "harts.enabled": False,
+                                     "debug.dump_hidden": str(base)})).train()
     a, b = lf.load_run(str(base)), lf.load_run(str(two / "tp"))  # the two-process run "fid_tp" dumped there
     assert b["ranks"] == 2 and not a["harts"] and b["harts"]
     n_pred = sum(len(t) - 1 for t in Trainer(load_config(str(cfg), **{"job.dump_folder": str(tmp_path / "x"),

@@ -2,7 +2,7 @@
 
 ``python -m harts.bench.layout_fidelity A B [--out DIR]``
 
-A and B are the ``HARTS_DUMP_HIDDEN`` prefixes of two ``train.py`` runs of the same config, data and initial
+A and B are the ``--debug.dump_hidden`` prefixes of two ``train.py`` runs of the same config, data and initial
 weights (e.g. HARTS and the trajectory-wise baseline of one layout, or the baseline twice for its self-rerun
 floor). Each run wrote step 1's final hidden states (the LM head's input, before any update) at every
 predicted position, keyed by (trajectory, position), from every rank, and the LM head weight.
@@ -28,7 +28,7 @@ def load_run(prefix: str) -> dict:
     """Merge one run's per-rank dumps: keys [S, 2] sorted, hidden [S, D], targets [S], weight [V, D]."""
     files = sorted(glob.glob(f"{prefix}.rank*.pt"))
     if not files:
-        raise FileNotFoundError(f"no dumps match {prefix}.rank*.pt (run train.py with HARTS_DUMP_HIDDEN={prefix})")
+        raise FileNotFoundError(f"no dumps match {prefix}.rank*.pt (run train.py with --debug.dump_hidden={prefix})")
     parts = [torch.load(f, map_location="cpu") for f in files]
     keys = torch.cat([p["keys"] for p in parts])
     hidden = torch.cat([p["hidden"] for p in parts if p["keys"].shape[0]])
@@ -82,7 +82,7 @@ def compare(a: dict, b: dict, chunk: int = 2048, device=None) -> dict:
         ka, kb = {tuple(k) for k in a["keys"].tolist()}, {tuple(k) for k in b["keys"].tolist()}
         only = sorted(ka ^ kb)
         raise ValueError(f"the runs hold different positions: {len(ka - kb)} only in A, {len(kb - ka)} only in B, "
-                         f"e.g. (trajectory, position) {only[:3]} (same config, data and HARTS_DUMP_HIDDEN_STRIDE?)")
+                         f"e.g. (trajectory, position) {only[:3]} (same config, data and debug.dump_hidden_stride?)")
     if not torch.equal(a["targets"], b["targets"]):
         raise ValueError("the runs predict different targets at the same positions (different data?)")
     if a["weight"].shape != b["weight"].shape or not torch.equal(a["weight"], b["weight"]):
@@ -98,8 +98,8 @@ def compare(a: dict, b: dict, chunk: int = 2048, device=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.layout_fidelity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("a", help="HARTS_DUMP_HIDDEN prefix of run A (e.g. the baseline)")
-    ap.add_argument("b", help="HARTS_DUMP_HIDDEN prefix of run B (e.g. HARTS)")
+    ap.add_argument("a", help="debug.dump_hidden prefix of run A (e.g. the baseline)")
+    ap.add_argument("b", help="debug.dump_hidden prefix of run B (e.g. HARTS)")
     ap.add_argument("--out", default="out/bench_layout_fidelity")
     ap.add_argument("--chunk", type=int, default=2048, help="positions per logits chunk (chunk x vocab x 4 B x 4)")
     args = ap.parse_args(argv)

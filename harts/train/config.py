@@ -178,6 +178,14 @@ class Debug(tt.Debug):
     """After each microbatch's backward, check loss and gradients for NaN/Inf (one host sync each)."""
     exit_after_step: int = 0
     """Simulate a kill (tests): exit right after this step's checkpoint, without cleanup (0 = off)."""
+    dump_hidden: str = ""
+    """Path prefix: write step 1's final hidden state at every predicted position to PATH.rank<R>.pt and the LM
+    head to PATH.lm_head.pt, for `python -m harts.bench.layout_fidelity A B` ('' = off)."""
+    dump_hidden_stride: int = 1
+    """With dump_hidden: keep the positions with (trajectory + position) % k == 0 (smaller files)."""
+    dump_grad_norms: str = ""
+    """Path prefix: write step 1's gradient norm of every parameter to PATH.rank<R>.json, for
+    scripts/compare_grad_norms.py ('' = off)."""
 
 
 @dataclass
@@ -226,7 +234,8 @@ _USED = {
     "activation_checkpoint": {"mode"},
     "compile": {"enable", "components", "backend"},
     "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
-    "debug": {"seed", "deterministic", "check_finite", "exit_after_step"},
+    "debug": {"seed", "deterministic", "check_finite", "exit_after_step", "dump_hidden", "dump_hidden_stride",
+              "dump_grad_norms"},
     "comm": {"init_timeout_seconds", "train_timeout_seconds"},
 }
 _OURS = {"ling", "harts", "data", "rl", "online", "profile"}
@@ -381,6 +390,8 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
     _validate_online(cfg)
     if cfg.training.steps < 1:
         raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
+    if cfg.debug.dump_hidden_stride < 1:
+        raise ValueError(f"config: debug.dump_hidden_stride = {cfg.debug.dump_hidden_stride} must be >= 1")
     if cfg.harts.capacity < 1:
         raise ValueError(f"config: harts.capacity = {cfg.harts.capacity} must be >= 1")
     cp = cfg.parallelism.context_parallel_degree

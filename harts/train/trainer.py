@@ -14,13 +14,12 @@ From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (
 build_lr_schedulers, CheckpointManager (DCP), get_peak_flops, and maybe_enable_amp. Ours: applying the
 parallelisms to the one model (harts.train.parallelize), gradient clipping (one mesh-aware norm), EP
 dispatch, the data worker and planner integration, the objectives and their normalisation, metrics,
-the NaN/Inf check, the profiler hook and the HF export.
+the NaN/Inf check, the profiler hook, the step hooks (harts.train.hooks: debugging dumps) and the HF export.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -33,6 +32,7 @@ from harts.models.ling import LingConfig
 from harts.rl.losses import LossConfig, token_losses
 from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
+from harts.train.hooks import StepHooks, hooks_from_config
 from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
 from harts.train.model import DTYPES, build_policy, init_sharded, model_config, router_term
 
@@ -77,8 +77,11 @@ def _norms_sum(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, hooks: StepHooks | None = None):
+        if hooks is not None and not isinstance(hooks, StepHooks):
+            raise TypeError(f"Trainer: hooks = {hooks!r} must be a harts.train.hooks.StepHooks")
         self.cfg = cfg
+        self.hooks = hooks if hooks is not None else hooks_from_config(cfg.debug)
         self._init_distributed()
         dc, lc, pc = cfg.debug, cfg.ling, cfg.parallelism
         seed = dc.seed if dc.seed is not None else 0
@@ -461,72 +464,6 @@ class Trainer:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return [g.to_local() if local and isinstance(g, DTensor) else g for g in grads]
 
-    def _dump_grad_norms(self, path: str) -> None:
-        """Debugging a layout (``HARTS_DUMP_GRAD_NORMS=PATH``): step 1's gradient norm of every parameter,
-        written to ``PATH.rank<R>.json``. DTensor gradients as full-tensor norms (a collective: every rank
-        walks the same parameters in the same order), plain ones as this rank's (EP: its own experts)."""
-        from torch.distributed.tensor import DTensor
-
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.bf16_opt:
-            pairs = []
-            for o in self.optimizers:
-                o.accumulate_grads()
-                pairs += [(names.get(id(p), "?"), o._grad(p)) for g in o.param_groups for p in g["params"]]
-        else:
-            pairs = [(n, p.grad) for n, p in self.model.named_parameters()]
-        out = {}
-        for n, g in pairs:
-            if g is not None:
-                out[n] = float((g.full_tensor() if isinstance(g, DTensor) else g).float().norm())
-        with open(f"{path}.rank{self.rank}.json", "w") as f:
-            json.dump(out, f, indent=0)
-        log.info("wrote %d gradient norms to %s.rank%d.json", len(out), path, self.rank)
-
-    def _dump_hidden(self, path: str, data: StepData, mbs, captured: list) -> None:
-        """Debugging a layout's fidelity (``HARTS_DUMP_HIDDEN=PATH``; compare two runs with
-        ``python -m harts.bench.layout_fidelity``): step 1's final hidden state (after the last norm: the
-        LM head's input) at every predicted position this rank computed, keyed by (trajectory index in the
-        step, position in the trajectory), with its target, written to ``PATH.rank<R>.pt``; the LM head
-        weight to ``PATH.lm_head.pt`` (by the lowest rank holding it). ``HARTS_DUMP_HIDDEN_STRIDE=k`` keeps
-        the positions with (trajectory + position) % k == 0 (the files are positions x hidden x 2 bytes)."""
-        from torch.distributed.tensor import DTensor
-
-        model, stride = self.model, int(os.environ.get("HARTS_DUMP_HIDDEN_STRIDE", "1"))
-        keys, hidden, targets = [], [], []
-        for mb, h_PD in zip(mbs, captured):  # the final norm's outputs, one per microbatch in order
-            batch = mb.batch
-            traj = torch.as_tensor(data.plan.microbatches[mb.index], dtype=torch.long)
-            off = torch.as_tensor(batch.logprob_offsets, dtype=torch.long)
-            n_S = off[1:] - off[:-1]
-            pos_S = torch.arange(int(off[-1])) - off[:-1].repeat_interleave(n_S)
-            key_S2 = torch.stack([traj.repeat_interleave(n_S), pos_S], 1)
-            rows_S = batch.logprob_rows.cpu()
-            keep = (key_S2.sum(1) % stride) == 0
-            if batch.cp is not None:  # this CP rank holds rows [lo, hi) only
-                lo, hi = batch.cp.row_range
-                keep &= (rows_S >= lo) & (rows_S < hi)
-                rows_S = rows_S - lo
-            idx = keep.nonzero().squeeze(1)
-            keys.append(key_S2[idx])
-            hidden.append(h_PD.index_select(0, rows_S[idx].to(h_PD.device)).cpu())
-            targets.append(batch.logprob_targets.cpu()[idx])
-        out = {"keys": torch.cat(keys) if keys else torch.zeros(0, 2, dtype=torch.long),
-               "hidden": torch.cat(hidden) if hidden else torch.zeros(0),
-               "targets": torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
-               "harts": self.cfg.harts.enabled, "rank": self.rank, "stride": stride}
-        torch.save(out, f"{path}.rank{self.rank}.pt")
-        head = getattr(model, "lm_head", None)
-        writer = torch.tensor([self.rank if head is not None else self.world_size], device=self.device)
-        if self.distributed:  # the lowest rank holding the LM head writes it
-            dist.all_reduce(writer, op=dist.ReduceOp.MIN)
-        if head is not None:
-            w = head.weight.full_tensor() if isinstance(head.weight, DTensor) else head.weight  # FSDP: collective
-            if self.rank == int(writer):
-                torch.save(w.detach().cpu(), f"{path}.lm_head.pt")
-        log.info("wrote the final hidden states of %d positions to %s.rank%d.pt", out["keys"].shape[0], path,
-                 self.rank)
-
     def _crash_exit(self):
         """Simulated kill (tests): leave without closing anything, after the step's checkpoint."""
         self.checkpointer.maybe_wait_for_staging()
@@ -579,10 +516,7 @@ class Trainer:
                     old_pp = self.pipe.old_logprobs(mbs)
                 else:
                     old = [mb.select(model.logprobs(mb.batch)).detach() for mb in mbs]
-        dump_hidden = os.environ.get("HARTS_DUMP_HIDDEN") if step == 1 else None
-        captured, capture = [], None  # the training forward's final hidden states (step 1, before any update)
-        if dump_hidden and model.model.norm is not None:
-            capture = model.model.norm.register_forward_hook(lambda m, a, out: captured.append(out.detach()))
+        self.hooks.before_forward(self, data, mbs)
         # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         counts = None
@@ -631,12 +565,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         fbgrad_s = time.perf_counter() - t_start
-        if dump_hidden:
-            if capture is not None:
-                capture.remove()
-            self._dump_hidden(dump_hidden, data, mbs, captured)
-        if os.environ.get("HARTS_DUMP_GRAD_NORMS") and data.step == 1:
-            self._dump_grad_norms(os.environ["HARTS_DUMP_GRAD_NORMS"])
+        self.hooks.after_backward(self, data, mbs)
         # one clipping path for every layout: the mesh-aware norm of FSDP / TP / EP DTensor and plain gradients
         grad_norm = par.clip_grad_norm_mixed_(None, cfg.training.max_norm, pp_group=self.pp_group,
                                               grads=self._grads(local=False))
