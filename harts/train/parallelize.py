@@ -5,7 +5,7 @@ The mesh is torchtitan 0.2.2's ``ParallelDims`` (dims pp / batch / cp / fsdp / t
 ``fake`` backend for size-1 dims). Its ``build_mesh`` takes the device type from a torchtitan module global
 detected at import ("cuda" on a host without an accelerator), so ``_build_mesh`` builds the same meshes for the
 trainer's device (gloo on CPU) and hands them to the ParallelDims. torch registers the ``fake`` backend itself
-when its FSDP package is imported, which importing torchtitan.distributed does.
+when its FSDP package is imported (torch.distributed.fsdp's FlatParameter module imports the fake process group).
 
 Expert parallelism follows the pattern of torchtitan's ``ExpertParallel`` style (counts all-to-all,
 token all-to-all with autograd, rank-major -> expert-major permutation, reverse on combine) but is our
@@ -43,6 +43,7 @@ __all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_com
 
 def build_parallel_dims(pcfg, world_size: int, device_type: str):
     """torchtitan ParallelDims from the [parallelism] section, usable on a CPU (gloo) host."""
+    import torch.distributed.fsdp  # noqa: F401  (registers the "fake" backend of the size-1 mesh dims)
     from torchtitan.distributed import ParallelDims
 
     cp = pcfg.context_parallel_degree
