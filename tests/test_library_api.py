@@ -62,7 +62,7 @@ def test_pack_from_model_config_equals_trajectory_wise():
 def test_batch_for_another_chunk_size_is_refused(chunk_size):
     model = small_model(16)
     batch = pack(forked_trees(16), chunk_size=chunk_size)
-    msg = rf"chunk_size={chunk_size}.*kda_chunk_size=16"
+    msg = rf"chunk_size={chunk_size} does not match the model.s chunk_size=16"
     with pytest.raises(ValueError, match=msg):
         logprobs(model, batch)
     with pytest.raises(ValueError, match=msg):
@@ -73,26 +73,26 @@ def test_batch_for_another_chunk_size_is_refused(chunk_size):
 
 def test_batch_at_16_for_model_at_64_names_both_values():
     model = small_model(64)
-    with pytest.raises(ValueError, match=r"chunk_size=16 does not match the model's kda_chunk_size=64") as e:
+    with pytest.raises(ValueError, match=r"chunk_size=16 does not match the model's chunk_size=64") as e:
         model.logprobs(pack(forked_trees(16), chunk_size=16))
     assert "config=model.config" in str(e.value)
 
 
 def test_conv_width_mismatch_is_refused():
     model = small_model(16)
-    with pytest.raises(ValueError, match=r"conv_width=3 .*short_conv_kernel_size=4"):
+    with pytest.raises(ValueError, match=r"conv_width=3 does not match the model.s conv_width=4"):
         logprobs(model, pack(forked_trees(16), chunk_size=16, conv_width=3))
 
 
 def test_pack_arguments_against_config():
     cfg = small_model(16).config
-    with pytest.raises(ValueError, match=r"chunk_size=8 disagrees with config.kda_chunk_size=16"):
+    with pytest.raises(ValueError, match=r"chunk_size=8 disagrees with the model.s chunk_size=16"):
         pack(forked_trees(16), config=cfg, chunk_size=8)
     with pytest.raises(TypeError, match="chunk size is required"):
         pack(forked_trees(16))
     with pytest.raises(TypeError, match="chunk_size must be an int"):
         pack(forked_trees(16), chunk_size=16.0)
-    with pytest.raises(TypeError, match="no kda_chunk_size"):
+    with pytest.raises(TypeError, match="has no layout_geometry"):
         pack(forked_trees(16), config={"kda_chunk_size": 16})
     # the trajectory-wise batch needs no chunk size (the model runs its own)
     assert pack(forked_trees(16), prefix_sharing=False).chunk_size is None

@@ -177,18 +177,19 @@ def _model_geometry(config, chunk_size, conv_width, vocab_size):
     if config is None:
         return chunk_size, 4 if conv_width is None else conv_width, vocab_size
     cfg = getattr(config, "config", config)  # a model or its config
-    missing = [a for a in ("kda_chunk_size", "short_conv_kernel_size", "vocab_size") if not hasattr(cfg, a)]
+    missing = [a for a in ("layout_geometry", "vocab_size") if not hasattr(cfg, a)]
     if missing:
-        raise TypeError(f"pack: config must be a LingConfig or a model with .config; {type(config).__name__} "
-                        f"has no {', '.join(missing)}")
+        raise TypeError(f"pack: config must be a model config (LingConfig, Qwen35Config) or a model with .config; "
+                        f"{type(config).__name__} has no {', '.join(missing)}")
+    want_chunk, want_conv = cfg.layout_geometry
     out = []
-    for name, given, attr in (("chunk_size", chunk_size, "kda_chunk_size"),
-                              ("conv_width", conv_width, "short_conv_kernel_size"),
-                              ("vocab_size", vocab_size, "vocab_size")):
-        want = int(getattr(cfg, attr))
+    for name, given, want in (("chunk_size", chunk_size, want_chunk), ("conv_width", conv_width, want_conv),
+                              ("vocab_size", vocab_size, cfg.vocab_size)):
+        want = int(want)
         if given is not None and given != want:
-            raise ValueError(f"pack: {name}={given} disagrees with config.{attr}={want}; drop {name} "
-                             f"(the model's value is used) or build the model with {attr}={given}")
+            raise ValueError(f"pack: {name}={given} disagrees with the model's {name}={want} "
+                             f"({type(cfg).__name__}); drop {name} (the model's value is used) or build the "
+                             f"model with {name}={given}")
         out.append(want)
     return tuple(out)
 

@@ -34,24 +34,22 @@ __all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_tr
 def check_batch(batch: CompactBatch, cfg) -> None:
     """Refuse a batch planned for another model: the rounds' chunk grid (replay restores the grid of
     ``batch.chunk_size``) and the convolution's ancestor windows (``batch.conv_width``) must be the
-    model's ``kda_chunk_size`` and ``short_conv_kernel_size``, else log-probs are silently wrong.
-    Trajectory-wise batches use neither (the model runs its own chunking on them)."""
+    model's ``layout_geometry``, else log-probs are silently wrong. Trajectory-wise batches use neither
+    (the model runs its own chunking on them)."""
     if not isinstance(batch, CompactBatch):
         raise TypeError(f"layout must be a harts.CompactBatch (from harts.pack), got {type(batch).__name__}")
     if not batch.prefix_sharing:
         return
-    for name, have, attr in (("chunk_size", batch.chunk_size, "kda_chunk_size"),
-                             ("conv_width", batch.conv_width, "short_conv_kernel_size")):
-        want = getattr(cfg, attr)
+    for name, have, want in zip(("chunk_size", "conv_width"), (batch.chunk_size, batch.conv_width),
+                                cfg.layout_geometry, strict=True):
         if have != want:
-            raise ValueError(f"CompactBatch {name}={have} does not match the model's {attr}={want}: pack the batch "
+            raise ValueError(f"CompactBatch {name}={have} does not match the model's {name}={want}: pack the batch "
                              f"with harts.pack(..., config=model.config) (or {name}={want})")
 
 
 # ------------------------------------------------------------------------------------------ KDA
-def _round_fn(cfg, device, dtype):
-    which = resolve("kda", cfg.op_backend("kda"), device, dtype)
-    if which == "fast":
+def _round_fn(backend: str, device, dtype):
+    if resolve("kda", backend, device, dtype) == "fast":
         from harts.ops.kda_round import chunk_kda_round
 
         return chunk_kda_round
@@ -60,33 +58,44 @@ def _round_fn(cfg, device, dtype):
     return chunk_kda_round_reference
 
 
-def kda_rounds(q, k, v, f, beta, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:
-    """The KDA core over the planned rounds: q, k, v, f [P, H, K], beta [P, H] -> o [P, H, V]."""
-    run_round = _round_fn(cfg, q.device, q.dtype)
+def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backend: str = "auto",
+               A_log=None, dt_bias=None, lower_bound: float | None = None) -> torch.Tensor:
+    """The gated delta-rule core over the planned rounds: q, k [P, H, K], v [P, H, V], g [P, H, K], beta
+    [P, H] -> o [P, H, V].
+
+    Two gate forms share the rounds: with ``A_log``/``dt_bias`` (KDA), ``g`` is the raw gate input and the
+    kernel applies KDA's safe gate; without them, ``g`` is the per-channel log decay itself (e.g. Gated
+    DeltaNet's per-head scalar decay broadcast over K), applied as given."""
+    run_round = _round_fn(backend, q.device, q.dtype)
     P, H, Kh = q.shape
     states = []  # emitted boundary states, round by round, each [E_r, H, K, V] fp32+
     outs = []
     state_dtype = torch.promote_types(q.dtype, torch.float32)
+    in_kernel = A_log is not None
+    if in_kernel != (dt_bias is not None):
+        raise TypeError("kda_rounds: pass A_log and dt_bias together (in-kernel KDA gate) or neither (g is the "
+                        "log decay)")
+    gate_kw = dict(use_gate_in_kernel=True, A_log=A_log.to(state_dtype), dt_bias=dt_bias.to(state_dtype),
+                   safe_gate=True, lower_bound=lower_bound) if in_kernel else {}
     for r in batch.rounds:
         if r.gather_is_identity:
             sl = slice(r.phys_start, r.phys_end)
-            qr, kr, vr, fr, br = q[sl], k[sl], v[sl], f[sl], beta[sl]
+            qr, kr, vr, gr, br = q[sl], k[sl], v[sl], g[sl], beta[sl]
         else:
-            qr, kr, vr, fr, br = (t.index_select(0, r.gather) for t in (q, k, v, f, beta))
+            qr, kr, vr, gr, br = (t.index_select(0, r.gather) for t in (q, k, v, g, beta))
         init = None
         if r.has_init:
             zero = q.new_zeros((1, H, Kh, v.shape[-1]), dtype=state_dtype)
             bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
             init = bank.index_select(0, r.init_source + 1)
         # Same dtype conventions as the trajectory-wise fast path (harts.ops.kda.fast): gate input and
-        # beta in q's dtype, gate parameters and states in fp32 (fp64 on the float64 reference path).
+        # beta in q's dtype, gate parameters and states in fp32 (fp64 on the float64 reference path); a
+        # precomputed log decay stays in its own (fp32+) dtype.
         o, _, boundary = run_round(
-            qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), fr.unsqueeze(0).to(q.dtype),
+            qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), gr.unsqueeze(0).to(q.dtype if in_kernel else gr.dtype),
             br.unsqueeze(0).to(q.dtype), r.cu_seqlens, initial_state=init, output_final_state=False,
             state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.to(state_dtype),
-            dt_bias=dt_bias.to(state_dtype), safe_gate=True, lower_bound=cfg.kda_lower_bound,
-            chunk_size=cfg.kda_chunk_size, cu_seqlens_cpu=r.cu_seqlens_cpu)
+            use_qk_l2norm_in_kernel=True, chunk_size=chunk_size, cu_seqlens_cpu=r.cu_seqlens_cpu, **gate_kw)
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)
@@ -121,7 +130,8 @@ def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg)
                                context=batch.conv_context, num_rows=batch.num_rows,
                                backend=cfg.op_backend("conv")).view(-1, h, Kh)
                for t, w in zip((q, k, v), conv_W))
-    o = kda_rounds(q, k, v, f, beta, A_log[heads], dt_bias.view(H, Kh)[heads].flatten(), batch, cfg)
+    o = kda_rounds(q, k, v, f, beta, batch, chunk_size=cfg.kda_chunk_size, backend=cfg.op_backend("kda"),
+                   A_log=A_log[heads], dt_bias=dt_bias.view(H, Kh)[heads].flatten(), lower_bound=cfg.kda_lower_bound)
     return o if cp is None else cp.heads_to_rows(o)
 
 

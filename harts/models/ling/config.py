@@ -72,6 +72,12 @@ class LingConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def layout_geometry(self) -> tuple[int, int]:
+        """(chunk size, convolution width) that a compact batch must be planned with for this model
+        (``harts.pack(config=...)`` reads it; any model whose linear mixers run the round kernels has it)."""
+        return self.kda_chunk_size, self.short_conv_kernel_size
+
     def op_backend(self, op: str) -> str:
         """Requested backend for op in ('attention', 'kda', 'conv', 'moe', 'logprobs', 'norm')."""
         v = getattr(self, f"{op}_backend")
