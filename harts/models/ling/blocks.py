@@ -148,18 +148,20 @@ class MLA(nn.Module):
         gate_TH = torch.sigmoid(self.g_proj(x_TD).to(_compute_dtype(x_TD.dtype))).to(o_THDv.dtype)
         return self.dense((o_THDv * gate_TH[..., None]).flatten(1))
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
-        q, k, v = self.project(x_TD, batch.local_rows(batch.position_ids))
+    def core(self, q, k, v, batch) -> torch.Tensor:
+        """Attention over the layout (the only part that reads ``batch``): o [T, H, Dv]."""
         be = self.cfg.op_backend("attention")
         if batch.prefix_sharing:
             from harts.runtime.compact import mla_tree_attention
 
-            o = mla_tree_attention(q, k, v, batch, self.scale, be)
-        else:
-            o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
-                                 max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
-        return self.output(o, x_TD)
+            return mla_tree_attention(q, k, v, batch, self.scale, be)
+        return varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
+                                max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        proj = self.project(x_TD, batch.local_rows(batch.position_ids))
+        return self.output(self.core(*proj, batch), x_TD)
 
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
         """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
@@ -218,21 +220,24 @@ class KDA(nn.Module):
         gate = self.g_proj(x_TD).view(o_THV.shape)
         return self.o_proj(self.o_norm(o_THV, gate).flatten(1))
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
-        q, k, v, f, beta = self.project(x_TD)
+    def core(self, q, k, v, f, beta, batch) -> torch.Tensor:
+        """Short convolutions and the delta rule over the layout (the only part that reads ``batch``):
+        o [T, H, Kh]."""
         conv_W = [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         if batch.prefix_sharing:
             from harts.runtime.compact import kda_tree
 
-            o = kda_tree(q, k, v, f, beta, conv_W, self.A_log, self.dt_bias, batch, self.cfg)
-        else:
-            be, cu = self.cfg.op_backend("conv"), batch.cu_seqlens
-            q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be).view(t.shape)
-                       for t, w in zip((q, k, v), conv_W))
-            o, _ = kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
-                       chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
-        return self.output(o, x_TD)
+            return kda_tree(q, k, v, f, beta, conv_W, self.A_log, self.dt_bias, batch, self.cfg)
+        be, cu = self.cfg.op_backend("conv"), batch.cu_seqlens
+        q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be).view(t.shape)
+                   for t, w in zip((q, k, v), conv_W))
+        o, _ = kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
+                   chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
+        return o
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        return self.output(self.core(*self.project(x_TD), batch), x_TD)
 
     def step(self, x_ND: torch.Tensor, cache) -> torch.Tensor:
         """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward``
@@ -355,23 +360,32 @@ class MoE(nn.Module):
         this call are ``last_stats``, except inside backward: a checkpointing recomputation keeps the
         forward's (same values) so as not to pin the recomputed graph (one layer's activations per MoE
         layer, ~100 GB at 64K tokens)."""
+        y, stats = self.compute(x_TD, token_weight_T)
+        return self.finish(y, stats, router)
+
+    def finish(self, y: torch.Tensor, stats: RouterStats, router: tuple | None) -> torch.Tensor:
+        """Keep ``stats`` as ``last_stats`` (outside backward) and join the router term to ``y``'s backward.
+        ``y`` may be any tensor whose gradient is the MoE output's (e.g. the residual sum after it)."""
+        if not _in_backward():
+            self.last_stats = stats
+        if router is not None:
+            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
+        return y
+
+    def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        """Routing, routed and shared experts: (y_TD, router statistics); no module state is written."""
         c = self.cfg
         logits, scores, idx_TK, w_TK = route(
             x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
             top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
             norm_topk_prob=c.norm_topk_prob)
         stats = router_stats(logits, scores, idx_TK, token_weight_T)
-        if not _in_backward():
-            self.last_stats = stats
         ex = self.experts
         if self.expert_parallel is not None:
             y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
         else:
             y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
-        y = y + self.shared_experts(x_TD)
-        if router is not None:
-            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
-        return y
+        return y + self.shared_experts(x_TD), stats
 
 
 class DecoderLayer(nn.Module):
