@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harts.planning.calls import plan_calls
-from harts.planning.layout import build_layout
+from harts.planning.layout import build_layout, mla_block_counts
 from tests.helpers import figure2, tree_specs
 
 MOD = (1 << 61) - 1
@@ -118,6 +118,17 @@ def check_layout(trajs, B, w=4, pad=1):
             n_q_seen[row] += 1
     assert np.all(n_q_seen[:C] == 1) and np.all(n_q_seen[C:] == 0), "each compact query exactly once"
     assert np.array_equal(seen, dense), "MLA view visibility differs from the dense causal mask"
+    # 4b. The same visibility from trie ancestry alone: k visible to q iff c_k <= c_q < mla_row_end[k].
+    c = lay.row_of_phys
+    ancestry = (c[None, :] >= 0) & (c[None, :] <= c[:, None]) & (c[:, None] < lay.mla_row_end[None, :])
+    assert np.array_equal(ancestry, dense.astype(bool)), "ancestry mask differs from the views' visibility"
+    # 4c. Visible pairs per block of physical rows, for block sizes that do and do not divide P.
+    for blk in (1, 3, 8):
+        nb = -(-P // blk)
+        padded = np.zeros((nb * blk, nb * blk), dtype=np.int64)
+        padded[:P, :P] = dense
+        want = padded.reshape(nb, blk, nb, blk).sum(axis=(1, 3))
+        assert np.array_equal(mla_block_counts(lay, blk), want), f"block counts at block={blk}"
     # 5. Log-prob map: row of (i, t) and target token (i, t+1), in original order.
     k = 0
     for i, traj in enumerate(trajs):
@@ -183,6 +194,15 @@ def test_validate_catches_corruption():
     kv[-1] = kv[0]
     with pytest.raises(ValueError):
         dataclasses.replace(lay, mla_kv_rows=kv).validate(plan)
+    # The ancestry ranges: the root's range cut short (its last descendant falls out), the last row's overlong.
+    end = lay.mla_row_end.copy()
+    end[int(lay.phys_of_row[0])] -= 1
+    with pytest.raises(ValueError, match="physical row"):
+        dataclasses.replace(lay, mla_row_end=end).validate(plan)
+    end = lay.mla_row_end.copy()
+    end[int(lay.phys_of_row[lay.num_rows - 1])] = lay.num_rows + 1
+    with pytest.raises(ValueError, match=rf"mla_row_end of physical row {int(lay.phys_of_row[lay.num_rows - 1])}"):
+        dataclasses.replace(lay, mla_row_end=end).validate(plan)
     r2 = lay.rounds[1]
     with pytest.raises(ValueError):
         dataclasses.replace(lay, rounds=(r1, dataclasses.replace(r2, init_source=np.array([-1])))).validate(plan)

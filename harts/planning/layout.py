@@ -26,7 +26,13 @@ Per layer, the intended use (paper 4.2):
   then ``o_phys[round.output_rows] = o_round[round.output_positions]`` (replay outputs are dropped);
 - MLA: one global varlen call, Q = ``x_phys[mla_q_rows]``, KV = ``x_phys[mla_kv_rows]`` with
   ``cu_seqlens_q``/``cu_seqlens_k`` and bottom-right causal alignment: query i of sequence q sees KV
-  entries j <= h_q + i, h_q = its start position (Eq. 22); outputs scatter to ``mla_q_rows``;
+  entries j <= h_q + i, h_q = its start position (Eq. 22); outputs scatter to ``mla_q_rows``.
+  The same visibility without the per-sequence copies: trie rows are a DFS preorder, so the subtree of
+  row c is the trie-row range [c, end[c]) and physical row k is visible to physical row q iff
+  c_k = row_of_phys[k] >= 0 and c_k <= c_q < ``mla_row_end[k]`` (k is an ancestor-or-self of q; positions
+  are then causal by construction). ``mla_block_counts`` counts the visible pairs per block of physical
+  rows from the views, so a block-sparse kernel knows its empty, partial and full blocks without a dense
+  P x P mask;
 - log-probs: ``logprob_rows``/``logprob_targets`` in original semantic order.
 
 All index arrays are int64 (the runtime casts cu_seqlens to int32 where a kernel wants it).
@@ -131,6 +137,8 @@ class ExecutionLayout:
     cu_seqlens_k: np.ndarray  # [Q+1]
     max_seqlen_q: int
     max_seqlen_k: int
+    # [P] exclusive end of the trie subtree of each physical row's trie row (in trie rows), -1 for padding
+    mla_row_end: np.ndarray
     # Causal conv
     conv_context: np.ndarray  # [Q, w-1] physical rows of positions s-w+1 .. s-1 on q's path (oldest first), -1 = zero
     # Log-probs (original semantic order)
@@ -230,6 +238,7 @@ def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 
         cu_seqlens_k=offsets_of(e),
         max_seqlen_q=int(n_out.max()),
         max_seqlen_k=int(e.max()),
+        mla_row_end=subtree_end(trie, phys.row_of_phys),
         conv_context=conv_context(trie, path_base, plan.seq_start, phys.phys_of_row, w),
         semantic_offsets=trie.offsets.copy(),
         semantic_rows=semantic_rows,
@@ -364,6 +373,74 @@ def conv_context(trie: CompactTrie, path_base: np.ndarray, seq_start: np.ndarray
     pos_QW = seq_start[:, None] + np.arange(-w1, 0, dtype=np.int64)[None, :]
     sem_QW = path_base[:, None] + np.maximum(pos_QW, 0)
     return np.where(pos_QW >= 0, phys_of_row[trie.row_of_position[sem_QW]], -1).astype(np.int64)
+
+
+def subtree_end(trie: CompactTrie, row_of_phys: np.ndarray) -> np.ndarray:
+    """[P] exclusive end (in trie rows) of the subtree of each physical row's trie row, -1 for padding.
+
+    Rows of a fork-free segment share their subtree's end: that of the segment's last descendant
+    segment (segments are numbered in preorder too, so one reverse pass over them suffices)."""
+    sub_end_G = trie.segment_end.copy()
+    parent_G = trie.segment_parent
+    for g in range(trie.num_segments - 1, 0, -1):
+        p = parent_G[g]
+        if p >= 0 and sub_end_G[g] > sub_end_G[p]:
+            sub_end_G[p] = sub_end_G[g]
+    valid = row_of_phys >= 0
+    return np.where(valid, sub_end_G[trie.segment_of_row[np.where(valid, row_of_phys, 0)]], -1).astype(np.int64)
+
+
+def block_weights(starts: np.ndarray, ends: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks of ``block`` rows that each nonempty range [starts[k], ends[k]) overlaps: (range id, block,
+    rows of the range in that block), ranges in order, blocks ascending within a range."""
+    first, last = starts // block, (ends - 1) // block
+    n = last - first + 1
+    rid = np.repeat(np.arange(starts.shape[0], dtype=np.int64), n)
+    blk = concat_ranges(first, n)
+    rows = np.minimum(ends[rid], (blk + 1) * block) - np.maximum(starts[rid], blk * block)
+    return rid, blk, rows
+
+
+def mla_block_counts(lay: "ExecutionLayout", block: int) -> np.ndarray:
+    """[nb, nb] (nb = ceil(P / block)) number of visible (query, key) pairs of MLA per (query block, key
+    block) of physical rows: ``block``**2 marks a full block, 0 an empty one, anything between a partial
+    one (its pairs need the per-element mask). Exact, and O(MLA views + blocks^2) work: no P x P mask.
+
+    Every query row belongs to one sequence q, whose queries are the contiguous output block
+    [cu_seqlens_q[q], cu_seqlens_q[q+1]) and see (a) the sequence's prefix (its first start_q KV entries,
+    rows of earlier sequences) in full and (b) the own block causally. The two parts are disjoint, so the
+    pairs add up per sequence."""
+    integer_arg(block, "block", where="mla_block_counts")
+    B = int(block)
+    nb = -(-lay.num_phys // B)
+    counts = np.zeros(nb * nb, dtype=np.int64)
+    Q = lay.num_sequences
+    a, b = lay.cu_seqlens_q[:-1], lay.cu_seqlens_q[1:]
+    sid, qblk, qrows = block_weights(a, b, B)  # query blocks of each sequence
+    qoff = offsets_of(np.bincount(sid, minlength=Q))
+    # (a) prefix keys: (sequence, key block) histogram, times the sequence's rows in each query block.
+    start = lay.seq_start
+    kv = lay.mla_kv_rows[concat_ranges(lay.cu_seqlens_k[:-1], start)]
+    key = np.repeat(np.arange(Q, dtype=np.int64), start) * nb + kv // B
+    uniq, cnt = np.unique(key, return_counts=True)
+    us, ublk = uniq // nb, uniq % nb
+    nq = np.diff(qoff)[us]
+    e = concat_ranges(qoff[us], nq)  # entries of (sid, qblk, qrows)
+    counts += np.bincount(qblk[e] * nb + np.repeat(ublk, nq), weights=qrows[e] * np.repeat(cnt, nq),
+                          minlength=nb * nb).astype(np.int64)
+    # (b) the own block, causal: block pairs (i, j <= i) of the same sequence.
+    n = np.diff(qoff)
+    tri = n * (n + 1) // 2
+    t = np.arange(int(tri.sum()), dtype=np.int64) - np.repeat(offsets_of(tri)[:-1], tri)
+    i = ((np.sqrt(8 * t + 1) - 1) // 2).astype(np.int64)
+    i += (i + 1) * (i + 2) // 2 <= t  # exact integer triangular root
+    i -= i * (i + 1) // 2 > t
+    j = t - i * (i + 1) // 2
+    base = np.repeat(qoff[:-1], tri)
+    mi, mj = qrows[base + i], qrows[base + j]
+    pairs = np.where(i == j, mi * (mi + 1) // 2, mi * mj)
+    counts += np.bincount(qblk[base + i] * nb + qblk[base + j], weights=pairs, minlength=nb * nb).astype(np.int64)
+    return counts.reshape(nb, nb)
 
 
 def logprob_views(trie: CompactTrie, phys_of_row: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -4,7 +4,7 @@ round, state or trajectory and its values; ordinary code, so ``python -O`` keeps
 
 Sections: physical order (a bijection between trie rows and the first C physical rows, padding after);
 sequences (output blocks tile [0, C) round-major, replay is [a(p), p)); MLA views (each KV view one true root
-path ending with the sequence's own rows); rounds (gathers on the path, outputs contiguous, states from earlier
+path ending with the sequence's own rows; ``mla_row_end`` the end of each row's trie subtree); rounds (gathers on the path, outputs contiguous, states from earlier
 rounds, sorted requests); state provenance (emitter on the same path up to the anchor, every state consumed);
 conv context; log-probs; agreement with the plan and its trie.
 
@@ -111,6 +111,33 @@ def check_mla_views(lay: ExecutionLayout) -> None:
                   item="KV link")
     require(lay.max_seqlen_q == int(n_out.max()), lambda: f"max_seqlen_q {lay.max_seqlen_q} != {int(n_out.max())}")
     require(lay.max_seqlen_k == int(e.max()), lambda: f"max_seqlen_k {lay.max_seqlen_k} != {int(e.max())}")
+    check_mla_row_end(lay)
+
+
+def check_mla_row_end(lay: ExecutionLayout) -> None:
+    """``mla_row_end`` is each row's trie subtree end: a row lies strictly inside its parent's range, its own
+    range nests in it, and the range sizes obey size = 1 + the children's sizes. Then each range holds
+    exactly the row's descendants, which the ancestry mask of MLA relies on."""
+    C, P = lay.num_rows, lay.num_phys
+    end = lay.mla_row_end
+    require_shape(end, (P,), "mla_row_end")
+    require_all(end[C:] == -1, lambda k: f"mla_row_end of padding row {C + k} is {int(end[C + k])}, expected -1")
+    rows = lay.row_of_phys[:C]
+    end_P = end[:C]
+    require_all((end_P > rows) & (end_P <= C), lambda p: f"mla_row_end of physical row {p} (trie row {int(rows[p])}) "
+                                                         f"is {int(end_P[p])}, not in ({int(rows[p])}, {C}]")
+    par = lay.parent_phys[:C]
+    child = np.flatnonzero(par >= 0)
+    pr, pe = lay.row_of_phys[par[child]], end[par[child]]
+    require_all((pr < rows[child]) & (end_P[child] <= pe),
+                lambda k: f"physical row {int(child[k])}: its trie range [{int(rows[child[k]])}, "
+                          f"{int(end_P[child[k]])}) is not inside its parent's ({int(pr[k])}, {int(pe[k])})")
+    size_C = np.zeros(C, dtype=np.int64)
+    size_C[rows] = end_P - rows
+    want_C = 1 + np.bincount(pr, weights=size_C[rows[child]], minlength=C).astype(np.int64)
+    require_all(size_C == want_C, lambda c: f"mla_row_end of physical row {int(lay.phys_of_row[c])} (trie row {c}) "
+                                            f"gives a subtree of {int(size_C[c])} rows, its children's subtrees "
+                                            f"and itself hold {int(want_C[c])}")
 
 
 def check_round(lay: ExecutionLayout, r: int, rd: RoundLayout) -> None:
