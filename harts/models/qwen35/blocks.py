@@ -1,0 +1,336 @@
+"""Qwen3.5-MoE blocks: zero-centred RMSNorm, Gated DeltaNet, gated full attention, softmax-routed MoE with a
+gated shared expert, and the decoder layer, on packed token streams or compact HARTS batches.
+
+Legend: T tokens (packed tokens or this rank's compact rows), D hidden, H attention query heads, G key/value
+heads, Dh attention head dim, R rotary dim, Hk GDN key heads, HV GDN value heads, Dk / Dv GDN head dims,
+C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width.
+
+Module and parameter names are transformers' ``qwen3_5_moe`` ones (``linear_attn.in_proj_qkv``,
+``self_attn.q_norm``, ``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate``, ...), so a state dict maps
+onto the HF layout unchanged (routed experts are stacked in both).
+
+As in harts.models.ling.blocks, a sequence mixer has one ``forward(x, batch)``: ``batch`` is ``Packed``
+trajectories or a ``harts.CompactBatch``. The GDN mixer runs its short convolution and core through
+``harts.ops`` (packed) or over the rows' true ancestors and the planned rounds (compact:
+``tree_short_conv`` and ``harts.runtime.compact.kda_rounds`` with the precomputed per-head log decay
+broadcast over K, the same round kernels as KDA); the attention mixer runs varlen attention (packed) or
+``harts.runtime.compact.mla_tree_attention`` (each branch over its ancestors + own rows). Row-wise parts
+never look at the layout.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harts.models.ling.blocks import (MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, param_seed,
+                                      router_term)
+from harts.models.qwen35.config import Qwen35Config
+from harts.ops.attention import varlen_attention
+from harts.ops.conv import short_conv
+from harts.ops.gdn import gated_delta_rule
+from harts.ops.moe import moe_experts, router_stats
+
+__all__ = ["RMSNorm", "GatedRMSNorm", "GatedDeltaNet", "GatedAttention", "SparseMoE", "DecoderLayer",
+           "init_module_weights", "initial_tensors", "Packed"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32+ and cast back once (w = 0 is the identity
+    scale, as the checkpoints store it)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm per value head: w * rmsnorm(o) * silu(z) (plain weight, SiLU gate), the norm in
+    fp32+ cast back before the weight, the gate product in fp32+, cast back once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dt = _compute_dtype(o.dtype)
+        of = o.to(dt)
+        normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        return ((self.weight * normed).to(dt) * F.silu(z.to(dt))).to(o.dtype)
+
+
+def rope_half(x_THD: torch.Tensor, position_ids_T: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """Partial RoPE in the half-split layout: the first ``rotary_dim`` channels are rotated as pairs
+    (x_i, x_{i+R/2}) by pos * theta^(-2i/R); the rest pass through. Angles in fp32 (fp64 for fp64)."""
+    R = rotary_dim
+    dt = _compute_dtype(x_THD.dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, device=x_THD.device, dtype=dt) / R))
+    ang = position_ids_T.to(dt)[:, None] * inv_freq[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    xr = x_THD[..., :R].to(dt)
+    x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
+    rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_THD.dtype)
+    return torch.cat((rot, x_THD[..., R:]), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj emits each head's query and gate, per-head q/k RMSNorm,
+    partial RoPE, GQA (G key/value heads, repeated to the H query heads), scale Dh^-0.5, o * sigmoid(gate)."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.cfg = cfg
+        D, H, G, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.G, self.Dh = H, G, Dh
+        self.q_proj = nn.Linear(D, H * Dh * 2, bias=False)
+        self.k_proj = nn.Linear(D, G * Dh, bias=False)
+        self.v_proj = nn.Linear(D, G * Dh, bias=False)
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
+        self.scale = Dh ** -0.5
+
+    def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
+        """Per-row q, k, v [T, H, Dh] (k, v repeated to the query heads) and the gate [T, H * Dh]."""
+        T, c = x_TD.shape[0], self.cfg
+        q_THD, gate_THD = self.q_proj(x_TD).view(T, self.H, 2 * self.Dh).chunk(2, dim=-1)
+        q_THD = rope_half(self.q_norm(q_THD), position_ids_T, c.rope_theta, c.rotary_dim)
+        k_TGD = rope_half(self.k_norm(self.k_proj(x_TD).view(T, self.G, self.Dh)), position_ids_T, c.rope_theta,
+                          c.rotary_dim)
+        v_TGD = self.v_proj(x_TD).view(T, self.G, self.Dh)
+        rep = self.H // self.G
+        return q_THD, k_TGD.repeat_interleave(rep, dim=1), v_TGD.repeat_interleave(rep, dim=1), gate_THD.flatten(1)
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        q, k, v, gate = self.project(x_TD, batch.local_rows(batch.position_ids))
+        be = self.cfg.op_backend("attention")
+        if batch.prefix_sharing:
+            from harts.runtime.compact import mla_tree_attention
+
+            o = mla_tree_attention(q, k, v, batch, self.scale, be)
+        else:
+            o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+        gate = torch.sigmoid(gate.to(_compute_dtype(gate.dtype))).to(o.dtype)
+        return self.o_proj(o.flatten(1) * gate)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet: q|k|v from one projection, a width-W causal depthwise convolution with SiLU over the
+    C concatenated channels, the per-head scalar log decay g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b), the delta-rule core (q, k L2-normed, scale Dk^-0.5, GVA: each key head serves HV/Hk
+    value heads) and a SiLU-gated RMSNorm per value head before ``out_proj``."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.Hk, self.HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.Dk, self.Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.Hk * self.Dk, self.HV * self.Dv
+        C = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(D, C, bias=False)
+        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(D, self.HV, bias=False)
+        self.in_proj_a = nn.Linear(D, self.HV, bias=False)
+        self.conv1d = ShortConvWeight(C, cfg.linear_conv_kernel_dim)  # depthwise [C, 1, W] (an nn.Conv1d in HF)
+        self.dt_bias = nn.Parameter(torch.ones(self.HV))
+        self.A_log = nn.Parameter(torch.empty(self.HV))
+        self.norm = GatedRMSNorm(self.Dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+
+    def gates(self, x_TD: torch.Tensor):
+        """Per-row log decay g [T, HV] and beta [T, HV], both fp32+."""
+        dt = _compute_dtype(x_TD.dtype)
+        a_TH = self.in_proj_a(x_TD).to(dt)
+        g_TH = -self.A_log.to(dt).exp() * F.softplus(a_TH + self.dt_bias.to(dt))
+        return g_TH, torch.sigmoid(self.in_proj_b(x_TD).to(dt))
+
+    def split(self, qkv_TC: torch.Tensor):
+        T = qkv_TC.shape[0]
+        q, k, v = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q.view(T, self.Hk, self.Dk), k.view(T, self.Hk, self.Dk), v.view(T, self.HV, self.Dv)
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch``."""
+        c = self.cfg
+        qkv_TC = self.in_proj_qkv(x_TD)
+        g_TH, beta_TH = self.gates(x_TD)
+        conv_CW = self.conv1d.weight.squeeze(1)
+        if batch.prefix_sharing:
+            from harts.ops.tree_conv import tree_short_conv
+            from harts.runtime.compact import kda_rounds
+
+            if batch.cp is not None:
+                raise ValueError("Qwen3.5 GDN layers do not support context parallelism yet (a CompactBatch sharded "
+                                 "with context_parallel); run the batch unsharded")
+            qkv_TC = tree_short_conv(qkv_TC, conv_CW, batch.conv_pred, "silu", seq_cu=batch.conv_cu_seqlens,
+                                     context=batch.conv_context, num_rows=batch.num_rows,
+                                     backend=c.op_backend("conv"))
+            q, k, v = self.split(qkv_TC)
+            rep = self.HV // self.Hk
+            # One round-kernel family for KDA and GDN: q, k repeated to the value heads and the scalar
+            # decay broadcast over K is the per-channel gate form with equal channels.
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            g_THK = g_TH[..., None].expand(*g_TH.shape, self.Dk)
+            o = kda_rounds(q, k, v, g_THK, beta_TH, batch, chunk_size=c.gdn_chunk_size, backend=c.op_backend("gdn"))
+        else:
+            qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"))
+            q, k, v = self.split(qkv_TC)
+            o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"))
+        z = self.in_proj_z(x_TD).view(o.shape)
+        return self.out_proj(self.norm(o, z).flatten(1))
+
+
+class Router(nn.Module):
+    """Router weight [E, D] under transformers' name ``mlp.gate.weight``."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked as in the checkpoint: gate_up_proj [E, 2F, D] (gate rows first), down_proj
+    [E, D, F]."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Fw, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
+
+
+def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Softmax over all experts in fp32+, top-k, optionally renormalised over the k. Returns (logits_TE,
+    probs_TE, topk_idx_TK, topk_w_TK); the k slots are ordered by expert id so the combine order does not
+    depend on ties in topk."""
+    dt = _compute_dtype(x_TD.dtype)
+    logits_TE = F.linear(x_TD.to(dt), weight_ED.to(dt))
+    probs_TE = logits_TE.softmax(-1)
+    with torch.no_grad():
+        idx_TK = probs_TE.topk(top_k, dim=-1).indices.sort(dim=-1).values
+    w_TK = probs_TE.gather(1, idx_TK)
+    if norm_topk_prob:
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    return logits_TE, probs_TE, idx_TK, w_TK
+
+
+class SparseMoE(nn.Module):
+    """Softmax-routed experts + a shared expert scaled by sigmoid(shared_expert_gate(x)). ``moe_index``,
+    ``expert_parallel``, ``router_loss_scale``, the router statistics (``last_stats``, weighted by the
+    rows' multiplicities) and the router loss in backward are as in Ling's MoE."""
+
+    def __init__(self, cfg: Qwen35Config, moe_index: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.moe_index = moe_index
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.last_stats = None
+        self.expert_parallel = None
+        self.router_loss_scale = 1.0
+
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
+                router: tuple | None = None) -> torch.Tensor:
+        c = self.cfg
+        logits, probs, idx_TK, w_TK = softmax_route(x_TD, self.gate.weight, c.num_experts_per_tok, c.norm_topk_prob)
+        stats = router_stats(logits, probs, idx_TK, token_weight_T)
+        if not _in_backward():
+            self.last_stats = stats
+        ex, Fw = self.experts, c.moe_intermediate_size
+        if self.expert_parallel is not None:
+            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
+        else:
+            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_up_proj[:, :Fw], ex.gate_up_proj[:, Fw:], ex.down_proj,
+                            backend=c.op_backend("moe"))
+        gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TD).to(_compute_dtype(x_TD.dtype))).to(x_TD.dtype)
+        y = y + gate_T1 * self.shared_expert(x_TD)
+        if router is not None:
+            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + mixer(norm(h), batch), then h + moe(norm(h)). The mixer is ``linear_attn``
+    (GDN) or ``self_attn`` (gated attention), transformers' names; ``attention`` refers to it either way."""
+
+    def __init__(self, cfg: Qwen35Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kind = cfg.layer_type(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == "gdn":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoE(cfg, layer_idx)
+
+    @property
+    def attention(self) -> nn.Module:
+        return self.linear_attn if self.kind == "gdn" else self.self_attn
+
+    def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
+                router: tuple | None = None) -> torch.Tensor:
+        h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
+        return h_TD + self.mlp(self.post_attention_layernorm(h_TD), token_weight_T, router)
+
+
+# ------------------------------------------------------------------------------------------ init
+def initial_value(module: nn.Module, attr: str, shape, cfg: Qwen35Config, generator: torch.Generator | None,
+                  device=None) -> torch.Tensor:
+    """The whole float32 initial tensor of ``module``'s parameter ``attr`` (transformers' scratch init):
+    Linear/Embedding/router/experts N(0, initializer_range), zero-centred norms 0, the gated norm 1,
+    A_log = log U(0.01, 16), dt_bias 1, conv U(+-1/sqrt(W)) (nn.Conv1d's default bound)."""
+    t = torch.empty(tuple(shape), dtype=torch.float32, device=device)
+    if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding, Router)):
+        return t.normal_(0.0, cfg.initializer_range, generator=generator)
+    if attr in ("gate_up_proj", "down_proj") and isinstance(module, Experts):
+        return t.normal_(0.0, cfg.initializer_range, generator=generator)
+    if attr == "weight" and isinstance(module, RMSNorm):
+        return t.zero_()
+    if attr == "weight" and isinstance(module, GatedRMSNorm):
+        return t.fill_(1.0)
+    if isinstance(module, GatedDeltaNet) and attr == "A_log":
+        return t.uniform_(0.01, 16.0, generator=generator).log_()
+    if isinstance(module, GatedDeltaNet) and attr == "dt_bias":
+        return t.fill_(1.0)
+    if attr == "weight" and isinstance(module, ShortConvWeight):
+        bound = 1.0 / math.sqrt(t.shape[-1])
+        return t.uniform_(-bound, bound, generator=generator)
+    raise ValueError(f"no initial value defined for {type(module).__name__}.{attr}")
+
+
+def initial_tensors(model: nn.Module, cfg: Qwen35Config, seed: int | None = None):
+    """(tensor, its whole initial value) for every parameter of ``model``, each drawn from its own generator
+    (``param_seed`` of the qualified name) when a seed is given, else from torch's global generator."""
+    for mname, m in model.named_modules():
+        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is None:
+                continue
+            name = f"{mname}.{attr}" if mname else attr
+            gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
+            yield t, initial_value(m, attr, t.shape, cfg, gen, t.device)
+
+
+@torch.no_grad()
+def init_module_weights(model: nn.Module, cfg: Qwen35Config, seed: int | None = None) -> None:
+    for t, full in initial_tensors(model, cfg, seed):
+        t.copy_(full)

@@ -1,0 +1,167 @@
+"""Qwen35ForCausalLM: Qwen3.5-MoE (text) over a packed token stream or a compact HARTS batch.
+
+Legend: T packed tokens (or compact rows), D hidden, V vocab.
+
+The user surface is LingForCausalLM's: ``forward(input_ids_T, position_ids_T, cu_seqlens)`` or
+``forward(layout=batch)`` returns the final-normed hidden states, ``logprobs(batch)`` scores a
+``harts.CompactBatch`` (prefix-shared or trajectory-wise) without an [S, V] tensor, ``router_stats()`` /
+``moe_counts()`` give the last forward's multiplicity-weighted router statistics, and
+``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint).
+Construct on ``torch.device("meta")`` for deferred init, then ``to_empty`` + ``init_weights``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts.models.ling.logprobs import compact_logprobs_reference
+from harts.models.ling.model import _check_packed, _check_token_ids
+from harts.models.qwen35.blocks import DecoderLayer, Packed, RMSNorm, SparseMoE, init_module_weights
+from harts.models.qwen35.config import Qwen35Config
+
+__all__ = ["Qwen35Model", "Qwen35ForCausalLM"]
+
+# kept in float32 (float64 for a float64 model) when the model is cast to a lower precision
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias")
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.checkpoint_layers, self.checkpoint_early_stop = cfg.recompute, True
+
+    def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
+                *, layout=None, router: tuple | None = None) -> torch.Tensor:
+        if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
+            layout, input_ids_T = input_ids_T, None
+        if layout is not None:
+            from harts.runtime.compact import check_batch
+
+            check_batch(layout, self.cfg)
+            batch, input_ids_T = layout, layout.local_rows(layout.input_ids)
+            token_weight_T = layout.local_rows(layout.multiplicity)
+            if layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size:
+                where, unit = "CompactBatch.input_ids", ("physical row" if layout.prefix_sharing else "position")
+                _check_token_ids(input_ids_T, self.cfg.vocab_size, where=where, unit=unit)
+        else:
+            if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
+                raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
+            _check_packed(input_ids_T, position_ids_T, cu_seqlens)
+            _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
+            batch = Packed(position_ids_T, cu_seqlens, max_seqlen)
+        h_TD = self.embed_tokens(input_ids_T)
+        if token_weight_T is not None:
+            token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
+        for layer in self.layers:
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop):
+                    h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
+            else:
+                h_TD = layer(h_TD, batch, token_weight_T, router)
+        return self.norm(h_TD)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        if not isinstance(cfg, Qwen35Config):
+            raise TypeError(f"Qwen35ForCausalLM needs a Qwen35Config, got {type(cfg).__name__}")
+        self.config = cfg.validate()
+        self.model = Qwen35Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ setup and I/O
+    def init_weights(self, seed: int | None = None) -> "Qwen35ForCausalLM":
+        """Scratch init (harts.models.qwen35.blocks.initial_value); with a seed every parameter draws from
+        its own generator, so the result depends neither on module order nor on sharding."""
+        init_module_weights(self, self.config, seed)
+        return self
+
+    def cast_(self, dtype: torch.dtype) -> "Qwen35ForCausalLM":
+        """Cast parameters to ``dtype`` keeping A_log and dt_bias in float32 (float64 for float64)."""
+        keep = torch.promote_types(dtype, torch.float32)
+        for name, t in self.named_parameters():
+            t.data = t.data.to(keep if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "Qwen35ForCausalLM":
+        """An HF folder (ours, transformers' ``Qwen3_5MoeForCausalLM``, or the released multimodal layout's
+        text part); keyword arguments: see ``harts.models.qwen35.checkpoint.load_pretrained``."""
+        from harts.models.qwen35.checkpoint import load_pretrained
+
+        return load_pretrained(path, **kwargs)
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
+        """config.json + safetensors shards that transformers' ``Qwen3_5MoeForCausalLM`` loads."""
+        from harts.models.qwen35.checkpoint import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
+        """Total (or per-token active) parameter count."""
+        c, total = self.config, 0
+        for name, p in self.named_parameters():
+            if not embeddings and ("embed_tokens" in name or name.startswith("lm_head")):
+                continue
+            n = p.numel()
+            if active and ".mlp.experts." in name:
+                n = n // c.num_experts * c.num_experts_per_tok
+            total += n
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
+                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None) -> torch.Tensor:
+        """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch);
+        ``token_weight_T`` weights the router statistics, ``router`` adds the router losses to the backward
+        (see harts.models.ling.blocks.MoE)."""
+        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
+                          router=router)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """Full logits in fp32+ (small inputs / tests only)."""
+        return self.lm_head(hidden_TD).to(torch.promote_types(hidden_TD.dtype, torch.float32))
+
+    def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
+                       rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows."""
+        if rows_S is None:
+            rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
+        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
+                                          chunk_size=self.config.logprobs_chunk_size)
+
+    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
+        """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original order."""
+        from harts.runtime.compact import logprobs
+
+        return logprobs(self, batch, router=router)
+
+    # ------------------------------------------------------------------ MoE
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [l.mlp for l in self.decoder_layers()]
+
+    def router_stats(self):
+        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
+        return [m.last_stats for m in self.moe_layers()]
+
+    def moe_counts(self) -> torch.Tensor:
+        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward."""
+        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
+
+    def update_expert_bias(self, rate: float, counts_LE: torch.Tensor | None = None) -> None:
+        raise ValueError("Qwen3.5-MoE routes by softmax without an expert bias: aux-loss-free bias updates do not "
+                         "apply (set the trainer's expert-bias rate to 0; use the balance loss instead)")
