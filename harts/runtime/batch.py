@@ -76,11 +76,19 @@ class CompactBatch:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # The same MLA visibility read in place (harts.ops.attention.tree): key k visible to query q iff
+    # mla_row[k] >= 0 and mla_row[k] <= mla_row[q] < mla_row_end[k]
+    mla_row: torch.Tensor | None = None  # [P] trie row of each physical row (DFS preorder), -1 for padding
+    mla_row_end: torch.Tensor | None = None  # [P] exclusive end of that row's trie subtree, -1 for padding
+    mla_block_size: int = 128  # rows per block of mla_block_counts
+    mla_block_counts: torch.Tensor | None = None  # [nb, nb] int32 visible pairs per (query, key) block pair
     kda_output_perm: torch.Tensor | None = None  # rounds' concatenated outputs -> physical order (no-replay)
     replay: bool = True  # False only for the fidelity ablation (see pack)
     cp: object | None = None  # harts.runtime.cp.ContextParallel when sharded over a CP group
     vocab_size: int | None = None  # token ids were checked against this vocab size in pack (None: not checked)
     stats: dict = field(default_factory=dict)
+    # Per-device objects derived from the layout fields (the MLA block mask, shared by all MLA layers)
+    derived: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ sizes and helpers
     @property
@@ -204,7 +212,7 @@ def _check_vocab(arrays, vocab_size: int) -> None:
 
 def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sharing: bool = True,
          conv_width: int | None = None, vocab_size: int | None = None, pad_to_multiple: int = 1,
-         replay: bool = True) -> CompactBatch:
+         replay: bool = True, mla_block_size: int = 128) -> CompactBatch:
     """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch.
 
     The plan depends on the model: its KDA chunk size fixes the chunk grid that replay restores, its
@@ -220,7 +228,11 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     state (the exact state at the fork, passed directly), so a branch's chunk grid starts at the fork
     instead of being restored by replaying [a(p), p). Identical in real arithmetic; in finite precision
     the chunkwise kernels round differently, which is what the fidelity benchmark measures.
+
+    ``mla_block_size``: rows per block of the MLA block-sparsity counts (``mla_block_counts``) that the
+    fast tree attention's block mask is built from (128, FlexAttention's block, unless testing).
     """
+    mla_block_size = _int_arg("mla_block_size", mla_block_size)
     chunk_size, conv_width, vocab_size = _model_geometry(config, chunk_size, conv_width, vocab_size)
     if chunk_size is None and prefix_sharing:
         raise TypeError("pack: the KDA chunk size is required with prefix sharing: pass config=model.config "
@@ -238,7 +250,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         return _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size)
 
     from harts.planning.calls import plan_calls
-    from harts.planning.layout import build_layout
+    from harts.planning.layout import build_layout, mla_block_counts
 
     plan = plan_calls(arrays, chunk_size=chunk_size)
     lay = build_layout(plan, conv_width=conv_width, pad_to_multiple=pad_to_multiple)
@@ -268,6 +280,8 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         mla_q_rows=_t(lay.mla_q_rows), mla_q_is_identity=bool(np.array_equal(lay.mla_q_rows, np.arange(P))),
         mla_kv_rows=_t(lay.mla_kv_rows), cu_seqlens_q=_t(lay.cu_seqlens_q), cu_seqlens_k=_t(lay.cu_seqlens_k),
         max_seqlen_q=int(lay.max_seqlen_q), max_seqlen_k=int(lay.max_seqlen_k),
+        mla_row=_t(lay.row_of_phys), mla_row_end=_t(lay.mla_row_end), mla_block_size=mla_block_size,
+        mla_block_counts=torch.as_tensor(mla_block_counts(lay, mla_block_size), dtype=torch.int32),
         stats={"raw_tokens": int(lengths.sum()), "compact_rows": C, "phys_rows": P,
                "kda_calls": lay.num_rounds, "kda_sequences": lay.num_sequences,
                "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,

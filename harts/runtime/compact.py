@@ -10,8 +10,10 @@ head run once per compact row. Only the sequence mixers see other views; the mix
   positions read their ancestors' already computed q/k/v/gate/beta, never recomputed), starts each
   sequence from a zero state or a boundary state emitted by an earlier round (a differentiable tensor, so
   backward flows into the producer's scan), and writes outputs only for its own rows.
-- MLA: q/k/v once per row at the row's original position id; one varlen call with packed Q = each
-  branch's own rows and KV = its ancestors + own rows (bottom-right causal, Eq. 22); index_select's
+- MLA: q/k/v once per row at the row's original position id; every row attends to its trie ancestors
+  and itself (bottom-right causal, Eq. 22). The fast path reads the shared keys/values in place (one
+  block-sparse FlexAttention call over all rows, mask from trie ancestry); the reference runs one varlen
+  call with packed Q = each branch's own rows and KV = its ancestors + own rows, whose index_select
   backward accumulates gradients into shared ancestors.
 - MoE: routing and experts once per row; multiplicities q_c weight the router statistics.
 
@@ -22,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.attention import varlen_attention
+from harts.ops.attention.tree import TreeMask, tree_attention_flex, tree_attention_views, tree_mask
 from harts.ops.backend import resolve
 from harts.ops.tree_conv import tree_short_conv
 from harts.runtime.batch import CompactBatch
 
 __all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_tree", "kda_rounds",
-           "mla_tree_attention"]
+           "mla_tree_attention", "mla_tree_mask"]
 
 
 def check_batch(batch: CompactBatch, cfg) -> None:
@@ -138,19 +140,36 @@ def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg)
 # ------------------------------------------------------------------------------------------ MLA
 def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str = "auto") -> torch.Tensor:
     """The MLA mixer's layout-specific part on a compact batch: per-row q, k [p, H, Dqk], v [p, H, Dv]
-    -> o [p, H, Dv]; each branch's own rows attend to its ancestors + own rows (bottom-right causal)."""
+    -> o [p, H, Dv]; every row attends to its ancestors and itself (bottom-right causal, Eq. 22).
+
+    ``backend`` as resolved by ``harts.ops.backend`` for "attention": the fast path (CUDA) reads the shared
+    prefixes' keys and values in place (one FlexAttention call over all rows with the ancestry block mask,
+    built once per batch and device and shared by all MLA layers); the reference materialises each
+    sequence's view and runs the exact packed varlen reference (harts.ops.attention.tree)."""
     cp = batch.cp
-    if cp is not None:
+    if cp is not None:  # all rows, own heads: both paths see every row after the exchange
         q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
-    P = q.shape[0]
-    if not batch.mla_q_is_identity:
-        q = q.index_select(0, batch.mla_q_rows)
-    o = varlen_attention(q, k.index_select(0, batch.mla_kv_rows), v.index_select(0, batch.mla_kv_rows),
-                         batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
-                         max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
-    if not batch.mla_q_is_identity:
-        o = torch.zeros((P,) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, batch.mla_q_rows, o)
+    if resolve("attention", backend, q.device, q.dtype) == "fast":
+        o = tree_attention_flex(q, k, v, mla_tree_mask(batch, q.device), scale)
+    else:
+        o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
+                                 batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend="reference",
+                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
     return o if cp is None else cp.heads_to_rows(o)
+
+
+def mla_tree_mask(batch: CompactBatch, device) -> TreeMask:
+    """The batch's ancestry block mask on ``device``, built on first use and kept in ``batch.derived``."""
+    device = torch.device(device)
+    key = ("mla_tree_mask", device.type, device.index, batch.mla_block_size)
+    mask = batch.derived.get(key)
+    if mask is None:
+        if batch.mla_row is None or batch.mla_block_counts is None:
+            raise ValueError("mla_tree_mask: the batch has no MLA ancestry fields (pack it with harts.pack)")
+        mask = tree_mask(batch.mla_row.to(device), batch.mla_row_end.to(device), batch.mla_block_counts.to(device),
+                         batch.mla_block_size)
+        batch.derived[key] = mask
+    return mask
 
 
 # ------------------------------------------------------------------------------------------ model

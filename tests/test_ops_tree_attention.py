@@ -1,0 +1,164 @@
+"""MLA over all compact rows with the ancestry block mask (harts.ops.attention.tree) against the exact
+per-sequence view path: the block mask's kernel semantics against the views' dense visibility, and the flex
+path's outputs and q/k/v gradients against the views in float64 and float32 on the CPU; on the GPU, bf16
+flex against a float64 truth, next to the bf16 view path's own error."""
+import numpy as np
+import pytest
+import torch
+
+from harts.ops.attention.tree import tree_attention_flex, tree_attention_views, tree_mask
+from harts.runtime import pack
+from harts.runtime.compact import mla_tree_attention, mla_tree_mask
+from tests.helpers import trajectories_from_spec
+
+
+def _trees(B: int, seed: int):
+    """Forks at B-1, B, B+1 and 2B+1, a duplicate, a prefix that ends inside a path, a second tree."""
+    rng = np.random.default_rng(seed)
+    spec = [(B - 1, [(1, [(2 * B + 3, []), (B, [])]), (B + 2, []), (int(rng.integers(1, 2 * B)), [])]),
+            (B + 1, [(B, [(3, []), (B + 1, [])]), (2, [])])]
+    return trajectories_from_spec(spec, extra_prefixes=[(1, 2 * B)], duplicates=[0])
+
+
+def _view_visibility(batch) -> np.ndarray:
+    """[P, P] visibility of the reference views (bottom-right causal per sequence), an independent truth."""
+    P = batch.num_phys
+    vis = np.zeros((P, P), dtype=bool)
+    q_rows, kv_rows = batch.mla_q_rows.numpy(), batch.mla_kv_rows.numpy()
+    cq, ck = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
+    for s in range(len(cq) - 1):
+        qs, kv = q_rows[cq[s]:cq[s + 1]], kv_rows[ck[s]:ck[s + 1]]
+        h = len(kv) - len(qs)
+        for i, row in enumerate(qs):
+            vis[row, kv[: h + i + 1]] = True
+    return vis
+
+
+def _kernel_visibility(mask) -> np.ndarray:
+    """[Pp, Pp] what a block-sparse kernel computes from the BlockMask: full blocks unmasked, partial blocks
+    through the mask_mod, every other block skipped."""
+    bm, blk, Pp = mask.block_mask, mask.block, mask.num_padded
+    vis = np.zeros((Pp, Pp), dtype=bool)
+    i = torch.arange(blk)
+    for qb in range(Pp // blk):
+        qi = qb * blk + i[:, None]
+        for kb in bm.kv_indices[0, 0, qb, : int(bm.kv_num_blocks[0, 0, qb])].tolist():
+            vis[qb * blk:(qb + 1) * blk, kb * blk:(kb + 1) * blk] = bm.mask_mod(0, 0, qi, kb * blk + i[None, :]).numpy()
+        for kb in bm.full_kv_indices[0, 0, qb, : int(bm.full_kv_num_blocks[0, 0, qb])].tolist():
+            vis[qb * blk:(qb + 1) * blk, kb * blk:(kb + 1) * blk] = True
+    return vis
+
+
+@pytest.mark.parametrize("B,block,pad", [(4, 4, 1), (4, 8, 5), (3, 16, 8), (5, 1, 1)])
+def test_block_mask_is_the_views_visibility(B, block, pad):
+    batch = pack(_trees(B, B + block), chunk_size=B, pad_to_multiple=pad, mla_block_size=block)
+    mask = mla_tree_mask(batch, "cpu")
+    P = batch.num_phys
+    truth = _view_visibility(batch)
+    got = _kernel_visibility(mask)
+    assert not got[P:].any() and not got[:, P:].any(), "padding to the block is visible"
+    assert np.array_equal(got[:P, :P], truth)
+    assert mask.visible_pairs == int(truth.sum()) and mask.partial_blocks + mask.full_blocks > 0
+    if block > 1:  # the classification is exercised: some blocks are skipped or run unmasked
+        nb = mask.num_padded // block
+        assert mask.partial_blocks + mask.full_blocks < nb * nb
+    # The BlockMask's own dense view (what the kernel iterates) agrees with the kernel semantics block-wise.
+    dense = mask.block_mask.to_dense()[0, 0].bool().numpy()
+    nb = mask.num_padded // block
+    any_vis = got.reshape(nb, block, nb, block).any(axis=(1, 3))
+    assert np.array_equal(dense, any_vis)
+
+
+def _qkv(P, H, D, Dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(P, H, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+            for d in (D, D, Dv)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("B,block,pad", [(4, 8, 3), (3, 4, 1)])
+def test_flex_matches_views_values_and_grads(dtype, tol, B, block, pad):
+    batch = pack(_trees(B, 7 * B + block), chunk_size=B, pad_to_multiple=pad, mla_block_size=block)
+    H, D, Dv, scale = 2, 12, 8, 0.37  # q/k and v head dims differ, as in MLA
+    q, k, v = _qkv(batch.num_phys, H, D, Dv, dtype, seed=B)
+    o_ref = mla_tree_attention(q, k, v, batch, scale, backend="reference")
+    o = tree_attention_flex(q, k, v, mla_tree_mask(batch, "cpu"), scale)
+    assert o.shape == o_ref.shape == (batch.num_phys, H, Dv) and o.dtype == dtype
+    torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
+    assert not o[batch.num_rows:].any(), "alignment padding rows produce zeros"
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    g = torch.autograd.grad((o * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((o_ref * w).sum(), (q, k, v))
+    for name, a, b in zip("qkv", g, g_ref):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"d{name}: {m}")
+
+
+def test_mask_is_built_once_per_batch_and_device():
+    batch = pack(_trees(4, 0), chunk_size=4, mla_block_size=8)
+    assert mla_tree_mask(batch, "cpu") is mla_tree_mask(batch, torch.device("cpu"))
+
+
+def test_bad_arguments():
+    batch = pack(_trees(4, 0), chunk_size=4, mla_block_size=8)
+    row, end, counts = batch.mla_row, batch.mla_row_end, batch.mla_block_counts
+    with pytest.raises(ValueError, match="block_counts has shape"):
+        tree_mask(row, end, counts[:-1], 8)
+    with pytest.raises(ValueError, match="row_end_P has shape"):
+        tree_mask(row, end[:-1], counts, 8)
+    with pytest.raises(ValueError, match="row_P must be an integer tensor"):
+        tree_mask(row.double(), end, counts, 8)
+    with pytest.raises(TypeError, match="row_P must be a torch.Tensor"):
+        tree_mask(row.numpy(), end, counts, 8)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        tree_mask(row, end, counts, 0)
+    mask = tree_mask(row, end, counts, 8)
+    q, k, v = _qkv(batch.num_phys, 2, 6, 4, torch.float64, 0)
+    with pytest.raises(ValueError, match=r"q must be \[P="):
+        tree_attention_flex(q[:-1], k, v, mask, 0.5)
+    with pytest.raises(ValueError, match="disagree"):
+        tree_attention_flex(q, k[..., :4], v, mask, 0.5)
+    with pytest.raises(TypeError, match="mask must be a TreeMask"):
+        tree_attention_flex(q, k, v, mask.block_mask, 0.5)
+    with pytest.raises(TypeError, match="mla_block_size must be an int"):
+        pack(_trees(4, 0), chunk_size=4, mla_block_size=8.0)
+
+
+def _gpu_trees(B, rng, n_branches=24):
+    root = rng.integers(0, 1000, 6 * B + 9).tolist()
+    out = [root]
+    for j in range(n_branches):
+        p = int(rng.choice([B - 1, B, B + 1, 3 * B, 5 * B + 1, int(rng.integers(1, 6 * B))]))
+        out.append(root[:p] + [1000 + j] + rng.integers(0, 1000, int(rng.integers(1, 4 * B))).tolist())
+    out.append(list(out[3]))  # a duplicate
+    return out
+
+
+@pytest.mark.gpu
+def test_flex_bf16_within_bf16_noise_of_views_gpu():
+    """bf16 flex and the bf16 view path (flash varlen) against a float64 truth (view path, reference): flex is
+    no further from exact arithmetic than the path it replaces, for the outputs and all three gradients; and
+    ``mla_tree_attention`` on CUDA bf16 runs flex."""
+    batch = pack(_gpu_trees(64, np.random.default_rng(0)), chunk_size=64, pad_to_multiple=8).to("cuda")
+    H, D, Dv, scale = 4, 192, 128, 192 ** -0.5  # Ling-3.0 MLA head dims
+    q, k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, H, D, Dv, torch.float64, 3))
+    do = torch.randn(batch.num_phys, H, Dv, dtype=torch.float64, device="cuda")
+
+    def run(dtype, attend):
+        x = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o = attend(*x)
+        return [o.double()] + [g.double() for g in torch.autograd.grad((o * do.to(dtype)).sum(), x)]
+
+    def views(backend):
+        return lambda q, k, v: tree_attention_views(
+            q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows, batch.cu_seqlens_q,
+            batch.cu_seqlens_k, scale, backend=backend, max_seqlen_q=batch.max_seqlen_q,
+            max_seqlen_k=batch.max_seqlen_k)
+
+    truth = run(torch.float64, views("reference"))
+    old = run(torch.bfloat16, views("fast"))
+    got = run(torch.bfloat16, lambda q, k, v: tree_attention_flex(q, k, v, mla_tree_mask(batch, "cuda"), scale))
+    auto = run(torch.bfloat16, lambda q, k, v: mla_tree_attention(q, k, v, batch, scale))
+    for name, t, a, b, c in zip(("o", "dq", "dk", "dv"), truth, got, old, auto):
+        err, err_old = (a - t).abs().max().item(), (b - t).abs().max().item()
+        assert err <= 2 * err_old + 1e-3 * t.abs().max().item(), f"{name}: flex error {err:.3g}, views {err_old:.3g}"
+        torch.testing.assert_close(c, a, rtol=0, atol=0, msg=lambda m: f"{name}: auto is not flex: {m}")
