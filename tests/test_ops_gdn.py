@@ -1,0 +1,110 @@
+"""Gated DeltaNet core (harts.ops.gdn) and its run on the KDA-family rounds.
+
+- The reference (padded, all sequences at once, blocks recomputed in backward) equals a brute-force loop over
+  sequences, tokens and value heads written from the recurrence, outputs, final states and gradients, with
+  grouped value heads, initial states, an empty and a one-token sequence.
+- On a compact batch, ``harts.runtime.compact.kda_rounds`` with the scalar decay broadcast over K equals the
+  packed core run trajectory by trajectory (values and gradients of the per-row inputs), forks at B-1, B, B+1.
+"""
+import numpy as np
+import pytest
+import torch
+
+from harts.ops.gdn import gated_delta_rule, gated_delta_rule_reference
+from harts.runtime import pack
+from harts.runtime.compact import kda_rounds
+from tests.helpers import fork_tree
+
+
+def brute_force(q, k, v, g, beta, cu, h0=None, scale=None):
+    """o [T, HV, V] and final states, one token, one value head at a time."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    scale = K ** -0.5 if scale is None else scale
+    o = torch.zeros(T, HV, V, dtype=torch.float64)
+    finals = []
+    for n in range(len(cu) - 1):
+        heads = []
+        for h in range(HV):
+            S = torch.zeros(K, V, dtype=torch.float64) if h0 is None else h0[n, h].clone()
+            kh = h // (HV // H)
+            for t in range(cu[n], cu[n + 1]):
+                qt = q[t, kh] / torch.sqrt((q[t, kh] ** 2).sum() + 1e-6) * scale
+                kt = k[t, kh] / torch.sqrt((k[t, kh] ** 2).sum() + 1e-6)
+                S = torch.exp(g[t, h]) * S
+                S = S + beta[t, h] * torch.outer(kt, v[t, h] - kt @ S)
+                o[t, h] = qt @ S
+            heads.append(S)
+        finals.append(torch.stack(heads))
+    return o, torch.stack(finals)
+
+
+def inputs(T, H, HV, K, V, seed, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    t = dict(q=torch.randn(T, H, K, generator=g, dtype=torch.float64),
+             k=torch.randn(T, H, K, generator=g, dtype=torch.float64),
+             v=torch.randn(T, HV, V, generator=g, dtype=torch.float64),
+             g=-torch.rand(T, HV, generator=g, dtype=torch.float64) * 2,
+             beta=torch.rand(T, HV, generator=g, dtype=torch.float64))
+    return {n: x.requires_grad_(requires_grad) for n, x in t.items()}
+
+
+@pytest.mark.parametrize("H,HV", [(2, 2), (2, 4)])
+def test_reference_equals_brute_force(H, HV):
+    cu = [0, 5, 5, 6, 81]  # an empty and a one-token sequence; 75 tokens cross a recomputation block
+    T, K, V = cu[-1], 8, 6
+    x = inputs(T, H, HV, K, V, seed=H + HV, requires_grad=True)
+    h0 = torch.randn(len(cu) - 1, HV, K, V, dtype=torch.float64, requires_grad=True)
+    o, fin = gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], torch.tensor(cu),
+                                        initial_state_NHKV=h0, output_final_state=True, scale=0.3)
+    o_ref, fin_ref = brute_force(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, h0, scale=0.3)
+    assert o.dtype == torch.float64
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fin, fin_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(o)
+    leaves = [*x.values(), h0]
+    grads = torch.autograd.grad((o * w).sum() + fin.square().sum(), leaves)
+    grads_ref = torch.autograd.grad((o_ref * w).sum() + fin_ref.square().sum(), leaves)
+    for name, a, b in zip([*x, "h0"], grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_dispatch_and_validation():
+    x = inputs(6, 2, 4, 4, 4, seed=0)
+    cu = torch.tensor([0, 6])
+    o, _ = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu)  # auto on CPU -> reference
+    torch.testing.assert_close(o, brute_force(x["q"], x["k"], x["v"], x["g"], x["beta"], [0, 6])[0])
+    with pytest.raises(ValueError, match="g must be the per-head log decay"):
+        gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., None].expand(6, 4, 4), x["beta"], cu)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gated_delta_rule(x["q"], x["k"], x["v"][:, :3], x["g"][:, :3], x["beta"][:, :3], cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="fast backend for kda requested but unavailable"):
+        gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, backend="fast")
+
+
+@pytest.mark.parametrize("B", [4, 5])
+def test_rounds_equal_packed_core_per_trajectory(B):
+    """Per-row inputs on the compact rows; HARTS: one kda_rounds call (q, k repeated to the value heads, g
+    broadcast over K); reference: each trajectory's rows gathered and run through the packed core."""
+    trajs = fork_tree(B, np.random.default_rng(B))
+    # One extra token per trajectory: the rows of every original position are then logprob rows.
+    ext = [t + [7] for t in trajs]
+    batch = pack(ext, chunk_size=B)
+    P, H, HV, K, V = batch.num_phys, 2, 4, 8, 4
+    x = inputs(P, H, HV, K, V, seed=B, requires_grad=True)
+    rows = [r[: len(t)] for r, t in zip(batch.split(batch.logprob_rows), trajs)]
+
+    o_P = kda_rounds(x["q"].repeat_interleave(2, 1), x["k"].repeat_interleave(2, 1), x["v"],
+                     x["g"][..., None].expand(P, HV, K), x["beta"], batch, chunk_size=B, backend="reference")
+    flat = torch.cat(rows)
+    cu = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    o_T, _ = gated_delta_rule(*(x[n].index_select(0, flat) for n in ("q", "k", "v", "g", "beta")), cu)
+    torch.testing.assert_close(o_P.index_select(0, flat), o_T, rtol=1e-11, atol=1e-12)
+    w = torch.randn_like(o_T)
+    g_h = torch.autograd.grad((o_P.index_select(0, flat) * w).sum(), list(x.values()))
+    g_b = torch.autograd.grad((o_T * w).sum(), list(x.values()))
+    for name, a, b in zip(x, g_h, g_b):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    assert batch.stats["replay_tokens"] > 0 and batch.stats["boundary_states"] > 0
