@@ -104,7 +104,9 @@ def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -
     else:
         choice_name = choice
     key = (op, choice_name, why)
-    if key not in _logged:
+    # Under torch.compile the choice is a trace-time constant; reading the log set there would guard the
+    # graph on it (a recompilation whenever another op logs), so only eager calls log.
+    if not torch.compiler.is_compiling() and key not in _logged:
         _logged.add(key)
         log.info("harts backend %s -> %s (%s)", op, choice_name, why)
     return choice

@@ -79,9 +79,10 @@ def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w
     T, K = topk_idx_TK.shape
     E = w_gate_EFD.shape[0]
     flat_M = topk_idx_TK.reshape(-1)
-    order_M = torch.sort(flat_M, stable=True).indices
-    counts_E = torch.bincount(flat_M, minlength=E)
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    sorted_M, order_M = torch.sort(flat_M, stable=True)
+    # group ends = number of slots with expert <= e; unlike bincount (output length data-dependent) this
+    # has a static shape, so the path traces under torch.compile without a host read
+    offs_E = torch.searchsorted(sorted_M, torch.arange(E, device=flat_M.device), right=True).to(torch.int32)
     inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(T * K, device=order_M.device))
     x_MD = _SlotGather.apply(x_TD, order_M, inv_M, K)
     g = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
@@ -96,7 +97,87 @@ def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w
     return y_MD.view(T, K, -1).sum(1, dtype=dt).to(y_MD.dtype)
 
 
+# The reference loops over the experts present in the batch (a host read of the counts), which
+# torch.compile cannot trace without specialising on every batch: inside a compiled region it enters the
+# graph as one opaque op, forward = the reference itself, backward = autograd through a recomputation of
+# it (exact, deterministic; the reference is the CPU / float64 path, where memory is not the constraint).
+@torch.library.custom_op("harts::moe_experts_reference", mutates_args=())
+def _reference_op(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, w_gate_EFD: torch.Tensor,
+                  w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor) -> torch.Tensor:
+    return moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+
+
+@_reference_op.register_fake
+def _(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    return x_TD.new_empty(x_TD.shape[0], w_down_EDF.shape[1])
+
+
+@torch.library.custom_op("harts::moe_experts_reference_backward", mutates_args=())
+def _reference_backward_op(grad_TD: torch.Tensor, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
+                           topk_w_TK: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor,
+                           w_down_EDF: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of ``moe_experts_reference`` w.r.t. (x_TD, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF),
+    written out (an op's implementation runs below autograd): the forward recomputed expert by expert,
+    the slot gradients summed per token in a fixed order (no scatter-add)."""
+    T, K = topk_idx_TK.shape
+    D = w_down_EDF.shape[1]
+    flat_M = topk_idx_TK.reshape(-1)
+    order_M = torch.argsort(flat_M, stable=True)
+    counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0]).tolist()
+    dt = torch.promote_types(x_TD.dtype, topk_w_TK.dtype)
+    g_TD = grad_TD.to(dt)
+    dx_parts, y_parts = [], []
+    gw_gate, gw_up, gw_down = (torch.zeros_like(w) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
+    w_M = topk_w_TK.reshape(-1).to(dt)
+    for e, rows in enumerate(order_M.split(counts)):
+        if len(rows) == 0:
+            continue
+        h = x_TD[rows // K]
+        g, u = h @ w_gate_EFD[e].T, h @ w_up_EFD[e].T
+        sg = torch.sigmoid(g)
+        a = g * sg * u
+        y_parts.append(a @ w_down_EDF[e].T)
+        dy = (g_TD[rows // K] * w_M[rows][:, None]).to(x_TD.dtype)  # the combine's weight on this slot
+        da = dy @ w_down_EDF[e]
+        gw_down[e] = dy.T @ a
+        dg = da * u * (sg * (1 + g * (1 - sg)))  # d silu(g) / dg = s (1 + g (1 - s))
+        du = da * g * sg
+        dx_parts.append(dg @ w_gate_EFD[e] + du @ w_up_EFD[e])
+        gw_gate[e], gw_up[e] = dg.T @ h, du.T @ h
+    if not dx_parts:
+        return [torch.zeros_like(x_TD), torch.zeros_like(topk_w_TK), gw_gate, gw_up, gw_down]
+    inv_M = torch.argsort(order_M)  # back to (token, slot) order
+    dx_TD = torch.cat(dx_parts)[inv_M].view(T, K, -1).sum(1)
+    y_TKD = torch.cat(y_parts)[inv_M].view(T, K, D)
+    gw_TK = (y_TKD.to(dt) * g_TD[:, None, :]).sum(-1).to(topk_w_TK.dtype)
+    return [dx_TD, gw_TK, gw_gate, gw_up, gw_down]
+
+
+@_reference_backward_op.register_fake
+def _(grad_TD, x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    return [torch.empty_like(t) for t in (x_TD, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)]
+
+
+def _reference_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _reference_backward(ctx, grad_TD):
+    x_TD, idx_TK, w_TK, wg, wu, wd = ctx.saved_tensors
+    gx, gw, gg, gu, gd = torch.ops.harts.moe_experts_reference_backward(grad_TD, x_TD, idx_TK, w_TK, wg, wu, wd)
+    return gx, None, gw, gg, gu, gd
+
+
+_reference_op.register_autograd(_reference_backward, setup_context=_reference_setup)
+
+
 def moe_experts(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto"):
+    """Routed experts by the resolved backend. Under torch.compile the fast path is traced (Inductor
+    lowers the grouped GEMMs and fuses the SwiGLU, weighting and combine) and the reference enters as the
+    opaque op ``harts::moe_experts_reference``."""
     which = resolve("moe_experts", backend, x_TD.device, x_TD.dtype)
-    fn = moe_experts_grouped_mm if which == "fast" else moe_experts_reference
+    if which == "fast":
+        fn = moe_experts_grouped_mm
+    else:
+        fn = torch.ops.harts.moe_experts_reference if torch.compiler.is_compiling() else moe_experts_reference
     return fn(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)

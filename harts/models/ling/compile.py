@@ -1,0 +1,183 @@
+"""torch.compile as the execution engine of a Ling model, applied from outside the model.
+
+Legend: T rows (packed tokens or compact rows), D hidden.
+
+``compile_model(model)`` compiles each decoder layer as two regions around its sequence mixer's core:
+
+- ``pre``:  input_layernorm + the mixer's per-row projections (``MLA.project``: low-rank q / kv, their
+  norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta).
+- ``post``: the mixer's output (``output``: gate, gated norm, output projection) + residual +
+  post_attention_layernorm + the MLP or MoE (``MoE.compute``: routing, routed experts, shared expert,
+  combine) + residual.
+
+Between them the mixer's ``core`` runs eagerly on the batch description: the layout-specific parts
+(``harts.runtime.compact.kda_tree`` / ``mla_tree_attention`` on a CompactBatch, varlen attention and
+the chunked KDA on packed trajectories) read host structures (planned rounds, cu_seqlens lists,
+data-dependent gathers), so tracing through them would specialise on each microbatch's plan and
+recompile every step. Why not the whole core as one opaque custom op so that a layer is one graph: the
+core's backward is the autograd of those loops (boundary states flowing between rounds), which an op
+would have to recompute inside its own backward, and the batch description is not a tensor. The split
+runs the same modules' code in the same order, so it is exact; it leaves the layout code untouched, and
+a core can be replaced (e.g. by another attention implementation) without touching the regions.
+
+Inside the regions everything is traceable: the norms take their torch form under tracing (Inductor
+generates the fused kernel, ``harts.ops.norm``), the grouped-GEMM MoE path is plain torch, and the MoE
+reference (a host loop over the experts present) enters as the opaque op ``harts::moe_experts_reference``
+(``harts.ops.moe.experts``). The router statistics leave ``post`` as outputs; ``MoE.finish`` records
+them and joins the router loss to the layer output's backward eagerly (it reads the layer's index, which
+would otherwise specialise the graph per layer).
+
+Compilations. With ``dynamic=True`` the row dimension is symbolic: one graph per region serves every
+row count. Layers share a region's code and enter its graphs with their parameters as inputs, so the
+graphs are per layer *signature* (mixer kind, MLP kind, dtype, grad mode, with or without row
+multiplicities), not per layer: a Ling model with dense and MoE layers of both mixer kinds compiles at
+most 2 (pre) + 4 (post) graphs per (dtype, grad mode, multiplicities) whatever the number of layers and
+steps. Each region has its own code object per signature family, so torch's per-code recompile limit
+(8) is never reached. ``CompileReport`` counts every graph handed to the backend (``compilations``,
+per region in ``by_region``) and the seconds spent in the backend.
+
+Order with the other parallelisms (torchtitan's): TP -> activation checkpointing -> compile -> FSDP2.
+Activation checkpointing here wraps each layer call (``LingModel.forward``), outside the compiled
+regions, whose forwards are rerun on recomputation. Not supported (refused with ``ValueError``): module
+hooks on a layer's submodules (the hand-built TP regions; they would be bypassed) and expert parallelism
+(its all-to-all reads host split sizes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from torch import nn
+
+from harts.models.ling.blocks import DecoderLayer, MoE
+
+__all__ = ["CompileReport", "compile_model", "compiled_layer_forward"]
+
+log = logging.getLogger("harts.models.ling.compile")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What ``compile_model`` did and what compiling has cost so far (updated as graphs compile).
+
+    ``regions``: compiled region names (``model.layers.{i}.pre`` / ``.post``); ``compilations``: graphs
+    compiled so far (all regions); ``by_region``: per region function (``pre_kda``, ``post_moe``, ...);
+    ``compile_seconds``: seconds spent in the backend (graph lowering and code generation; Dynamo's
+    tracing is not included)."""
+
+    backend: str
+    dynamic: bool | None
+    regions: list[str] = dataclasses.field(default_factory=list)
+    by_region: dict[str, int] = dataclasses.field(default_factory=dict)
+    compile_seconds: float = 0.0
+
+    @property
+    def compilations(self) -> int:
+        return sum(self.by_region.values())
+
+    def summary(self, steps: int | None = None) -> str:
+        over = f" over {steps} steps" if steps is not None else ""
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(self.by_region.items()))
+        return (f"{self.compilations} compilations{over} ({parts or 'none yet'}), "
+                f"{self.compile_seconds:.1f} s in the {self.backend} backend")
+
+
+def _counting_backend(report: CompileReport, region: str, backend):
+    """Wrap ``backend`` so every graph it compiles is counted against ``region``."""
+    inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_graph(gm, example_inputs):
+        t0 = time.perf_counter()
+        out = inner(gm, example_inputs)
+        report.compile_seconds += time.perf_counter() - t0
+        report.by_region[region] = report.by_region.get(region, 0) + 1
+        return out
+
+    return compile_graph
+
+
+# The regions. One function per (region, kind) so each has its own Dynamo code cache; the layer is an
+# argument (its parameters become graph inputs), so every layer of a kind shares the graphs.
+def _pre_mla(layer: DecoderLayer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+    x_TD = layer.input_layernorm(h_TD)
+    return x_TD, layer.attention.project(x_TD, position_ids_T)
+
+
+def _pre_kda(layer: DecoderLayer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+    x_TD = layer.input_layernorm(h_TD)
+    return x_TD, layer.attention.project(x_TD)
+
+
+def _post_moe(layer: DecoderLayer, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
+              token_weight_T: torch.Tensor | None):
+    h_TD = h_TD + layer.attention.output(o, x_TD)
+    y_TD, stats = layer.mlp.compute(layer.post_attention_layernorm(h_TD), token_weight_T)
+    return h_TD + y_TD, stats
+
+
+def _post_dense(layer: DecoderLayer, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
+                token_weight_T: torch.Tensor | None):
+    h_TD = h_TD + layer.attention.output(o, x_TD)
+    return h_TD + layer.mlp(layer.post_attention_layernorm(h_TD)), None
+
+
+def compiled_layer_forward(layer: DecoderLayer, pre, post):
+    """The layer's forward as compiled ``pre`` -> eager mixer core -> compiled ``post`` (the same
+    computation as ``DecoderLayer.forward``)."""
+
+    def forward(h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
+                router: tuple | None = None) -> torch.Tensor:
+        x_TD, proj = pre(layer, h_TD, batch.local_rows(batch.position_ids))
+        o = layer.attention.core(*proj, batch)
+        out_TD, stats = post(layer, h_TD, x_TD, o, token_weight_T)
+        return layer.mlp.finish(out_TD, stats, router) if stats is not None else out_TD
+
+    return forward
+
+
+def _check_compilable(layer: nn.Module) -> None:
+    if not isinstance(layer, DecoderLayer):
+        raise TypeError(f"compile_model expects Ling decoder layers, got {type(layer).__name__}")
+    for name, mod in layer.named_modules():
+        if name and (mod._forward_hooks or mod._forward_pre_hooks):
+            raise ValueError(f"layer {layer.layer_idx}: module {name!r} has forward hooks (e.g. tensor-parallel "
+                             "regions); the compiled layer calls its submodules' code directly and would bypass "
+                             "them: compile before attaching such hooks, or run without compile")
+    if isinstance(layer.mlp, MoE) and layer.mlp.expert_parallel is not None:
+        raise ValueError(f"layer {layer.layer_idx}: expert parallelism (host-side all-to-all split sizes) is "
+                         "not supported inside a compiled region; run without compile")
+
+
+def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = True,
+                  fullgraph: bool = True) -> CompileReport:
+    """Compile every decoder layer of ``model`` (a ``LingForCausalLM``, whole or a pipeline stage) in
+    place, as ``pre`` / eager core / ``post`` regions (module docstring), and return the report (also
+    kept as ``model.compile_report``). ``backend``: a torch.compile backend name ("inductor", "eager",
+    "aot_eager", ...); ``dynamic``: as torch.compile's (True: row counts symbolic from the first call);
+    ``fullgraph``: refuse graph breaks inside a region. Compiling twice raises."""
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(f"backend must be a torch.compile backend name, got {backend!r}")
+    if dynamic not in (True, False, None):
+        raise TypeError(f"dynamic must be True, False or None, got {dynamic!r}")
+    if getattr(model, "compile_report", None) is not None:
+        raise ValueError("model is already compiled (model.compile_report is set)")
+    layers = model.decoder_layers()
+    for layer in layers:
+        _check_compilable(layer)
+    report = CompileReport(backend=backend, dynamic=dynamic)
+    fns = {}
+    for fn in (_pre_mla, _pre_kda, _post_moe, _post_dense):
+        name = fn.__name__.lstrip("_")
+        fns[name] = torch.compile(fn, backend=_counting_backend(report, name, backend), dynamic=dynamic,
+                                  fullgraph=fullgraph)
+    for layer in layers:
+        pre = fns["pre_mla"] if layer.kind == "mla" else fns["pre_kda"]
+        post = fns["post_moe"] if isinstance(layer.mlp, MoE) else fns["post_dense"]
+        layer.forward = compiled_layer_forward(layer, pre, post)
+        report.regions += [f"model.layers.{layer.layer_idx}.pre", f"model.layers.{layer.layer_idx}.post"]
+    model.compile_report = report
+    log.info("compiled %d decoder layers as pre/post regions (backend %s, dynamic=%s)", len(layers), backend,
+             dynamic)
+    return report
