@@ -108,3 +108,26 @@ def test_rounds_equal_packed_core_per_trajectory(B):
     for name, a, b in zip(x, g_h, g_b):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
     assert batch.stats["replay_tokens"] > 0 and batch.stats["boundary_states"] > 0
+
+
+def test_fast_path_matches_reference_under_triton_interpreter():
+    """fla's chunk_gated_delta_rule (the CUDA path; here the Triton interpreter, float32) against the
+    reference: outputs, final states and input gradients, two sequences with grouped value heads."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.fail("the fast path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = {n: t.float().to(dev).requires_grad_(True) for n, t in inputs(40, 2, 4, 16, 16, seed=11).items()}
+    cu = torch.tensor([0, 17, 40], device=dev)
+    h0 = torch.randn(2, 4, 16, 16, device=dev)
+    outs = {}
+    for be in ("fast", "reference"):
+        o, fin = gated_delta_rule(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True, backend=be)
+        w = torch.linspace(-1, 1, o.numel(), device=dev).view(o.shape)
+        outs[be] = (o, fin, torch.autograd.grad((o * w).sum(), list(x.values())))
+    for i, name in enumerate(("o", "final state")):
+        a, b = outs["fast"][i], outs["reference"][i]
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5, name
+    for name, a, b in zip(x, outs["fast"][2], outs["reference"][2]):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-4, f"grad {name}"
