@@ -391,24 +391,14 @@ def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
 
 
 def apply_compile(model, backend: str = "inductor") -> list[str]:
-    """Compile the layout-free parts of each block (norms, dense MLPs, shared experts) with fullgraph=True.
+    """torch.compile each decoder layer (``harts.models.ling.compile_model``: compiled per-row regions around
+    the eager sequence-mixer cores, row counts dynamic) and return the compiled region names; the running
+    count of compilations is ``model.compile_report`` (``.summary(steps)``). Applied after TP and
+    activation checkpointing, before FSDP2. Tensor-parallel regions (hooks on the mixers and MLPs) and
+    expert parallelism are refused with a ValueError naming the layer."""
+    from harts.models.ling.compile import compile_model
 
-    The sequence mixers read the HARTS layout (host-side cu_seqlens lists, data-dependent gathers) and the
-    reference MoE loops over experts present in the batch; compiling those would graph-break on every
-    microbatch, so they stay eager."""
-    compiled = []
-    for layer in model.decoder_layers():
-        i = layer.layer_idx
-        targets = [("input_layernorm", layer.input_layernorm),
-                   ("post_attention_layernorm", layer.post_attention_layernorm)]
-        if isinstance(layer.mlp, MoE):
-            targets.append(("mlp.shared_experts", layer.mlp.shared_experts))
-        else:
-            targets.append(("mlp", layer.mlp))
-        for name, mod in targets:
-            mod.compile(backend=backend, fullgraph=True)
-            compiled.append(f"model.layers.{i}.{name}")
-    return compiled
+    return list(compile_model(model, backend=backend, dynamic=True).regions)
 
 
 # ------------------------------------------------------------------------------------------ FSDP2

@@ -1,5 +1,6 @@
 """Native Ling-3.0 (BailingMoeV3 / HF ``bailing_hybrid``): config, model, HF checkpoint I/O, generation
-(``harts.models.ling.generate``: incremental decoding, sampling, forkable decoding state)."""
+(``harts.models.ling.generate``: incremental decoding, sampling, forkable decoding state), torch.compile
+as the layers' execution engine (``compile_model``)."""
 from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM, LingModel
 
@@ -7,7 +8,10 @@ _CHECKPOINT = ("load_pretrained", "save_pretrained", "load_hf_state_dict", "to_h
 
 _GENERATE = ("DecodeCache", "Sampling")  # generate(): harts.models.ling.generate.generate
 
-__all__ = ["LingConfig", "LingForCausalLM", "LingModel", *_CHECKPOINT, *_GENERATE, "compact_logprobs_reference"]
+_COMPILE = ("compile_model", "CompileReport")
+
+__all__ = ["LingConfig", "LingForCausalLM", "LingModel", *_CHECKPOINT, *_GENERATE, *_COMPILE,
+           "compact_logprobs_reference"]
 
 
 def __dir__():
@@ -23,6 +27,10 @@ def __getattr__(name):
         import importlib
 
         return getattr(importlib.import_module("harts.models.ling.generate"), name)
+    if name in _COMPILE:
+        from harts.models.ling import compile as compile_module
+
+        return getattr(compile_module, name)
     if name == "compact_logprobs_reference":
         from harts.models.ling.logprobs import compact_logprobs_reference
 

@@ -10,7 +10,8 @@ benchmarks and library users all run this forward. A pipeline stage is this mode
 (``harts.train.pipeline``): absent embeddings take ``hidden_PD`` as input, an absent norm passes
 the hidden states on. The LM head is separate: ``token_logprobs`` chunks over tokens so a 64K x 157K
 fp32 logits tensor never exists. Construct on ``torch.device("meta")`` for deferred init, then
-``to_empty`` + ``init_weights``.
+``to_empty`` + ``init_weights``. ``model.compile()`` (``harts.models.ling.compile_model``) makes
+torch.compile the execution engine of the decoder layers, applied in place from outside the layers.
 """
 from __future__ import annotations
 
@@ -119,10 +120,18 @@ class LingForCausalLM(nn.Module):
         self.config = cfg.validate()
         self.model = LingModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compile_report = None  # set by harts.models.ling.compile_model
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
 
     # ------------------------------------------------------------------ setup
+    def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
+        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
+        per-row regions around the eager sequence-mixer cores) and return its ``CompileReport``."""
+        from harts.models.ling.compile import compile_model
+
+        return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+
     def init_weights(self, seed: int | None = None) -> "LingForCausalLM":
         init_module_weights(self, self.config, seed)
         return self
