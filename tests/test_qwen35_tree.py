@@ -13,11 +13,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
 
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 from harts.runtime import logprobs, pack
-from hypothesis import HealthCheck, assume, given, settings
-
 from tests.helpers import fork_tree, tree_specs
 
 

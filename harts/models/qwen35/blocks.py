@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harts.models.ling.blocks import (MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, param_seed,
-                                      router_term)
+from harts.models.ling.blocks import MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, param_seed, router_term
 from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv

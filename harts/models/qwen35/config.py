@@ -6,11 +6,12 @@ shape: 40 layers of 3 Gated DeltaNet + 1 gated full attention, GQA 16/2 heads of
 GDN 16 key / 32 value heads of 128, 256 experts top-8 plus a gated shared expert, vocab 248,320). A
 checkpoint's own config.json (rope_theta, context length, token ids) always wins over these defaults.
 
-Presets: ``qwen3.5-35b-a3b`` (the full shape), ``qwen3.5-8l`` (8 layers = 2 x (3 GDN + 1 attention),
-64 experts top-8: 2.91e9 parameters, 1.50e9 active per token of which 1.02e9 are the embedding and
-LM head; sized to train on one H200 with bf16 weights and
-optimizer state) and ``qwen3.5-debug`` (every structural feature at sizes a 2-core CPU runs in seconds,
-with a 16-token GDN chunk so tests cross chunk boundaries).
+Presets: ``qwen3.5-35b-a3b`` (the full shape: 34.66e9 parameters, 3.45e9 active per token), ``qwen3.5-8l``
+(8 layers = 2 x (3 GDN + 1 attention), 64 experts top-8: 2.91e9 parameters, 1.50e9 active per token of which
+1.02e9 are the embedding and LM head: about 47 GB of weights, gradients and fp32 optimizer state at 16
+bytes per parameter, leaving an H200 room for activations) and
+``qwen3.5-debug`` (every structural feature at sizes a 2-core CPU runs in seconds, with a 16-token GDN chunk
+so tests cross chunk boundaries).
 """
 from __future__ import annotations
 
