@@ -153,8 +153,8 @@ def _print(res: dict) -> None:
           f"{res['compression']:.2f}x), view KV rows {res['mla_kv_rows']:,} ({res['kv_expansion']:.2f}x)")
     print(f"block mask: {m['partial_blocks']:,} partial + {m['full_blocks']:,} full of {m['blocks']:,} blocks, "
           f"density {m['density']:.3f}; host counts {m['host_counts_s'] * 1e3:.1f} ms (pack {m['pack_s']:.2f} s), "
-          f"device build {m['device_build_s'] * 1e3:.1f} ms; flex first call (compile) {res['flex_first_call_s']:.1f} s, "
-          f"graphs compiled {res['compiled_graphs']}")
+          f"device build {m['device_build_s'] * 1e3:.1f} ms; flex first call (compile) "
+          f"{res['flex_first_call_s']:.1f} s, graphs compiled {res['compiled_graphs']}")
     print(f"{'path':<10} {'fwd+bwd ms':>11} {'peak MiB':>9} {'excess/ideal ms':>16} {'excess share':>13}")
     for name in ("views", "flex", "baseline"):
         p = res["paths"][name]

@@ -4,9 +4,10 @@ round, state or trajectory and its values; ordinary code, so ``python -O`` keeps
 
 Sections: physical order (a bijection between trie rows and the first C physical rows, padding after);
 sequences (output blocks tile [0, C) round-major, replay is [a(p), p)); MLA views (each KV view one true root
-path ending with the sequence's own rows; ``mla_row_end`` the end of each row's trie subtree); rounds (gathers on the path, outputs contiguous, states from earlier
-rounds, sorted requests); state provenance (emitter on the same path up to the anchor, every state consumed);
-conv context; log-probs; agreement with the plan and its trie.
+path ending with the sequence's own rows; ``mla_row_end`` the end of each row's trie subtree); rounds
+(gathers on the path, outputs contiguous, states from earlier rounds, sorted requests); state provenance
+(emitter on the same path up to the anchor, every state consumed); conv context; log-probs; agreement with
+the plan and its trie.
 
 Legend: C compact rows, P physical rows, Q sequences, R rounds, E emitted states, N trajectories,
 W = w - 1 conv window rows, T_r input positions of round r.
