@@ -162,3 +162,35 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
         err, err_old = (a - t).abs().max().item(), (b - t).abs().max().item()
         assert err <= 2 * err_old + 1e-3 * t.abs().max().item(), f"{name}: flex error {err:.3g}, views {err_old:.3g}"
         torch.testing.assert_close(c, a, rtol=0, atol=0, msg=lambda m: f"{name}: auto is not flex: {m}")
+
+
+def test_model_on_flex_equals_trajectory_wise(monkeypatch):
+    """The float64 debug Ling with every MLA layer on the flex path (forced on the CPU) equals the
+    trajectory-wise model: log-probs and every parameter gradient."""
+    import harts.runtime.compact as compact
+    from harts.runtime import logprobs
+    from tests.helpers import fork_tree, make_model
+
+    real = compact.resolve
+    monkeypatch.setattr(compact, "resolve",
+                        lambda op, req, dev, dt: "fast" if op == "attention" else real(op, req, dev, dt))
+    B = 4
+    trajs = fork_tree(B, np.random.default_rng(3))
+    model = make_model(B)
+    hb = pack(trajs, chunk_size=B, pad_to_multiple=3, mla_block_size=8)
+    bb = pack(trajs, chunk_size=B, prefix_sharing=False)
+    w = torch.randn(hb.logprob_rows.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = []
+    for batch in (hb, bb):
+        model.zero_grad(set_to_none=True)
+        lp = logprobs(model, batch)
+        (lp * w).sum().backward()
+        out.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert any(key[0] == "mla_tree_mask" for key in hb.derived), "the flex path did not run"
+    (lp_h, g_h), (lp_b, g_b) = out
+    torch.testing.assert_close(lp_h, lp_b, rtol=1e-10, atol=1e-10)
+    assert g_h.keys() == g_b.keys()
+    for name in g_b:
+        scale = max(g_b[name].abs().max().item(), 1e-12)
+        torch.testing.assert_close(g_h[name], g_b[name], rtol=1e-9, atol=1e-9 * scale,
+                                   msg=lambda m: f"grad {name}: {m}")
