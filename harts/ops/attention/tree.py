@@ -108,12 +108,14 @@ def _int_tensor(name: str, t, ndim: int) -> torch.Tensor:
     return t
 
 
+@torch.compiler.disable
 def tree_mask(row_P: torch.Tensor, row_end_P: torch.Tensor, block_counts: torch.Tensor,
               block: int = BLOCK) -> TreeMask:
     """BlockMask of the ancestry view from per-row trie rows ``row_P`` (-1 for padding), subtree ends
     ``row_end_P`` and ``block_counts`` [nb, nb] visible pairs per block pair
     (``harts.planning.layout.mla_block_counts`` at the same ``block``). Runs on the tensors' device; no
-    P x P tensor is formed."""
+    P x P tensor is formed. Built once per microbatch, eagerly even inside a compiled region (it reads its
+    block statistics on the host)."""
     row_P, row_end_P = _int_tensor("row_P", row_P, 1), _int_tensor("row_end_P", row_end_P, 1)
     block_counts = _int_tensor("block_counts", block_counts, 2)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
