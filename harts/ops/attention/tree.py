@@ -15,7 +15,13 @@ Two implementations of the same attention:
   mask. ``tree_mask`` builds the ``BlockMask`` from ``mla_block_counts`` (visible pairs per block pair of
   ``BLOCK`` rows, computed from the layout on the host, never a dense P x P mask): blocks with every pair
   visible run unmasked, blocks with some run with the ancestry ``mask_mod``, the rest are skipped. Q/K and V
-  head dims may differ (192 / 128 in Ling-3.0), so V is not padded.
+  head dims may differ (192 / 128 in Ling-3.0), so V is not padded. Inductor's flex kernels round each head
+  dim up to a power of two with masked lanes (192 -> 256 for QK^T, 128 for PV), so per visible pair the
+  arithmetic equals the view path's (192 + 192, V padded for the flash varlen kernel); what the flex path
+  saves is the per-sequence copy of the shared keys and values (``mla_kv_rows`` is several times the rows on
+  real trees), the index_add scatter of their gradients, and the memory of both. On realistic microbatches
+  the block mask is dense (visible pairs / computed pairs ~0.99 at 128-row blocks: a branch's ancestors are
+  a few long runs of physical rows), so block sparsity wastes little.
 
 Compilation (CUDA): FlexAttention is fast only compiled. Rows are padded to a multiple of ``BLOCK`` (the
 padding rows see nothing, are seen by nothing, and their blocks are skipped) and the call is compiled with
