@@ -19,9 +19,10 @@ Two implementations of the same attention:
   dim up to a power of two with masked lanes (192 -> 256 for QK^T, 128 for PV), so per visible pair the
   arithmetic equals the view path's (192 + 192, V padded for the flash varlen kernel); what the flex path
   saves is the per-sequence copy of the shared keys and values (``mla_kv_rows`` is several times the rows on
-  real trees), the index_add scatter of their gradients, and the memory of both. On realistic microbatches
-  the block mask is dense (visible pairs / computed pairs ~0.99 at 128-row blocks: a branch's ancestors are
-  a few long runs of physical rows), so block sparsity wastes little.
+  real trees), the index_add scatter of their gradients, and the memory of both. Block sparsity wastes
+  little when a branch's ancestors are a few long runs of physical rows, as on the swe-step workload's
+  planned microbatches (visible / computed pairs about 0.99 at 128-row blocks; ``harts.bench.tree_attention``
+  prints it as the mask density).
 
 Compilation (CUDA): FlexAttention is fast only compiled. Rows are padded to a multiple of ``BLOCK`` (the
 padding rows see nothing, are seen by nothing, and their blocks are skipped) and the call is compiled with
