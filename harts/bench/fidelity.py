@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
+from harts.bench.common import add_workload_args, build_model, fullest_microbatch, load_model, subbatches, workload_step
 from harts.bench.output import write_results
 
 
@@ -64,7 +64,8 @@ def _metrics(zx, za, tgt):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.fidelity", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.05)
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint folder (default: seeded init)")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint folder, Ling-3.0 or Qwen3.5-MoE (its "
+                    "config.json decides; --preset is then not used); default: the preset, seeded init")
     ap.add_argument("--block", type=int, default=1024, help="positions per logits block")
     ap.add_argument("--out", default="out/bench_fidelity")
     args = ap.parse_args(argv)
@@ -74,16 +75,15 @@ def main(argv=None) -> int:
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    step = workload_step(args)
-    trajs = fullest_microbatch(step, plan_microbatches(step, dp_degree=1, capacity=args.capacity))
-    model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
     if args.checkpoint:
-        from harts.models.ling.checkpoint import load_hf_checkpoint
-
-        load_hf_checkpoint(model, args.checkpoint)
-    B = model.config.kda_chunk_size
-    harts_r = pack(trajs, chunk_size=B).to(dev)
-    harts_n = pack(trajs, chunk_size=B, replay=False).to(dev)
+        model = load_model(args.checkpoint, dev, dtype, recompute=False)
+    else:
+        model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
+    cfg = model.config
+    step = workload_step(args, vocab_size=cfg.vocab_size)
+    trajs = fullest_microbatch(step, plan_microbatches(step, dp_degree=1, capacity=args.capacity))
+    harts_r = pack(trajs, config=cfg).to(dev)
+    harts_n = pack(trajs, config=cfg, replay=False).to(dev)
     groups = subbatches(trajs, args.capacity)
     depth_rows = torch.as_tensor(handoff_depth_of_rows(harts_r))
     W = model.lm_head.weight
@@ -95,13 +95,13 @@ def main(argv=None) -> int:
         for idx in groups:
             calls = [[i] for i in idx] if alone else [idx[::-1] if reverse else idx]
             for order in calls:
-                b = pack([trajs[i] for i in order], chunk_size=B, prefix_sharing=False).to(dev)
+                b = pack([trajs[i] for i in order], config=cfg, prefix_sharing=False).to(dev)
                 parts = b.split(hidden_states(model, b)[b.logprob_rows])
                 out.extend(parts[::-1] if reverse else parts)
         return torch.cat(out)
 
-    res = {"args": vars(args), "stats": harts_r.stats, "device": torch.cuda.get_device_name() if dev.type == "cuda"
-           else "cpu", "torch": torch.__version__}
+    res = {"args": vars(args), "model": type(model).__name__, "stats": harts_r.stats,
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
     D = 6
     names = ["baseline_B", "baseline_C", "harts_replay", "harts_no_replay"]
     with torch.no_grad():
@@ -111,10 +111,12 @@ def main(argv=None) -> int:
               "harts_no_replay": hidden_states(model, harts_n)[harts_n.logprob_rows]}
         # "With recomputation": the same forward run under activation checkpointing (it must not change
         # the logits; measured rather than assumed).
-        model.config.recompute = True
+        # (The model reads its per-layer checkpointing switch at forward time; config.recompute only sets
+        # its initial value.)
+        model.model.checkpoint_layers = True
         with torch.enable_grad():
             hs_rc = hidden_states(model, harts_r)[harts_r.logprob_rows].detach()
-        model.config.recompute = False
+        model.model.checkpoint_layers = False
         tgt = harts_r.logprob_targets
         dep = depth_rows.to(dev)[harts_r.logprob_rows].clamp_max(D - 1)
         acc = {n: {"cos": 0.0, "symkl": torch.zeros(D, dtype=torch.float64),

@@ -25,7 +25,8 @@ from collections import defaultdict
 
 import torch
 
-from harts.bench.common import add_workload_args, build_model, family, subbatches, workload_step
+from harts.bench.common import (add_workload_args, build_model, chunk_size_of, family, model_class, model_config,
+                                subbatches, workload_step)
 from harts.bench.output import write_results
 from harts.bench.trace_summary import device_idle
 
@@ -88,24 +89,23 @@ def baseline_flops(model, trajs, capacity: int, act: int) -> float:
     from harts.bench.flops import batch_forward_flops
     from harts.runtime import pack
 
-    B = model.config.kda_chunk_size
-    return sum(batch_forward_flops(model, pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False),
+    return sum(batch_forward_flops(model, pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False),
                                    act)["total"] for idx in subbatches(trajs, capacity))
 
 
 def flops_only(args) -> int:
     from harts.bench.flops import active_matmul_params, batch_forward_flops
-    from harts.models.ling import LingConfig, LingForCausalLM
     from harts.runtime import pack
 
     mbs, _, _ = planned_microbatches(args)
+    cfg = model_config(args.preset)
     with torch.device("meta"):
-        model = LingForCausalLM(LingConfig.preset(args.preset))
-    B, act = model.config.kda_chunk_size, active_matmul_params(model)
+        model = model_class(cfg)(cfg)
+    act = active_matmul_params(model)
     raw = compact = replay = 0
     fh = fb = 0.0
     for n, trajs in enumerate(mbs, 1):
-        hb = pack(trajs, chunk_size=B)
+        hb = pack(trajs, config=cfg)
         fh += batch_forward_flops(model, hb, act)["total"]
         fb += baseline_flops(model, trajs, args.capacity, act)
         raw, compact, replay = raw + hb.stats["raw_tokens"], compact + hb.num_rows, replay + hb.stats["replay_tokens"]
@@ -321,19 +321,20 @@ def main(argv=None) -> int:
     mbs, plan, t_mb = planned_microbatches(args)
     mine = list(range(shard, len(mbs), nshard))
     model = build_model(args.preset, dev, dtype, args.seed, recompute=True)
-    B = model.config.kda_chunk_size
+    cfg = model.config
+    B = chunk_size_of(cfg)
     act = active_matmul_params(model)
 
     def loss_of(lp):
         return -(lp * torch.linspace(-1, 1, lp.shape[0], device=lp.device, dtype=lp.dtype)).mean()
 
     def run_harts(trajs):
-        hb = pack(trajs, chunk_size=B).to(dev, non_blocking=True)
+        hb = pack(trajs, config=cfg).to(dev, non_blocking=True)
         loss_of(model.logprobs(hb)).backward()
 
     def run_baseline(trajs):
         for idx in subbatches(trajs, args.capacity):
-            bb = pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev, non_blocking=True)
+            bb = pack([trajs[i] for i in idx], config=cfg, prefix_sharing=False).to(dev, non_blocking=True)
             loss_of(model.logprobs(bb)).backward()
 
     def reset():
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
         # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
         j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
-        hb = pack(mbs[j], chunk_size=B)
+        hb = pack(mbs[j], config=cfg)
         c0 = hb.stats["raw_tokens"] / hb.num_rows
         (fam_h, idle_h), (fam_b, idle_b) = (profile_families(lambda: fn(mbs[j]), dev, loads, reset)
                                             for fn in (run_harts, run_baseline))
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
         b = timed_run(lambda: run_baseline(trajs), reset, sync, loads)
         b_peak = peak_gb()
         reset()
-        hb = pack(trajs, chunk_size=B)
+        hb = pack(trajs, config=cfg)
         rec = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows,
                "replay": hb.stats["replay_tokens"], "mla_kv": hb.stats["mla_kv_rows"], "calls_plan_s": t_calls,
                "flops_harts": batch_forward_flops(model, hb, act)["total"],
