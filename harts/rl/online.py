@@ -6,13 +6,17 @@ with step s it samples ``online.episodes`` rollout trees from ``model`` (its cur
 whose trajectories go through the same GRPO, planning and packing path as JSONL rollouts.
 
 The paper's Figure 5 (reward per step of HARTS and the trajectory-wise baseline from the same seed),
-on the lookup task on CPU::
+on the lookup task::
 
     python -m harts.rl.online --config configs/online_cpu.toml --out out/online_figure5.png
+    python -m harts.rl.online --config configs/online_1gpu.toml --baseline-seeds 1 --jobs 3 \
+        --out out/online_figure5_1gpu.png
 
-runs the config twice in this process (``harts.enabled`` true, then false; checkpoints off) and plots
-both reward curves in one PNG. In float64 the rollouts and losses of the two runs agree step by step
-(tests/test_online.py), so the curves coincide.
+runs ``train.py`` on the config with ``harts.enabled`` true, then false (checkpoints off), plus one baseline
+per extra sampler seed, as processes (``--jobs`` at a time), and plots every reward curve in one PNG; a JSON
+beside it holds each run's reward, compression, tokens/s and step time per step. In float64 the rollouts and
+losses of HARTS and the baseline agree step by step (tests/test_online.py), so their curves coincide; the
+extra seeds' spread is the run-to-run noise against which a bf16 difference between them is judged.
 """
 from __future__ import annotations
 
@@ -80,34 +84,90 @@ def plot_rewards(curves: dict, path: str, title: str = "reward per step") -> boo
     return True
 
 
+def _run_argv(config: str, overrides: list[str], enabled: bool, seed: int | None, folder: str) -> list[str]:
+    argv = ["--config", config, *overrides, f"--harts.enabled={str(enabled).lower()}", "--online.enabled=true",
+            "--online.plot=false", "--checkpoint.enable=false", f"--job.dump_folder={folder}"]
+    return argv + ([f"--online.seed={seed}"] if seed is not None else [])
+
+
+def _read_metrics(folder: str) -> list[dict]:
+    import json
+
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise RuntimeError(f"no {path}: the run did not log a step (see {folder}/run.log)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _tail_mean(xs: list[float], n: int = 10) -> float:
+    xs = xs[-n:]
+    return sum(xs) / max(len(xs), 1)
+
+
 def main(argv=None) -> int:
-    """The Figure 5 analog (module docstring): HARTS and the baseline from the same seed, one PNG."""
+    """The Figure 5 analog (module docstring): HARTS and the baseline from the same seed, one PNG; with
+    ``--baseline-seeds`` more baseline runs from other sampler seeds, whose spread says how far two runs
+    of the same trainer land apart; ``--jobs`` runs them as concurrent processes (e.g. on one GPU)."""
+    import json
+    import subprocess
+
     ap = argparse.ArgumentParser(prog="python -m harts.rl.online", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="an online config, e.g. configs/online_cpu.toml")
-    ap.add_argument("--out", default="out/online_figure5.png", help="the PNG to write")
-    ap.add_argument("overrides", nargs="*", help="--section.key=value overrides for both runs")
+    ap.add_argument("--out", default="out/online_figure5.png", help="the PNG to write (and a .json beside it)")
+    ap.add_argument("--baseline-seeds", default="", help="comma-separated online.seed values of extra baseline runs")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each its own process (default 1)")
     args, extra = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: must be >= 1")
+    try:
+        extra_seeds = [int(x) for x in args.baseline_seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--baseline-seeds {args.baseline_seeds!r}: expected comma-separated integers") from None
     from harts.train.config import parse_args
-    from harts.train.trainer import Trainer
 
-    curves = {}
-    for enabled, label in ((True, "HARTS"), (False, "baseline")):
-        argv_run = ["--config", args.config, *args.overrides, *extra, f"--harts.enabled={str(enabled).lower()}",
-                    "--online.enabled=true", "--online.plot=false", "--checkpoint.enable=false"]
-        cfg = parse_args(argv_run)
-        cfg.job.dump_folder = os.path.join(cfg.job.dump_folder, "harts" if enabled else "baseline")
-        trainer = Trainer(cfg)
-        try:
-            hist = trainer.train()
-        finally:
-            trainer.close()
-        curves[label] = ([r["step"] for r in hist], [r["reward"] for r in hist])
-        log.info("%s: mean reward %.3f over the first 5 steps, %.3f over the last 5", label,
-                 sum(curves[label][1][:5]) / len(curves[label][1][:5]),
-                 sum(curves[label][1][-5:]) / len(curves[label][1][-5:]))
-    if plot_rewards(curves, args.out, "lookup task, online GRPO, same seed"):
+    base = parse_args(["--config", args.config, *extra])
+    root = base.job.dump_folder
+    runs = [("HARTS", True, None, os.path.join(root, "harts")),
+            ("baseline", False, None, os.path.join(root, "baseline"))]
+    runs += [(f"baseline, seed {s}", False, s, os.path.join(root, f"baseline_seed{s}")) for s in extra_seeds]
+    train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
+    if not os.path.exists(train_py):
+        raise SystemExit(f"{train_py} not found: run from a checkout of the repository (train.py is its entry point)")
+    pending, running, failed = list(runs), [], []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            label, enabled, seed, folder = pending.pop(0)
+            os.makedirs(folder, exist_ok=True)
+            cmd = [sys.executable, train_py, *_run_argv(args.config, extra, enabled, seed, folder)]
+            log.info("%s: %s (log %s/run.log)", label, " ".join(cmd[1:]), folder)
+            with open(os.path.join(folder, "run.log"), "w") as logf:
+                running.append((label, folder, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)))
+        label, folder, proc = running[0]
+        proc.wait()
+        running.pop(0)
+        if proc.returncode:
+            failed.append(f"{label} (exit {proc.returncode}, {folder}/run.log)")
+    if failed:
+        raise SystemExit("online runs failed: " + "; ".join(failed))
+    curves, summary = {}, {"config": args.config, "overrides": extra, "runs": {}}
+    for label, enabled, seed, folder in runs:
+        hist = _read_metrics(folder)
+        steps, rewards = [r["step"] for r in hist], [r["reward"] for r in hist]
+        curves[label] = (steps, rewards)
+        summary["runs"][label] = {
+            "harts": enabled, "online_seed": base.online.seed if seed is None else seed, "steps": steps,
+            "reward": rewards, "compression": [r["compression"] for r in hist],
+            "raw_tok_s": [r["raw_tok_s"] for r in hist], "step_s": [r["step_s"] for r in hist],
+            "rollout_s": [r.get("rollout_s") for r in hist],
+            "reward_first10": _tail_mean(rewards[:10]), "reward_last10": _tail_mean(rewards)}
+        log.info("%s: mean reward %.3f over the first 10 steps, %.3f over the last 10", label,
+                 _tail_mean(rewards[:10]), _tail_mean(rewards))
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    if plot_rewards(curves, args.out, "lookup task, online GRPO"):
         log.info("wrote %s", args.out)
     return 0
 

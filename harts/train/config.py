@@ -29,7 +29,7 @@ __all__ = ["HartsJobConfig", "parse_args", "load_config"]
 @dataclass
 class Ling:
     preset: str = "ling3-tiny-debug"
-    """LingConfig preset: 'ling3-tiny-debug' | 'ling3-tiny'."""
+    """LingConfig preset: 'ling3-tiny-debug' | 'ling3-small' | 'ling3-tiny'."""
     num_hidden_layers: int = 0
     """Override the preset's layer count (0 = keep)."""
     kda_chunk_size: int = 0

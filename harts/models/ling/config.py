@@ -144,8 +144,16 @@ class LingConfig:
                 eos_token_id=2,
                 logprobs_chunk_size=64,
             )
+        elif name == "ling3-small":
+            # the debug model's layer pattern, experts and vocab at GPU-kernel head sizes (KDA head dim 64,
+            # chunk 64): small enough to learn the online lookup task on one GPU in minutes
+            cfg = dataclasses.replace(
+                cls.preset("ling3-tiny-debug"), hidden_size=256, head_dim=64, intermediate_size=512,
+                moe_intermediate_size=128, moe_shared_expert_intermediate_size=128, q_lora_rank=64, kv_lora_rank=64,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_chunk_size=64)
         else:
-            raise ValueError(f"unknown LingConfig preset {name!r}; known: 'ling3-tiny', 'ling3-tiny-debug'")
+            raise ValueError(f"unknown LingConfig preset {name!r}; known: 'ling3-tiny', 'ling3-small', "
+                             "'ling3-tiny-debug'")
         return dataclasses.replace(cfg, **overrides).validate()
 
     # ---------------------------------------------------------------- HF config.json
