@@ -1,7 +1,7 @@
 """Trajectory-wise training step of the full Ling-3.0-tiny on one GPU: forward + backward, bf16, full
 activation recomputation, a packed microbatch of whole trajectories (varlen, no padding).
 
-    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--out DIR]
+    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--compile] [--out DIR]
 
 Prints a table and writes DIR/model_bench.json. ``--device cpu --dtype float32`` with a debug preset is a
 smoke run of the same code (wall-clock timing, no memory figures, no profile), not a measurement. Numbers:
@@ -11,7 +11,10 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   all projections, LM head; no embedding lookup), causal MLA attention 2*H*(Dqk+Dv)*L(L+1)/2 per
   sequence, the KDA chunked core per token per head 4CK + 3CV + 6KV (intra-chunk A_qk/A_kk, WY products,
   state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward (4x fwd);
-- peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family.
+- peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family;
+- with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
+  [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
+  spent in the compile backend, and the number of compilations over all steps run.
 The loss is -mean log p(next token) through ``token_logprobs`` (chunked, checkpointed): no T x V fp32
 tensor is ever materialised (at most one chunk's logits).
 """
@@ -81,6 +84,10 @@ def run(args, overrides: dict) -> dict:
     T = sum(lens)
     torch.manual_seed(args.seed)
     model = build_model(cfg, dev, dtype)
+    if args.compile:
+        from harts.models.ling import compile_model
+
+        compile_model(model, backend=args.compile_backend, dynamic=True)
     ids = torch.randint(0, cfg.vocab_size, (T,), device=dev)
     pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
@@ -88,9 +95,13 @@ def run(args, overrides: dict) -> dict:
     params_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
     t0 = time.time()
+    first_s = None
     for _ in range(args.warmup):
         model.zero_grad(set_to_none=True)
         train_step(model, ids, pos, cu, max_len)
+        if first_s is None:
+            _sync(dev)
+            first_s = time.time() - t0
     _sync(dev)
     warm_s = time.time() - t0
     if cuda:
@@ -118,8 +129,13 @@ def run(args, overrides: dict) -> dict:
         "tokens_per_s": T / step_s, "loss": float(loss),
         "fwd_flops": {k: v for k, v in fl.items()}, "model_flops_per_step": model_flops,
         "mfu": model_flops / step_s / H200_BF16_DENSE_PEAK, "hfu": hw_flops / step_s / H200_BF16_DENSE_PEAK,
-        "peak_mem_gib": peak, "peak_flops_assumed": H200_BF16_DENSE_PEAK,
+        "peak_mem_gib": peak, "peak_flops_assumed": H200_BF16_DENSE_PEAK, "compile": None,
     }
+    if model.compile_report is not None:
+        rep = model.compile_report
+        res["compile"] = {"backend": rep.backend, "dynamic": rep.dynamic, "compilations": rep.compilations,
+                          "by_region": dict(rep.by_region), "steps": args.warmup + args.iters,
+                          "backend_s": rep.compile_seconds, "first_step_s": first_s}
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
 
@@ -168,6 +184,10 @@ def print_table(r: dict) -> None:
          f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),
         ("warm-up (incl. autotune)", f"{r['warmup_s']:.1f} s"),
     ]
+    c = r.get("compile")
+    rows.append(("torch.compile", "off" if c is None else
+                 f"{c['backend']}: {c['compilations']} compilations over {c['steps']} steps, first step "
+                 f"{c['first_step_s']:.1f} s, {c['backend_s']:.1f} s in the backend"))
     w = max(len(a) for a, _ in rows)
     for a, b in rows:
         print(f"  {a:<{w}}  {b}")
@@ -191,6 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--backend", default=None, choices=("auto", "reference", "fast"),
                    help="LingConfig.backend for every op (default: the preset's, i.e. auto)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (harts.models.ling.compile_model, as the trainer does)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--out", default="out/bench_model")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
