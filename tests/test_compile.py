@@ -72,6 +72,20 @@ def test_compiled_equals_eager_float64_and_compilations_bounded(models):
             assert first == bound, report.summary()
     assert report.compilations == first, f"recompiled for new row counts: {report.summary(len(batches))}"
     assert len(report.regions) == 2 * len(compiled.decoder_layers())
+    # activation checkpointing wraps each compiled layer: recomputation reruns the same graphs
+    b = batches[0]
+    adv = torch.randn(b.logprob_rows.shape[0], generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    for m in (eager, compiled):
+        m.model.checkpoint_layers = True
+    try:
+        (lp_e, g_e), (lp_c, g_c) = _run(eager, b, adv), _run(compiled, b, adv)
+    finally:
+        for m in (eager, compiled):
+            m.model.checkpoint_layers = False
+    assert _rel(lp_c, lp_e) <= 1e-12
+    for name in g_e:
+        assert _rel(g_c[name], g_e[name]) <= 1e-12, f"checkpointed: grad {name}"
+    assert report.compilations == first, report.summary()
 
 
 def test_compiled_float32_close_to_float64_truth():
@@ -100,8 +114,7 @@ def test_grouped_mm_path_traces_without_breaks_and_matches_reference():
 
     g = torch.Generator().manual_seed(0)
     E, K, D, F = 8, 2, 16, 8
-    w64 = [torch.randn(E, F, D, generator=g, dtype=torch.float64), torch.randn(E, F, D, generator=g, dtype=torch.float64),
-           torch.randn(E, D, F, generator=g, dtype=torch.float64)]
+    w64 = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((E, F, D), (E, F, D), (E, D, F))]
     fn = torch.compile(moe_experts_grouped_mm, backend="aot_eager", dynamic=True, fullgraph=True)
     for T in (5, 13):
         x64 = torch.randn(T, D, generator=g, dtype=torch.float64)
