@@ -115,8 +115,20 @@ def _int_tensor(name: str, t, ndim: int) -> torch.Tensor:
     return t
 
 
-@torch.compiler.disable
 def tree_mask(row_P: torch.Tensor, row_end_P: torch.Tensor, block_counts: torch.Tensor,
+              block: int = BLOCK) -> TreeMask:
+    """BlockMask of the ancestry view (``_tree_mask``), built eagerly even when called from a compiled region
+    (it reads its block statistics on the host). The eager wrapper is made on first use: wrapping at import
+    would import torch._dynamo into every reference-path user of harts.ops."""
+    return _eager_tree_mask()(row_P, row_end_P, block_counts, block)
+
+
+@functools.cache
+def _eager_tree_mask():
+    return torch.compiler.disable(_tree_mask)
+
+
+def _tree_mask(row_P: torch.Tensor, row_end_P: torch.Tensor, block_counts: torch.Tensor,
               block: int = BLOCK) -> TreeMask:
     """BlockMask of the ancestry view from per-row trie rows ``row_P`` (-1 for padding), subtree ends
     ``row_end_P`` and ``block_counts`` [nb, nb] visible pairs per block pair
