@@ -13,7 +13,8 @@ full-layer activation recomputation on both paths:
   expansion, and a torch.profiler breakdown by op family of one microbatch of each path: for each family
   the HARTS time against the ideal (baseline time / compression) says where HARTS loses.
 
-Writes ``speedup.json`` and ``speedup.png``.
+``--preset`` picks the model (``qwen3.5-8l``: the reduced-depth Qwen3.5-MoE that trains on one H200; see
+``harts.bench.common``). Writes ``speedup.json`` and ``speedup.png``.
 """
 from __future__ import annotations
 
@@ -272,9 +273,9 @@ def merge(paths: list[str], out: str) -> int:
     n = shards[0]["args"]["shard"][1]
     if got != list(range(n)):
         raise SystemExit(f"--merge: shards {got} of {n}; every shard 0..{n - 1} exactly once is needed")
-    meta = {k: v for k, v in shards[0].items() if k in ("device", "torch", "microbatch_plan_s", "microbatches",
-                                                         "planned_microbatches", "flops_per_row", "peak_tflops",
-                                                         "kernel_load_detection")}
+    meta = {k: v for k, v in shards[0].items() if k in ("model", "device", "torch", "microbatch_plan_s",
+                                                         "microbatches", "planned_microbatches", "flops_per_row",
+                                                         "peak_tflops", "kernel_load_detection")}
     meta["args"] = dict(shards[0]["args"], shard=None, merged=paths)
     records = sorted((r for s in shards for r in s["records"]), key=lambda r: r["index"])
     profile = next((s["profile"] for s in shards if "profile" in s), None)
@@ -351,7 +352,8 @@ def main(argv=None) -> int:
     run_baseline(small)
     reset()
 
-    meta = {"args": vars(args), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    meta = {"args": vars(args), "model": type(model).__name__,
+            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs),
             "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
             "peak_tflops": args.peak_tflops,
