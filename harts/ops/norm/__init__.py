@@ -1,8 +1,9 @@
 """RMSNorm and gated RMSNorm with an explicit backend: the torch reference, or fla's fused Triton kernels.
 
 Two cases always take the torch ops, whatever was requested: tracing under ``torch.compile`` (Inductor
-fuses the same ops; the trainer compiles the norms) and DTensor operands (tensor parallelism hands the
-norms Replicate weights; the Triton kernels take plain tensors; logged once).
+fuses the same ops with their neighbours; ``harts.models.ling.compile_model`` compiles the layers' row-wise
+regions) and DTensor operands (tensor parallelism hands the norms Replicate weights; the Triton kernels
+take plain tensors; logged once).
 """
 from __future__ import annotations
 
