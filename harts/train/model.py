@@ -2,8 +2,8 @@
 
 There is no trainer copy of the model: the trainer calls ``LingForCausalLM.logprobs(batch, router)``,
 the same forward the benchmarks and library users run, and harts.train.parallelize applies every
-parallelism from outside (TP/SP boundaries as hooks on the mixers, FFNs, embeddings and final norm;
-expert parallelism as the MoE's ``expert_parallel`` dispatch; checkpointing; FSDP2). Pipeline stages
+parallelism from outside (TP/SP as DTensor parallel styles on the mixers, FFNs, embeddings and final
+norm; expert parallelism as the MoE's ``expert_parallel`` dispatch; checkpointing; FSDP2). Pipeline stages
 are the same model pruned (harts.train.pipeline). Router losses (``harts.models.ling.blocks.router_term``)
 join each MoE layer's backward.
 """
@@ -14,7 +14,7 @@ import torch
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import router_term
 
-__all__ = ["Completed", "redistribute", "router_term", "build_policy", "init_sharded", "model_config", "DTYPES"]
+__all__ = ["Completed", "router_term", "build_policy", "init_sharded", "model_config", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -32,8 +32,10 @@ class Completed(torch.autograd.Function):
     wrappers that wait only when a torch op touches them. Triton kernels read raw pointers and never
     trigger that wait, so a kernel reading a region's input, or a layer norm's backward reading the
     gradient that a region boundary's reduce-scatter may still be writing, could read a half-written
-    buffer (tests/test_train_completed.py shows such a gradient arriving unwaited). Every TP/SP boundary
-    passes through here both ways."""
+    buffer (tests/test_train_completed.py shows such a gradient arriving unwaited). DTensor's parallel
+    styles redistribute synchronously (``async_op=False``, which waits) wherever the result reaches a
+    Triton op, so the TP/SP boundaries no longer need this; a hand-made boundary around a functional
+    collective would."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -43,17 +45,6 @@ class Completed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> torch.Tensor:
         return _completed(g)
-
-
-def redistribute(x: torch.Tensor, mesh, src: tuple, dst: tuple, grad_placements: tuple | None = None) -> torch.Tensor:
-    """This rank's tensor placed as ``src`` on ``mesh``, moved to ``dst``, back as a local tensor: the one
-    path of every TP/SP boundary, completed both ways (``Completed``)."""
-    from torch.distributed.tensor import DTensor
-
-    d = DTensor.from_local(Completed.apply(x), mesh, src)
-    if dst != src:
-        d = d.redistribute(mesh, dst)
-    return Completed.apply(d.to_local(grad_placements=grad_placements))
 
 
 def model_config(ling) -> LingConfig:

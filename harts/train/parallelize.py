@@ -34,7 +34,6 @@ from torch import nn
 from harts.models.ling.blocks import DecoderLayer, MoE
 from harts.ops.backend import resolve
 from harts.ops.moe.experts import _combine
-from harts.train.model import redistribute
 
 log = logging.getLogger("harts.train")
 
@@ -198,149 +197,95 @@ def expert_params(model) -> set:
 
 
 # ------------------------------------------------------------------------------------------ TP
-def _local_view_hooks(owner: nn.Module, targets: list[tuple[nn.Module, str]]) -> None:
-    """Around ``owner``'s forward, expose each DTensor parameter in ``targets`` as its local tensor.
-
-    The model's ops use parameters directly (``F.linear``-free conv weights, A_log, stacked experts) next
-    to plain activations, which DTensor refuses. ``to_local`` is differentiable: a Shard parameter gets
-    its shard's gradient; a Replicate parameter used inside a TP region gets a partial gradient
-    (``grad_placements=Partial``), all-reduced on the way back. FSDP2's unshard hook is prepended and its
-    reshard hook appended, so these hooks see the unsharded TP parameters."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    def pre(mod, args):
-        saved = []
-        for m, n in targets:
-            p = m._parameters[n]
-            if isinstance(p, DTensor):
-                saved.append((m, n, p))
-                local = p.to_local()
-                if all(isinstance(pl, Replicate) for pl in p.placements):
-                    # the region's ranks each produce part of this gradient: all-reduce it on the way
-                    # back, so the parameter's gradient is a plain Replicate DTensor
-                    local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False).to_local(
-                        grad_placements=(Partial(),))
-                m._parameters[n] = local
-        mod._harts_local_saved = saved
-
-    def post(mod, args, out):
-        for m, n, p in getattr(mod, "_harts_local_saved", ()):
-            m._parameters[n] = p
-        mod._harts_local_saved = []
-
-    owner.register_forward_pre_hook(pre)
-    owner.register_forward_hook(post)
-
-
-def _tp_region(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """Make ``module`` (a mixer or an FFN, whose first argument is its input rows) a TP region, from
-    outside: its input is replicated (all-gathered from row shards under SP) with its gradient, of which
-    every rank produces a part, all-reduced (reduce-scattered); its output, a partial sum, is all-reduced
-    (reduce-scattered into row shards)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    rows = (Shard(0),) if sequence_parallel else (Replicate(),)
-
-    def enter(mod, args):
-        return (redistribute(args[0], tp_mesh, rows, (Replicate(),), grad_placements=(Partial(),)),) + args[1:]
-
-    def leave(mod, args, out):
-        return redistribute(out, tp_mesh, (Partial(),), rows)
-
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave)
-
-
-def _sequence_parallel(model, tp_mesh) -> None:
-    """SP outside the layers: the embeddings' output keeps this TP rank's rows (backward: all-gather of
-    the row gradients); the final norm (and the replicated LM head after it) sees all rows."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if model.model.word_embeddings is not None:
-        model.model.word_embeddings.register_forward_hook(
-            lambda mod, args, out: redistribute(out, tp_mesh, (Replicate(),), (Shard(0),)))
-    if model.model.norm is not None:
-        model.model.norm.register_forward_pre_hook(
-            lambda mod, args: (redistribute(args[0], tp_mesh, (Shard(0),), (Replicate(),)),) + args[1:])
-
-
 def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
-    """Megatron-style tensor parallelism without sequence parallelism, as two TP regions per layer.
+    """Megatron-style tensor parallelism with DTensor parallel styles (``parallelize_module``), two TP
+    regions per layer: the sequence mixer and the FFN.
 
-    Each decoder layer's sequence mixer and FFN is a region (``_tp_region``, hooks on the modules): its
-    input is replicated and its input gradient all-reduced; inside, heads (KDA q/k/v/f/g/beta, convs,
-    A_log, dt_bias; MLA q_b/kv_b/g) and FFN widths (dense, shared expert, routed experts' F) are
-    sharded (Shard(0) for column-, Shard(1)/Shard(2) for row-parallel weights), so the region's output is
-    a partial sum, all-reduced at the exit. Weights that stay whole inside a region (MLA's low-rank
-    q_a/kv_a projections and norms, the KDA gated-norm weight, the router) are Replicate DTensors whose
-    gradients are partial and all-reduced. Embeddings, layer norms and the LM head are outside the
-    regions and plain.
+    A region's input (``PrepareModuleInput``) is a Replicate DTensor, all-gathered from row shards under SP;
+    the gradients of its consumers are partial (each rank holds its heads / its FFN width) and are summed
+    once at the input (all-reduce, or reduce-scatter into row shards). Column-parallel projections
+    (``ColwiseParallel``: KDA q/k/v/f/b/g, MLA q/g, FFN gate/up) read that DTensor and hand back local
+    head-sharded activations; the output projection (``RowwiseParallel``: KDA o_proj, MLA dense, FFN down)
+    reduces the partial sum into the residual stream's placement. A MoE layer's output, routed experts plus
+    shared experts (whose down projection stays Partial), is reduced once by ``PrepareModuleOutput``.
 
-    Sequence parallelism: the residual stream and the layer norms hold this rank's rows only (the rows
-    are padded to a multiple of tp); regions all-gather their input rows and reduce-scatter their output,
-    the layer-norm weights become Replicate DTensors with partial gradients, and the embeddings (split
-    after the lookup) and the LM head (after an all-gather) stay whole.
+    Parameters the model reads itself rather than through an ``nn.Linear`` call, because its Triton / torch
+    ops take plain tensors (KDA conv weights, A_log, dt_bias and gated-norm weight; MLA's low-rank q_a/kv_a
+    projections, their norms and q_b/kv_b; router; stacked experts), are distributed here and read through
+    ``harts.models.ling.blocks.local`` in the module's forward (torchtitan's GroupedExperts does the same with
+    ``to_local``): a Shard parameter gives its shard, a Replicate one (used on this rank's heads, width or
+    rows) gives a partial gradient that ``local`` all-reduces. MLA's low-rank path is read that way and not
+    as per-Linear styles because its replicated output meets head-sharded activations inside MLA (the shared
+    RoPE key is expanded over this rank's heads), so only the region input can sum its gradient exactly.
 
-    Why not per-Linear ``parallelize_module`` styles: MLA's shared RoPE key (a slice of the replicated
-    kv_a output) and KDA's gated-norm weight meet head-sharded activations inside the model's own code,
-    so their gradients would be partial with nothing to all-reduce them; the region boundary handles every
-    such tensor at once without changing the model."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    Sequence parallelism: the residual stream and the layer norms hold this rank's rows (the rows are padded
+    to a multiple of tp); the layer-norm weights are Replicate (partial gradients, see ``local``). The
+    embeddings' output is split into row shards (``PrepareModuleOutput``) and the final norm's input
+    all-gathered (``PrepareModuleInput``); embeddings and LM head stay whole. torch's ``SequenceParallel``
+    style is not used: it runs the norm on DTensors, which our Triton norm does not take."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, parallelize_module)
 
     tp = tp_mesh.size()
     cfg = model.config
     if cfg.num_attention_heads % tp:
         raise ValueError(f"num_attention_heads={cfg.num_attention_heads} "
                          f"is not divisible by tensor_parallel_degree={tp}")
+    rows = Shard(0) if sequence_parallel else Replicate()
 
-    def dist_(mod, name, placement):
-        p = getattr(mod, name)
-        mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [placement])))
-        return (mod, name)
+    def region(n_args: int):  # the first argument is the input rows; the others (layout, router) pass through
+        rest = (None,) * (n_args - 1)
+        return PrepareModuleInput(input_layouts=(rows, *rest), desired_input_layouts=(Replicate(), *rest))
 
-    def ffn(m):
-        return [dist_(m.gate_proj, "weight", Shard(0)), dist_(m.up_proj, "weight", Shard(0)),
-                dist_(m.down_proj, "weight", Shard(1))]
-
+    col = ColwiseParallel()
     for layer in model.decoder_layers():
         if not isinstance(layer, DecoderLayer):
             raise TypeError(f"apply_tp expects Ling decoder layers, got {type(layer).__name__}")
-        attn, local = layer.attention, []
+        attn, plan = layer.attention, {"attention": region(2)}
         if layer.kind == "kda":
-            local += [dist_(getattr(attn, n), "weight", Shard(0))
-                      for n in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")]
-            local += [dist_(c, "weight", Shard(0)) for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)]
-            local += [dist_(attn, "A_log", Shard(0)), dist_(attn, "dt_bias", Shard(0)),
-                      dist_(attn.o_norm, "weight", Replicate()), dist_(attn.o_proj, "weight", Shard(1))]
+            plan |= {f"attention.{n}": col for n in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")}
+            plan["attention.o_proj"] = RowwiseParallel(output_layouts=rows)
+            own = [(attn.q_conv1d, "weight", Shard(0)), (attn.k_conv1d, "weight", Shard(0)),
+                   (attn.v_conv1d, "weight", Shard(0)), (attn, "A_log", Shard(0)), (attn, "dt_bias", Shard(0)),
+                   (attn.o_norm, "weight", Replicate())]
         else:
+            plan |= {"attention.g_proj": col, "attention.dense": RowwiseParallel(output_layouts=rows)}
+            own = [(attn.kv_a_proj_with_mqa, "weight", Replicate()), (attn.kv_a_layernorm, "weight", Replicate()),
+                   (attn.kv_b_proj, "weight", Shard(0))]
             if cfg.q_lora_rank is None:
-                local.append(dist_(attn.q_proj, "weight", Shard(0)))
+                plan["attention.q_proj"] = col
             else:
-                local += [dist_(attn.q_a_proj, "weight", Replicate()),
-                          dist_(attn.q_a_layernorm, "weight", Replicate()), dist_(attn.q_b_proj, "weight", Shard(0))]
-            local += [dist_(attn.kv_a_proj_with_mqa, "weight", Replicate()),
-                      dist_(attn.kv_a_layernorm, "weight", Replicate()), dist_(attn.kv_b_proj, "weight", Shard(0)),
-                      dist_(attn.g_proj, "weight", Shard(0)), dist_(attn.dense, "weight", Shard(1))]
+                own += [(attn.q_a_proj, "weight", Replicate()), (attn.q_a_layernorm, "weight", Replicate()),
+                        (attn.q_b_proj, "weight", Shard(0))]
         attn.H = attn.H // tp
         if isinstance(layer.mlp, MoE):
-            ex = layer.mlp.experts
-            local += ffn(layer.mlp.shared_experts) + [dist_(layer.mlp.gate, "weight", Replicate())]
-            layer.mlp.router_loss_scale = 1.0 / tp  # every TP rank seeds the term; the router grad sums them
-            if layer.mlp.expert_parallel is not None:  # experts already sharded over ep (which spans tp)
-                layer.mlp.expert_parallel.tp_mesh = tp_mesh
+            moe = layer.mlp
+            plan |= {"mlp": region(3), "mlp.shared_experts.gate_proj": col, "mlp.shared_experts.up_proj": col,
+                     "mlp.shared_experts.down_proj": RowwiseParallel(output_layouts=Partial())}
+            parallelize_module(moe, tp_mesh, PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=rows))
+            own.append((moe.gate, "weight", Replicate()))
+            moe.router_loss_scale = 1.0 / tp  # every TP rank seeds the term; the router grad sums them
+            if moe.expert_parallel is not None:  # experts already sharded over ep (which spans tp)
+                moe.expert_parallel.tp_mesh = tp_mesh
             else:
-                local += [dist_(ex, "gate_proj", Shard(1)), dist_(ex, "up_proj", Shard(1)),
-                          dist_(ex, "down_proj", Shard(2))]
+                own += [(moe.experts, n, Shard(d)) for n, d in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2))]
         else:
-            local += ffn(layer.mlp)
+            plan |= {"mlp": region(1), "mlp.gate_proj": col, "mlp.up_proj": col,
+                     "mlp.down_proj": RowwiseParallel(output_layouts=rows)}
         if sequence_parallel:  # the layer norms see row shards: partial weight gradients
-            local += [dist_(layer.input_layernorm, "weight", Replicate()),
-                      dist_(layer.post_attention_layernorm, "weight", Replicate())]
-        _local_view_hooks(layer, local)
-        _tp_region(layer.attention, tp_mesh, sequence_parallel)
-        _tp_region(layer.mlp, tp_mesh, sequence_parallel)
+            own += [(norm, "weight", Replicate()) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        for mod, name, placement in own:
+            p = getattr(mod, name)
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [placement])))
+        parallelize_module(layer, tp_mesh, plan)
     if sequence_parallel:
-        _sequence_parallel(model, tp_mesh)
+        if model.model.word_embeddings is not None:
+            parallelize_module(model.model.word_embeddings, tp_mesh,
+                               PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)))
+        if model.model.norm is not None:
+            parallelize_module(model.model.norm, tp_mesh, PrepareModuleInput(
+                input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True))
 
 
 def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from harts.models.ling.config import LingConfig
 from harts.ops.attention import varlen_attention
@@ -43,6 +44,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor for the model's own ops (Triton kernels, torch ops on plain tensors).
+
+    Under tensor parallelism (harts.train.parallelize.apply_tp) parameters read directly (norm weights,
+    convolution weights, A_log, dt_bias, router, stacked experts, MLA's low-rank projections) and a TP
+    region's input are DTensors: a sharded one is its local shard, with the shard's gradient. A
+    replicated one is used inside a region on this rank's share of the work (its heads, its expert
+    width, its rows), so its gradient here is partial: an activation's is summed at the region input,
+    a parameter's is all-reduced here, so the parameter's gradient is a plain Replicate DTensor."""
+    if not isinstance(t, DTensor):
+        return t
+    if not all(pl.is_replicate() for pl in t.placements):
+        return t.to_local()
+    if isinstance(t, nn.Parameter):
+        t = DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False)
+    return t.to_local(grad_placements=[Partial()] * len(t.placements))
+
+
 class RMSNorm(nn.Module):
     """Variance in fp32 (fp64 for fp64 input); the weight multiplies after the cast back, as in HF
     (the reference; the fast path is fla's fused kernel, see harts.ops.norm)."""
@@ -54,7 +73,7 @@ class RMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.backend)
+        return rms_norm(x, local(self.weight), self.eps, self.backend)
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,7 +86,7 @@ class GatedRMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(o, gate, self.weight, self.eps, self.backend)
+        return gated_rms_norm(o, gate, local(self.weight), self.eps, self.backend)
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,14 +148,17 @@ class MLA(nn.Module):
 
     def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
         """Per-row q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv]; depends on the row and its position only."""
-        T = x_TD.shape[0]
+        T, x_local = x_TD.shape[0], local(x_TD)
         if self.cfg.q_lora_rank is None:
             q = self.q_proj(x_TD)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        else:  # low-rank paths read their weights (``local``): under TP the rank is replicated, the heads are not
+            q = F.linear(self.q_a_layernorm(F.linear(x_local, local(self.q_a_proj.weight))),
+                         local(self.q_b_proj.weight))
         q_THD = q.view(T, self.H, self.Dqk)
-        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.cfg.kv_lora_rank, self.R], dim=-1)
-        kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, self.nope + self.Dv)
+        kv_a = F.linear(x_local, local(self.kv_a_proj_with_mqa.weight))
+        latent, k_rope = kv_a.split([self.cfg.kv_lora_rank, self.R], dim=-1)
+        kv_THX = F.linear(self.kv_a_layernorm(latent), local(self.kv_b_proj.weight))
+        kv_THX = kv_THX.view(T, self.H, self.nope + self.Dv)
         k_nope, v_THDv = kv_THX.split([self.nope, self.Dv], dim=-1)
         q_rope = rope_interleaved(q_THD[..., self.nope:], position_ids_T, self.cfg.rope_theta)
         k_rope = rope_interleaved(k_rope.view(T, 1, self.R), position_ids_T, self.cfg.rope_theta)
@@ -223,15 +245,16 @@ class KDA(nn.Module):
     def core(self, q, k, v, f, beta, batch) -> torch.Tensor:
         """Short convolutions and the delta rule over the layout (the only part that reads ``batch``):
         o [T, H, Kh]."""
-        conv_W = [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        conv_W = [local(c.weight).squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        A_log, dt_bias = local(self.A_log), local(self.dt_bias)
         if batch.prefix_sharing:
             from harts.runtime.compact import kda_tree
 
-            return kda_tree(q, k, v, f, beta, conv_W, self.A_log, self.dt_bias, batch, self.cfg)
+            return kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch, self.cfg)
         be, cu = self.cfg.op_backend("conv"), batch.cu_seqlens
         q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be).view(t.shape)
                    for t, w in zip((q, k, v), conv_W))
-        o, _ = kda(q, k, v, f, beta, self.A_log, self.dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
+        o, _ = kda(q, k, v, f, beta, A_log, dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
                    chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
         return o
 
@@ -374,17 +397,18 @@ class MoE(nn.Module):
 
     def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
         """Routing, routed and shared experts: (y_TD, router statistics); no module state is written."""
-        c = self.cfg
+        c, x_local = self.cfg, local(x_TD)
         logits, scores, idx_TK, w_TK = route(
-            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+            x_local, local(self.gate.weight), self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
             top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
             norm_topk_prob=c.norm_topk_prob)
         stats = router_stats(logits, scores, idx_TK, token_weight_T)
         ex = self.experts
         if self.expert_parallel is not None:
-            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
+            y = self.expert_parallel(x_local, idx_TK, w_TK, ex)
         else:
-            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
+            y = moe_experts(x_local, idx_TK, w_TK, local(ex.gate_proj), local(ex.up_proj), local(ex.down_proj),
+                            backend=c.op_backend("moe"))
         return y + self.shared_experts(x_TD), stats
 
 
