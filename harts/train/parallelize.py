@@ -7,13 +7,15 @@ detected at import ("cuda" on a host without an accelerator), so ``_build_mesh``
 trainer's device (gloo on CPU) and hands them to the ParallelDims. torch registers the ``fake`` backend itself
 when its FSDP package is imported (torch.distributed.fsdp's FlatParameter module imports the fake process group).
 
-Expert parallelism follows the pattern of torchtitan's ``ExpertParallel`` style (counts all-to-all,
-token all-to-all with autograd, rank-major -> expert-major permutation, reverse on combine) but is our
-code: torchtitan's style wraps a GroupedExperts module with a (tokens, counts) forward and pads every
-expert group through a Triton index kernel, while our experts are the model's stacked weights used by
-the router's fixed (token, k) combine order. EP borrows ranks from dp_shard x cp x tp (torchtitan's rule);
-we require efsdp = 1 (ep = dp_shard x cp x tp), so expert gradients are complete after the backward
-all-to-all and experts are left out of FSDP (``ignored_params``).
+Expert parallelism has the shape of torchtitan's ``ExpertParallel`` style: dispatch (counts all-to-all,
+token all-to-all with autograd, rank-major -> expert-major permutation), the model's own expert compute
+(``harts.ops.moe.experts.grouped_experts``, as torchtitan runs its GroupedExperts), combine (the reverse,
+then the router's fixed (token, k) weighted sum). It is a callable on the MoE rather than a style around
+an experts module: our experts are stacked weights read by the MoE's forward, not a module with a
+(tokens, counts) forward, and torchtitan's style pads every expert group through a Triton index kernel.
+EP borrows ranks from dp_shard x cp x tp (torchtitan's rule); we require efsdp = 1 (ep = dp_shard x cp x
+tp), so expert gradients are complete after the backward all-to-all and experts are left out of FSDP
+(``ignored_params``).
 
 Context parallelism (cp) is folded into FSDP's dimension as torchtitan does (its ``fsdp`` mesh dim is
 dp_shard x cp): a CP rank's parameter gradients are partial (its own rows, its own heads), and the FSDP
@@ -28,12 +30,10 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from harts.models.ling.blocks import DecoderLayer, MoE
-from harts.ops.backend import resolve
-from harts.ops.moe.experts import _combine
+from harts.ops.moe.experts import _combine, grouped_experts
 
 log = logging.getLogger("harts.train")
 
@@ -98,28 +98,6 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
-def _local_experts(x_MD: torch.Tensor, counts_El: list[int], counts_El_dev: torch.Tensor, wg, wu, wd,
-                   backend: str = "auto") -> torch.Tensor:
-    """SwiGLU of expert-major rows with the local experts (a per-expert loop over the host ``counts_El``,
-    exact like the reference; torch._grouped_mm on the fast path, whose group offsets come from the same
-    counts on the device, ``counts_El_dev``: a torch.tensor(list, device=cuda) would be a pageable
-    host-to-device copy, which synchronises the stream)."""
-    if x_MD.shape[0] == 0:
-        return x_MD.new_zeros(0, wd.shape[1]) + 0 * (wg.sum() + wu.sum() + wd.sum())
-    if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
-        offs = counts_El_dev.cumsum(0).to(torch.int32)
-        g = torch._grouped_mm(x_MD, wg.transpose(-2, -1), offs=offs)
-        u = torch._grouped_mm(x_MD, wu.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=offs)
-    outs, start = [], 0
-    for e, n in enumerate(counts_El):
-        h = x_MD[start:start + n]
-        outs.append((F.silu(h @ wg[e].T) * (h @ wu[e].T)) @ wd[e].T)
-        start += n
-    # zero-row experts still join the graph so every local weight gets a (zero) gradient
-    return torch.cat(outs, 0) + 0 * (wg.sum() + wu.sum() + wd.sum())
-
-
 def _expert_major_order(recv_counts: torch.Tensor, ep: int, El: int, total: int) -> torch.Tensor:
     """Received rows arrive rank-major (source rank r, then local expert j); the experts want them
     expert-major (j, then r), rank order kept within an expert. Built on the device, as a stable sort of
@@ -168,8 +146,11 @@ class ExpertParallel:
             perm = _expert_major_order(recv, ep, El, int(recv_RE.sum()))
         in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
         x_recv = _a2a(x_MD, out_splits, in_splits, group)
-        y_sorted = _local_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), recv.view(ep, El).sum(0),
-                                  wg, wu, wd, self.backend)
+        # the model's expert compute on the received rows; the fast path's group offsets come from the
+        # counts already on the device (a host list would be a pageable copy, which synchronises the stream)
+        offs_El = recv.view(ep, El).sum(0).cumsum(0).to(torch.int32)
+        y_sorted = grouped_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd, self.backend,
+                                   offs_El)
         y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
         y_back = _a2a(y_recv, in_splits, out_splits, group)
         y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)

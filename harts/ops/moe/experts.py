@@ -21,6 +21,34 @@ def _combine(y_MD, topk_w_TK, T, K):
     return (y_MD.view(T, K, -1).to(dt) * topk_w_TK.to(dt)[..., None]).sum(1).to(y_MD.dtype)
 
 
+def grouped_experts(x_MD, counts_E: list[int], w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto",
+                    offs_E=None):
+    """The experts' SwiGLU on expert-major rows, the one expert compute of the model and of expert
+    parallelism (which runs it on the rows it receives): expert e takes the ``counts_E[e]`` rows after those
+    of the experts before it. The reference loops over the host ``counts_E`` (exact in float64); the fast
+    path runs torch._grouped_mm with the group offsets ``offs_E`` (int32 cumsum on the device; from
+    ``counts_E`` when not given, a host-to-device copy)."""
+    if x_MD.shape[0] == 0:  # no rows: zero gradients, so every expert weight still gets one
+        return x_MD.new_zeros(0, w_down_EDF.shape[1]) + 0 * (w_gate_EFD.sum() + w_up_EFD.sum() + w_down_EDF.sum())
+    if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
+        if offs_E is None:
+            offs_E = torch.tensor(counts_E, device=x_MD.device).cumsum(0).to(torch.int32)
+        return _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+    return torch.cat([(F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)) @ w_down_EDF[e].T
+                      for e, h in enumerate(x_MD.split(counts_E)) if len(h)])
+
+
+def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None):
+    """``grouped_experts``' fast path; ``scale_M`` (fp32+) scales each row's F-wide activation before the
+    (linear) down projection."""
+    g = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
+    h_MF = F.silu(g) * torch._grouped_mm(x_MD, w_up_EFD.transpose(-2, -1), offs=offs_E)
+    if scale_M is not None:
+        dt = torch.promote_types(h_MF.dtype, scale_M.dtype)
+        h_MF = (h_MF.to(dt) * scale_M.to(dt)[:, None]).to(g.dtype)
+    return torch._grouped_mm(h_MF, w_down_EDF.transpose(-2, -1), offs=offs_E)
+
+
 def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
     """Why one permutation: writing each expert's rows into a full [T*K, D] buffer (index_put) copied the
     whole buffer once per expert, 128 copies per layer, which made the fp32 gradient truth on the GPU
@@ -29,17 +57,10 @@ def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_
     flat_M = topk_idx_TK.reshape(-1)
     order_M = torch.argsort(flat_M, stable=True)  # slots grouped by expert, in slot order within an expert
     counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0]).tolist()
-    outs = []
-    for e, rows in enumerate(order_M.split(counts)):
-        if len(rows) == 0:
-            continue
-        h = x_TD[rows // K]
-        h = F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)
-        outs.append(h @ w_down_EDF[e].T)
-    if not outs:  # no tokens
-        return x_TD.new_zeros(T, w_down_EDF.shape[1])
-    y_MD = torch.cat(outs)[torch.argsort(order_M)]  # back to (token, slot) order
-    return _combine(y_MD, topk_w_TK, T, K)
+    y_sorted = grouped_experts(x_TD[order_M // K], counts, w_gate_EFD, w_up_EFD, w_down_EDF, "reference")
+    if T == 0:
+        return y_sorted
+    return _combine(y_sorted[torch.argsort(order_M)], topk_w_TK, T, K)  # back to (token, slot) order
 
 
 class _SlotGather(torch.autograd.Function):
@@ -85,16 +106,12 @@ def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w
     offs_E = torch.searchsorted(sorted_M, torch.arange(E, device=flat_M.device), right=True).to(torch.int32)
     inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(T * K, device=order_M.device))
     x_MD = _SlotGather.apply(x_TD, order_M, inv_M, K)
-    g = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
-    u = torch._grouped_mm(x_MD, w_up_EFD.transpose(-2, -1), offs=offs_E)
     # The routing weight scales the F-wide activation before the (linear) down projection instead of the
     # D-wide output after it: same product, a third of the elementwise traffic at F = D / 3 (Ling-3.0-tiny),
     # and the combine is then a plain sum over the K slots, accumulated in fp32 without an fp32 copy.
-    dt = torch.promote_types(g.dtype, topk_w_TK.dtype)
-    h_MF = (F.silu(g) * u).to(dt) * topk_w_TK.reshape(-1)[order_M].to(dt)[:, None]
-    y_sorted = torch._grouped_mm(h_MF.to(g.dtype), w_down_EDF.transpose(-2, -1), offs=offs_E)
+    y_sorted = _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, topk_w_TK.reshape(-1)[order_M])
     y_MD = _RowPermute.apply(y_sorted, inv_M, order_M)  # back to (token, slot) order
-    return y_MD.view(T, K, -1).sum(1, dtype=dt).to(y_MD.dtype)
+    return y_MD.view(T, K, -1).sum(1, dtype=torch.promote_types(y_MD.dtype, topk_w_TK.dtype)).to(y_MD.dtype)
 
 
 # The reference loops over the experts present in the batch (a host read of the counts), which
