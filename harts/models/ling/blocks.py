@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
 
 from harts.models.ling.config import LingConfig
 from harts.ops.attention import varlen_attention
@@ -52,14 +52,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     region's input are DTensors: a sharded one is its local shard, with the shard's gradient. A
     replicated one is used inside a region on this rank's share of the work (its heads, its expert
     width, its rows), so its gradient here is partial: an activation's is summed at the region input,
-    a parameter's is all-reduced here, so the parameter's gradient is a plain Replicate DTensor."""
-    if not isinstance(t, DTensor):
+    a parameter's is all-reduced here, so the parameter's gradient is a plain Replicate DTensor. (A tensor
+    is a DTensor only once torch.distributed.tensor is imported, which the reference path never pays for.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(t, dtensor.DTensor):
         return t
     if not all(pl.is_replicate() for pl in t.placements):
         return t.to_local()
     if isinstance(t, nn.Parameter):
-        t = DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False)
-    return t.to_local(grad_placements=[Partial()] * len(t.placements))
+        t = dtensor.DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False)
+    return t.to_local(grad_placements=[dtensor.Partial()] * len(t.placements))
 
 
 class RMSNorm(nn.Module):
