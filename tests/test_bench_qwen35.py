@@ -60,9 +60,9 @@ def test_speedup_qwen35_debug(tmp_path):
     from harts.bench.speedup import main, planned_microbatches
 
     assert main(["--preset", "qwen3.5-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "2",
-                 "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path)]) == 0
+                 "--device", "cpu", "--dtype", "float64", "--no-profile", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "speedup.json").read_text())
-    assert r["model"] == "Qwen35ForCausalLM"
+    assert r["model"] == "Qwen35ForCausalLM" and "profile" not in r
 
     class A:
         preset, workload, seed, scale, capacity, microbatches = "qwen3.5-debug", "tiny", 0, 0.2, 128, 2
@@ -73,6 +73,13 @@ def test_speedup_qwen35_debug(tmp_path):
     assert (r["raw_rows"], r["compact_rows"]) == (raw, compact) and r["compression"] == raw / compact > 1
     assert r["speedup_fbgrad"] == r["fbgrad_baseline_s"] / r["fbgrad_harts_s"]
     assert r["flop_compression"] == r["forward_flops_baseline"] / r["forward_flops_harts"] > 1
+    # --flops-only counts the same microbatches on a meta-device model
+    assert main(["--flops-only", "--preset", "qwen3.5-debug", "--workload", "tiny", "--capacity", "128",
+                 "--microbatches", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    f = json.loads((tmp_path / "speedup_flops.json").read_text())
+    assert (f["raw_rows"], f["compact_rows"]) == (raw, compact)
+    assert (f["forward_flops_harts"], f["forward_flops_baseline"]) == (r["forward_flops_harts"],
+                                                                       r["forward_flops_baseline"])
 
 
 def test_fidelity_qwen35_checkpoint_cpu_fp32(tmp_path):

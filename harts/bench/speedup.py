@@ -299,6 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                     help="time only microbatches I, I+N, ... (of the fullest first) and write speedup_shardIofN"
                          ".json; N processes (one per GPU) then `--merge` them. Shard 0 also profiles")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile one microbatch of each path by op family (shard 0); on a CPU with per-token "
+                         "reference cores the profiler's event parsing can take longer than the timed runs")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge shard JSONs into speedup.json and exit")
     ap.add_argument("--flops-only", action="store_true",
                     help="no timing: plan and pack the same microbatches, count forward FLOPs of both paths on a "
@@ -359,7 +362,7 @@ def main(argv=None) -> int:
             "peak_tflops": args.peak_tflops,
             "kernel_load_detection": "triton jit_post_compile_hook" if loads.available else "unavailable"}
     profile = None
-    if shard == 0:
+    if shard == 0 and args.profile:
         # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
         j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
