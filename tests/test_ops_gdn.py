@@ -110,10 +110,14 @@ def test_rounds_equal_packed_core_per_trajectory(B):
     assert batch.stats["replay_tokens"] > 0 and batch.stats["boundary_states"] > 0
 
 
-def test_fast_path_matches_reference_under_triton_interpreter():
-    """fla's chunk_gated_delta_rule (the CUDA path; here the Triton interpreter, float32) against the
-    reference: outputs, final states and input gradients, two sequences with grouped value heads."""
+@pytest.mark.parametrize("impl", ["rounds", "fla"])
+def test_fast_path_matches_reference_under_triton_interpreter(impl):
+    """The CUDA paths (here the Triton interpreter, float32) against the reference: the model's fast path
+    (``rounds``: the KDA round kernels with the broadcast decay, chunk 32) and fla's chunk_gated_delta_rule:
+    outputs, final states and input gradients, two sequences with grouped value heads."""
     import os
+
+    from harts.ops.gdn.fast import gated_delta_rule_fla
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.fail("the fast path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
@@ -123,7 +127,11 @@ def test_fast_path_matches_reference_under_triton_interpreter():
     h0 = torch.randn(2, 4, 16, 16, device=dev)
     outs = {}
     for be in ("fast", "reference"):
-        o, fin = gated_delta_rule(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True, backend=be)
+        if be == "fast" and impl == "fla":
+            o, fin = gated_delta_rule_fla(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True)
+        else:
+            o, fin = gated_delta_rule(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True, backend=be,
+                                      chunk_size=32)
         w = torch.linspace(-1, 1, o.numel(), device=dev).view(o.shape)
         outs[be] = (o, fin, torch.autograd.grad((o * w).sum(), list(x.values())))
     for i, name in enumerate(("o", "final state")):
@@ -151,7 +159,8 @@ def test_fast_rounds_with_broadcast_decay_match_reference(dtype):
                        leaves["g"][..., None].expand(P, HV, K), leaves["beta"], batch, chunk_size=B, backend=be)
         w = torch.linspace(-1, 1, o.numel(), device="cuda").view(o.shape).to(o.dtype)
         res[be] = (o.float(), [t.float() for t in torch.autograd.grad((o * w).sum(), list(leaves.values()))])
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # float32 inputs still run the kernels' dots in TF32 (10-bit mantissa): agreement to ~1e-3, not fp32's 1e-6
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
     (o_f, g_f), (o_r, g_r) = res["fast"], res["reference"]
     assert ((o_f - o_r).abs().max() / o_r.abs().max()).item() <= tol
     for name, a, b in zip(x, g_f, g_r):

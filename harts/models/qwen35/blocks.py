@@ -190,7 +190,8 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"))
             q, k, v = self.split(qkv_TC)
-            o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"))
+            o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"),
+                                    chunk_size=c.gdn_chunk_size)
         z = self.in_proj_z(x_TD).view(o.shape)
         return self.out_proj(self.norm(o, z).flatten(1))
 
