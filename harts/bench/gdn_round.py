@@ -307,7 +307,7 @@ def _print(res: dict) -> None:
             ("round_states", f"the same + {res['requested_states']} fork states", res["rows"],
              res["round_states_over_fla"]),
             ("rounds", "kda_rounds over the HARTS plan", p["round_positions"], ms["rounds"] / ms["fla"]))
-    print(f"\n| variant | what | rows | fwd+bwd ms | / fla |\n|---|---|---|---|---|")
+    print("\n| variant | what | rows | fwd+bwd ms | / fla |\n|---|---|---|---|---|")
     for name, what, n, r in rows:
         print(f"| {name} | {what} | {n:,} | {ms[name]:.3f} | {r:.3f} |")
     print(f"\nround / fla {res['round_over_fla']:.3f}, round_states / fla {res['round_states_over_fla']:.3f} "

@@ -26,8 +26,16 @@ from collections import defaultdict
 
 import torch
 
-from harts.bench.common import (add_workload_args, build_model, chunk_size_of, family, model_class, model_config,
-                                subbatches, workload_step)
+from harts.bench.common import (
+    add_workload_args,
+    build_model,
+    chunk_size_of,
+    family,
+    model_class,
+    model_config,
+    subbatches,
+    workload_step,
+)
 from harts.bench.output import write_results
 from harts.bench.trace_summary import device_idle
 
