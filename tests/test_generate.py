@@ -145,3 +145,30 @@ def test_errors_name_the_offending_item(model):
         Sampling(temperature=-1.0)
     with pytest.raises(ValueError, match="NaN"):
         sample(cache.logits, Sampling())
+
+
+@pytest.mark.gpu
+def test_teacher_forced_decoding_within_bf16_noise_on_gpu():
+    """bf16 on the GPU (ling3-small, the online config's model): teacher-forced decoding (the recurrent step
+    path) and the training forward (the fast kernels) each against the float64 truth of the same bf16-rounded
+    weights (reference ops on CPU). Decoding must be no further from the truth than the training forward is,
+    up to a factor 2 and a small floor: both are bf16 executions of one model."""
+    model = LingForCausalLM(LingConfig.preset("ling3-small")).init_weights(3).cast_(torch.bfloat16).cuda().eval()
+    truth = LingForCausalLM(LingConfig.preset("ling3-small", backend="reference"))
+    with torch.no_grad():
+        for pt, pb in zip(list(truth.parameters()) + list(truth.buffers()),
+                          list(model.parameters()) + list(model.buffers())):
+            pt.copy_(pb.cpu())
+    truth = truth.cast_(torch.float64).eval()
+    seqs = _seqs((150, 70, 200), seed=5)
+    batch = harts.pack([Trajectory.create(s.numpy()) for s in seqs], config=model.config, prefix_sharing=False)
+    with torch.no_grad():
+        got = feed_sequences(model, DecodeCache.empty(model, len(seqs)), [s.cuda() for s in seqs])
+        fwd = model.logprobs(batch.to("cuda")).double().cpu()
+        ref = truth.logprobs(batch)
+    dec = torch.cat([g[1:].double().cpu() for g in got])
+    err_dec, err_fwd = (dec - ref).abs().mean().item(), (fwd - ref).abs().mean().item()
+    print(f"bf16 vs float64 truth, mean |dlogp| over {ref.numel()} positions: decoding {err_dec:.3e}, "
+          f"training forward {err_fwd:.3e}; max: decoding {(dec - ref).abs().max().item():.3e}, "
+          f"forward {(fwd - ref).abs().max().item():.3e}")
+    assert err_dec <= 2 * err_fwd + 1e-3, (err_dec, err_fwd)
