@@ -63,12 +63,17 @@ def test_compact_matches_trajectory_wise_on_gpu():
           f"baseline {err_b:.2e}")
     assert err_h <= 2 * err_b + 1e-6, (err_h, err_b)
     assert cos > 0.999, cos
+    # gradients, per parameter, against the truth's: HARTS no further from it than the baseline (factor 2,
+    # plus a floor for parameters whose bf16 gradients are all rounding, e.g. near-tied router scores)
+    truth.logprobs(bb).sum().backward()
+    g_t = dict(truth.named_parameters())
     for n, p in model.named_parameters():
         if p.grad is None:
             continue
-        gb = p.grad.float()
-        rel = ((g_h[n] - gb).norm() / gb.norm().clamp_min(1e-12)).item()
-        assert rel < 5e-2, (n, rel)
+        gt = g_t[n].grad.float()
+        rel_h = ((g_h[n] - gt).norm() / gt.norm().clamp_min(1e-12)).item()
+        rel_b = ((p.grad.float() - gt).norm() / gt.norm().clamp_min(1e-12)).item()
+        assert rel_h <= 2 * rel_b + 2e-2, (n, rel_h, rel_b)
 
 
 def test_grpo_gradient_over_shared_prefixes_on_gpu():
