@@ -135,7 +135,8 @@ def test_gdn_round_bench_reference_backend(tmp_path):
     assert p["compression"] == p["trajectory_wise_rows"] / p["compact_rows"] > 1
     assert p["round_positions"] == p["compact_rows"] + p["replay_rows"]
     nm = r["numerics"]
-    assert nm["ok"] and nm["rows"] == 64 and len(nm["fla"]) == len(nm["round"]) == 6
+    assert nm["ok"] and nm["sequences"] == min(4, r["trajectories"]) == 2 and nm["rows"] <= 64
+    assert len(nm["fla"]) == len(nm["round"]) == 6
     assert max(nm["fla"] + nm["round"]) < 1e-12  # float64 pure-torch cores against the float64 truth
 
 
