@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from harts.ops.attention.tree import TreeMask, tree_attention_flex, tree_attention_views, tree_mask
+from harts.ops.attention.tree import TreeMask, tree_attention_views, tree_mask
 from harts.ops.backend import resolve
 from harts.ops.tree_conv import tree_short_conv
 from harts.runtime.batch import CompactBatch
@@ -142,19 +142,19 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     """The MLA mixer's layout-specific part on a compact batch: per-row q, k [p, H, Dqk], v [p, H, Dv]
     -> o [p, H, Dv]; every row attends to its ancestors and itself (bottom-right causal, Eq. 22).
 
-    ``backend`` as resolved by ``harts.ops.backend`` for "attention": the fast path (CUDA) reads the shared
-    prefixes' keys and values in place (one FlexAttention call over all rows with the ancestry block mask,
-    built once per batch and device and shared by all MLA layers); the reference materialises each
-    sequence's view and runs the exact packed varlen reference (harts.ops.attention.tree)."""
+    Each sequence's view (its ancestors' keys and values, gathered) runs in one packed bottom-right causal
+    varlen call with ``backend`` (harts.ops.attention.tree_attention_views: torch's varlen attention on the
+    fast path, the exact reference otherwise). The alternative that reads shared keys and values in place,
+    one FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
+    ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
+    ling3-tiny, a 65K-row microbatch of seed 9001: views 287 ms fwd+bwd, flex 534 ms, plus 5.5 s to build the
+    block mask on the device), so it is not the default."""
     cp = batch.cp
     if cp is not None:  # all rows, own heads: both paths see every row after the exchange
         q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
-    if resolve("attention", backend, q.device, q.dtype) == "fast":
-        o = tree_attention_flex(q, k, v, mla_tree_mask(batch, q.device), scale)
-    else:
-        o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
-                                 batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend="reference",
-                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
+    o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
+                             batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
+                             max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
     return o if cp is None else cp.heads_to_rows(o)
 
 

@@ -205,8 +205,13 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     all-gathered (``PrepareModuleInput``); embeddings and LM head stay whole. torch's ``SequenceParallel``
     style is not used: it runs the norm on DTensors, which our Triton norm does not take."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
     cfg = model.config
