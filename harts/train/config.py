@@ -370,7 +370,8 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         ("rl", "objective"): ("grpo", "ppo"), ("rl", "advantages"): ("grpo", "data"),
         ("rl", "old_logprobs"): ("data", "recompute"), ("rl", "loss_norm"): ("token", "sequence"),
         ("ling", "dtype"): ("float32", "float64", "bfloat16"), ("ling", "backend"): ("auto", "reference", "fast"),
-        ("activation_checkpoint", "mode"): ("none", "selective", "full"), ("optimizer", "bf16_update"): ("fp32_master", "plain"),
+        ("activation_checkpoint", "mode"): ("none", "selective", "full"),
+        ("optimizer", "bf16_update"): ("fp32_master", "plain"),
     }
     for (sec, name), ok in choices.items():
         v = getattr(getattr(cfg, sec), name)
