@@ -135,12 +135,11 @@ def main(argv=None) -> int:
     t_mb = time.perf_counter() - t0
     trajs = fullest_microbatch(step, plan)
     model = build_model(args.preset, dev, dtype, args.seed)
-    B = model.config.kda_chunk_size
     t0 = time.perf_counter()
-    hb = pack(trajs, chunk_size=B)
+    hb = pack(trajs, config=model.config)
     t_pack = time.perf_counter() - t0
     hb = hb.to(dev)
-    subs = [pack([trajs[i] for i in idx], chunk_size=B, prefix_sharing=False).to(dev)
+    subs = [pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False).to(dev)
             for idx in subbatches(trajs, args.capacity)]
     print(f"fullest microbatch: {len(trajs)} trajectories, raw {hb.stats['raw_tokens']:,}, compact "
           f"{hb.num_rows:,} (x{hb.stats['raw_tokens'] / hb.num_rows:.2f}), KDA calls {hb.stats['kda_calls']}, "
@@ -182,7 +181,7 @@ def main(argv=None) -> int:
                                     lambda call: hb.logprob_rows)
         h_base, r_base = _routing(model, lambda: torch.cat([hidden_states(model, b)[b.logprob_rows] for b in subs]),
                                   lambda call: subs[call].logprob_rows)
-        alt = [pack([t], chunk_size=B, prefix_sharing=False).to(dev) for t in reversed(trajs)]
+        alt = [pack([t], config=model.config, prefix_sharing=False).to(dev) for t in reversed(trajs)]
         h_alt = torch.cat([hidden_states(model, b)[b.logprob_rows] for b in alt][::-1])  # back to trajectory order
         tgt = torch.cat([b.logprob_targets for b in subs])
         res["fidelity"] = {"baseline_vs_baseline_floor": _logit_agreement(h_alt, h_base, W, tgt)}
