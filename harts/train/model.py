@@ -1,11 +1,12 @@
-"""The trainer's model: ``LingForCausalLM`` itself, built with deterministic weights.
+"""The trainer's model: ``LingForCausalLM`` or ``Qwen35ForCausalLM`` itself, built with deterministic weights.
 
-There is no trainer copy of the model: the trainer calls ``LingForCausalLM.logprobs(batch, router)``,
-the same forward the benchmarks and library users run, and harts.train.parallelize applies every
-parallelism from outside (TP/SP as DTensor parallel styles on the mixers, FFNs, embeddings and final
-norm; expert parallelism as the MoE's ``expert_parallel`` dispatch; checkpointing; FSDP2). Pipeline stages
-are the same model pruned (harts.train.pipeline). Router losses (``harts.models.ling.blocks.router_term``)
-join each MoE layer's backward.
+The ``[ling]`` section's preset names the family (``harts.bench.common.model_config``: ``qwen3.5-*`` presets
+are Qwen3.5-MoE, every other name Ling-3.0). There is no trainer copy of the model: the trainer calls the
+model's ``logprobs(batch, router)``, the same forward the benchmarks and library users run, and
+harts.train.parallelize applies every parallelism from outside (TP/SP as DTensor parallel styles on Ling's
+mixers, FFNs, embeddings and final norm; expert parallelism as the MoE's ``expert_parallel`` dispatch;
+checkpointing; FSDP2). Pipeline stages are the same Ling model pruned (harts.train.pipeline). Router losses
+(``harts.models.ling.blocks.router_term``) join each MoE layer's backward.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import router_term
+from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
-__all__ = ["Completed", "router_term", "build_policy", "init_sharded", "model_config", "DTYPES"]
+__all__ = ["Completed", "router_term", "build_policy", "init_sharded", "model_config", "is_qwen35", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -47,29 +49,47 @@ class Completed(torch.autograd.Function):
         return _completed(g)
 
 
-def model_config(ling) -> LingConfig:
-    """The ``[ling]`` section's model: the preset with its backend and size overrides; the trainer applies
-    recomputation from outside (harts.train.parallelize.apply_ac)."""
+def is_qwen35(cfg) -> bool:
+    """True for a Qwen3.5-MoE config or model (Gated DeltaNet + gated attention), False for Ling-3.0."""
+    return isinstance(getattr(cfg, "config", cfg), Qwen35Config)
+
+
+def model_config(ling) -> LingConfig | Qwen35Config:
+    """The ``[ling]`` section's model: the preset (``qwen3.5-*``: a Qwen35Config, any other name a LingConfig)
+    with its backend and size overrides; ``ling.kda_chunk_size`` sets the linear mixer's chunk size (KDA's, or
+    GDN's ``gdn_chunk_size``). The trainer applies recomputation from outside (harts.train.parallelize.apply_ac)."""
+    from harts.bench.common import QWEN35_PREFIX
+    from harts.bench.common import model_config as preset_config
+
+    if not isinstance(ling.preset, str) or not ling.preset:
+        raise ValueError(f"ling.preset = {ling.preset!r} must name a model preset")
+    qwen = ling.preset.startswith(QWEN35_PREFIX)
     overrides = {"backend": ling.backend, "recompute": False}
     if ling.num_hidden_layers:
         overrides["num_hidden_layers"] = ling.num_hidden_layers
     if ling.kda_chunk_size:
-        overrides["kda_chunk_size"] = ling.kda_chunk_size
-    ops = ("attention", "kda", "conv", "moe", "logprobs", "norm")
+        overrides["gdn_chunk_size" if qwen else "kda_chunk_size"] = ling.kda_chunk_size
+    # Qwen3.5's linear mixer is GDN; 'kda' names it too (LingConfig-style settings keep working)
+    ops = ("attention", "gdn", "kda", "conv", "moe", "logprobs", "norm") if qwen else \
+        ("attention", "kda", "conv", "moe", "logprobs", "norm")
     for item in filter(None, (t.strip() for t in ling.op_backends.split(","))):
         op, _, which = item.partition("=")
+        op, which = op.strip(), which.strip()
         if op not in ops or not which:
             raise ValueError(f"ling.op_backends: {item!r} is not op=backend with op one of {', '.join(ops)}")
-        overrides[f"{op}_backend"] = which  # LingConfig checks the backend name
-    return LingConfig.preset(ling.preset, **overrides)
+        op = "gdn" if qwen and op == "kda" else op
+        overrides[f"{op}_backend"] = which  # the model config checks the backend name
+    return preset_config(ling.preset, **overrides)
 
 
-def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, seed: int,
-                 on_meta: bool = False) -> LingForCausalLM:
+def build_policy(cfg: LingConfig | Qwen35Config, *, device: torch.device, dtype: torch.dtype, seed: int,
+                 on_meta: bool = False) -> LingForCausalLM | Qwen35ForCausalLM:
     """Build with deterministic weights: on the host (identical full tensors on every rank), or on the
     meta device (the caller shards, then ``init_sharded``)."""
+    from harts.bench.common import model_class
+
     with torch.device("meta"):
-        model = LingForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     if on_meta:
         return model.cast_(dtype)
     model.to_empty(device="cpu")
@@ -79,7 +99,7 @@ def build_policy(cfg: LingConfig, *, device: torch.device, dtype: torch.dtype, s
 
 
 @torch.no_grad()
-def init_sharded(model: LingForCausalLM, device: torch.device, seed: int) -> None:
+def init_sharded(model: LingForCausalLM | Qwen35ForCausalLM, device: torch.device, seed: int) -> None:
     """Materialise a meta-built, already parallelised model: each rank draws every tensor whole on
     ``device`` from that tensor's own generator (``param_seed``: model seed and qualified name) and keeps
     its shard. So replicated tensors agree across ranks (TP replicas, DP replicas), and every layout
@@ -89,7 +109,10 @@ def init_sharded(model: LingForCausalLM, device: torch.device, seed: int) -> Non
     one process."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from harts.models.ling.blocks import initial_tensors
+    if is_qwen35(model):
+        from harts.models.qwen35.blocks import initial_tensors
+    else:
+        from harts.models.ling.blocks import initial_tensors
 
     model.to_empty(device=device)
     for t, full in initial_tensors(model, model.config, seed):  # a DTensor's shape is global

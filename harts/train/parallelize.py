@@ -22,7 +22,13 @@ dp_shard x cp): a CP rank's parameter gradients are partial (its own rows, its o
 reduce-scatter over dp_shard x cp sums them in the same collective that sums DP gradients, while the
 parameters and optimizer states are sharded over the CP ranks as well.
 
-Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden.
+Both model families go through the same functions: the stacked expert weights are read through
+``expert_weights`` (Ling's gate_proj / up_proj / down_proj, Qwen3.5's gate_up_proj / down_proj) and the token
+embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's embed_tokens). Tensor parallelism has a
+plan for Ling's layers only; ``apply_tp`` refuses a Qwen3.5 model with a ValueError.
+
+Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden,
+F expert width.
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ from harts.ops.moe.experts import _combine, grouped_experts
 
 log = logging.getLogger("harts.train")
 
-__all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallel"]
+__all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallel",
+           "expert_weights", "embeddings"]
 
 
 def build_parallel_dims(pcfg, world_size: int, device_type: str):
@@ -91,6 +98,37 @@ def _build_mesh(dims, device_type: str):
     dims._validate_meshes()
 
 
+# ------------------------------------------------------------------------------------------ family accessors
+def expert_weights(experts: nn.Module) -> tuple[str, ...]:
+    """Names of a MoE's stacked routed-expert parameters, all with the expert dim first: Qwen3.5's
+    ``gate_up_proj`` [E, 2F, D] (gate rows first) and ``down_proj`` [E, D, F], or Ling's ``gate_proj`` /
+    ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F]."""
+    names = ("gate_up_proj", "down_proj") if hasattr(experts, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    missing = [n for n in names if not isinstance(getattr(experts, n, None), torch.Tensor)]
+    if missing:
+        raise TypeError(f"{type(experts).__name__} has no stacked expert parameter(s) {missing}")
+    return names
+
+
+def _swiglu_weights(experts: nn.Module, dtype: torch.dtype):
+    """This rank's (gate [El, F, D], up [El, F, D], down [El, D, F]) expert weights in ``dtype``."""
+    local = [getattr(experts, n).to_local().to(dtype) for n in expert_weights(experts)]
+    if len(local) == 3:
+        return tuple(local)
+    gate_up, down = local
+    F_ = gate_up.shape[1] // 2
+    return gate_up[:, :F_], gate_up[:, F_:], down
+
+
+def embeddings(model) -> nn.Module | None:
+    """The token embedding module of a causal LM (None on a pipeline stage that does not own it)."""
+    inner = model.model
+    for name in ("word_embeddings", "embed_tokens"):
+        if hasattr(inner, name):
+            return getattr(inner, name)
+    raise TypeError(f"{type(model).__name__}.model has neither word_embeddings nor embed_tokens")
+
+
 # ------------------------------------------------------------------------------------------ EP
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -131,7 +169,7 @@ class ExpertParallel:
 
     def _dispatch(self, x_TD, idx_TK, w_TK, experts):
         ep, group = self.ep_size, self.ep_group
-        wg, wu, wd = (p.to_local().to(x_TD.dtype) for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+        wg, wu, wd = _swiglu_weights(experts, x_TD.dtype)
         E, El = self.num_experts, wg.shape[0]
         T, K = idx_TK.shape
         flat_M = idx_TK.reshape(-1)
@@ -166,15 +204,15 @@ def apply_ep(model, ep_mesh) -> None:
         if moe.cfg.num_experts % ep:
             raise ValueError(f"num_experts={moe.cfg.num_experts} is not divisible by expert_parallel_degree={ep}")
         ex = moe.experts
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in expert_weights(ex):
             p = getattr(ex, name)
             ex.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
         moe.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep, moe.cfg.num_experts, moe.cfg.op_backend("moe"))
 
 
 def expert_params(model) -> set:
-    return {p for m in model.moe_layers() if m.expert_parallel is not None
-            for p in (m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj)}
+    return {getattr(m.experts, n) for m in model.moe_layers() if m.expert_parallel is not None
+            for n in expert_weights(m.experts)}
 
 
 # ------------------------------------------------------------------------------------------ TP
@@ -215,6 +253,10 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
 
     tp = tp_mesh.size()
     cfg = model.config
+    if not all(isinstance(layer, DecoderLayer) for layer in model.decoder_layers()):
+        raise ValueError(f"tensor parallelism (tensor_parallel_degree={tp}) has a plan for Ling-3.0 layers only, "
+                         f"not for {type(model).__name__}'s ({type(model.decoder_layers()[0]).__name__}); "
+                         "set parallelism.tensor_parallel_degree = 1 (FSDP2 and expert parallelism shard it)")
     if cfg.num_attention_heads % tp:
         raise ValueError(f"num_attention_heads={cfg.num_attention_heads} "
                          f"is not divisible by tensor_parallel_degree={tp}")
@@ -266,8 +308,8 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
             mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [placement])))
         parallelize_module(layer, tp_mesh, plan)
     if sequence_parallel:
-        if model.model.word_embeddings is not None:
-            parallelize_module(model.model.word_embeddings, tp_mesh,
+        if embeddings(model) is not None:
+            parallelize_module(embeddings(model), tp_mesh,
                                PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)))
         if model.model.norm is not None:
             parallelize_module(model.model.norm, tp_mesh, PrepareModuleInput(
@@ -344,8 +386,9 @@ def apply_fsdp(model, dp_mesh, *, param_dtype=None, reduce_dtype=None, reshard_a
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=dp_mesh, mp_policy=mp)
     ign = ignored or set()
-    if model.model.word_embeddings is not None:  # None on later pipeline stages
-        fully_shard(model.model.word_embeddings, reshard_after_forward=reshard_after_forward, **kw)
+    emb = embeddings(model)
+    if emb is not None:  # None on later pipeline stages
+        fully_shard(emb, reshard_after_forward=reshard_after_forward, **kw)
     for layer in model.decoder_layers():
         fully_shard(layer, reshard_after_forward=reshard_after_forward,
                     ignored_params={p for p in layer.parameters() if p in ign} or None, **kw)

@@ -14,7 +14,8 @@ output; the schedule's loss function only sums it, and gradients are not rescale
 
 A stage is the same ``LingForCausalLM`` pruned (``prune_to_stage``): it keeps its layers in a ModuleDict
 under their original indices and sets the embeddings / final norm / LM head it does not own to None, so
-FQNs, and checkpoints, stay those of the full model.
+FQNs, and checkpoints, stay those of the full model. A stage's forward starts from the previous stage's rows
+(``hidden_PD``), which only Ling's model takes: ``prune_to_stage`` refuses a Qwen3.5 model with a ValueError.
 
 Legend: R padded rows (= capacity), P physical rows of a microbatch, D hidden.
 """
@@ -105,6 +106,10 @@ class Stage:
 
 def prune_to_stage(model: LingForCausalLM, stage: int, pp: int) -> Stage:
     """Keep this stage's layers (under their indices) and the ends it owns, in place; returns its hooks."""
+    if not isinstance(model, LingForCausalLM):
+        raise ValueError(f"pipeline parallelism (pipeline_parallel_degree={pp}) runs LingForCausalLM stages only, "
+                         f"not {type(model).__name__} (its forward takes no previous stage's hidden rows); set "
+                         "parallelism.pipeline_parallel_degree = 1 (FSDP2 and expert parallelism shard it)")
     keep = stage_layers(len(model.decoder_layers()), pp)[stage]
     layers = model.decoder_layers()
     model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})

@@ -28,13 +28,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from harts.models.ling import LingConfig
 from harts.rl.losses import LossConfig, token_losses
 from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
 from harts.train.hooks import StepHooks, hooks_from_config
 from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
-from harts.train.model import DTYPES, build_policy, init_sharded, model_config, router_term
+from harts.train.model import DTYPES, build_policy, init_sharded, is_qwen35, model_config, router_term
 
 log = logging.getLogger("harts.train")
 
@@ -100,6 +99,8 @@ class Trainer:
         self.metric_group = d.get_mesh("loss").get_group() if d.cp > 1 else self.dp_group
 
         self.model_cfg = model_config(lc)
+        if is_qwen35(self.model_cfg):
+            self._check_qwen35()
         self.dtype = DTYPES[lc.dtype]
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
@@ -108,9 +109,17 @@ class Trainer:
             if lc.init_on_meta:
                 raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before "
                                  "sharding)")
-            from harts.models.ling.checkpoint import load_hf_state_dict, read_hf_tensors
+            from harts.models.ling.checkpoint import read_hf_tensors
 
-            load_hf_state_dict(self.model, read_hf_tensors(lc.load_hf), where=lc.load_hf)
+            if is_qwen35(self.model_cfg):
+                from harts.models.qwen35.checkpoint import from_hf_names, load_hf_state_dict
+
+                sd = from_hf_names(read_hf_tensors(lc.load_hf), self.model_cfg.num_experts, where=lc.load_hf)
+            else:
+                from harts.models.ling.checkpoint import load_hf_state_dict
+
+                sd = read_hf_tensors(lc.load_hf)
+            load_hf_state_dict(self.model, sd, where=lc.load_hf)
         self.sp = cfg.parallelism.enable_sequence_parallel and d.tp > 1
         if d.cp > 1:
             self._check_cp()
@@ -147,9 +156,9 @@ class Trainer:
         self.loss_cfg = LossConfig(objective=rl.objective, clip_eps=rl.clip_eps,
                                    clip_eps_high=rl.clip_eps_high or None, kl_coef=rl.kl_coef,
                                    normalization=rl.loss_norm)
+        chunk_size, conv_width = self.model_cfg.layout_geometry  # the linear mixer's chunk grid and conv width
         self.builder = StepBuilder(cfg, dp_degree=self.dp_degree, dp_rank=self.dp_rank,
-                                   vocab_size=self.model_cfg.vocab_size, chunk_size=self.model_cfg.kda_chunk_size,
-                                   conv_width=self.model_cfg.short_conv_kernel_size,
+                                   vocab_size=self.model_cfg.vocab_size, chunk_size=chunk_size, conv_width=conv_width,
                                    row_multiple=self.row_split, cp_group=self.cp_group,
                                    min_slots=d.pp if cfg.harts.fill_pipeline else 1)
         if cfg.online.enabled:  # rollouts sampled from this model when each step is built (harts.rl.online)
@@ -237,6 +246,28 @@ class Trainer:
         return self.dims.cp * (self.dims.tp if self.sp else 1)
 
     # ------------------------------------------------------------------ setup helpers
+    def _check_qwen35(self):
+        """Qwen3.5-MoE runs under FSDP2 and expert parallelism; the settings it has no implementation for are
+        refused here, before any mesh or weight is built, rather than failing (or doing nothing) later."""
+        cfg, pc = self.cfg, self.cfg.parallelism
+        unsupported = [
+            (cfg.rl.expert_bias_rate != 0, f"rl.expert_bias_rate = {cfg.rl.expert_bias_rate!r}",
+             "it routes by softmax without an expert bias (aux-loss-free bias updates do not apply); set it to 0 "
+             "and balance with rl.aux_loss_coef"),
+            (pc.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {pc.tensor_parallel_degree}",
+             "tensor parallelism has a plan for Ling-3.0 layers only; shard with FSDP2 and expert parallelism"),
+            (pc.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree = {pc.pipeline_parallel_degree}",
+             "pipeline stages run Ling-3.0 models only"),
+            (pc.context_parallel_degree > 1, f"parallelism.context_parallel_degree = {pc.context_parallel_degree}",
+             "its GDN layers do not run context-parallel batches"),
+            (cfg.compile.enable, "compile.enable = true",
+             "the compiled regions are Ling-3.0's (harts.models.ling.compile)"),
+        ]
+        bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
+        if bad:
+            raise ValueError(f"config: ling.preset = {cfg.ling.preset!r} (Qwen3.5-MoE) does not support "
+                             + "; ".join(bad))
+
     def _check_cp(self):
         """Context parallelism splits the attention heads of each TP rank over the CP group (KDA and MLA
         have num_attention_heads heads each)."""
@@ -311,11 +342,11 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def _whole_model(self):
-        from harts.models.ling import LingForCausalLM
+        """The whole model on the meta device (for parameter counts; a pipeline stage holds a part)."""
+        from harts.bench.common import model_class
 
-        c = self.model_cfg
         with torch.device("meta"):
-            return LingForCausalLM(LingConfig.preset(self.cfg.ling.preset, num_hidden_layers=c.num_hidden_layers))
+            return model_class(self.model_cfg)(self.model_cfg)
 
     def _active_nonembed_params(self) -> int:
         return self._whole_model().num_params(active=True, embeddings=False)
@@ -709,11 +740,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ export
     def export_hf(self, path: str) -> None:
-        """Full (unsharded) weights in the official HF safetensors layout, written by rank 0."""
+        """Full (unsharded) weights in the official HF safetensors layout of the model's family (Ling-3.0's
+        ``save_pretrained``, or ``Qwen35ForCausalLM.save_pretrained``: a folder transformers'
+        ``Qwen3_5MoeForCausalLM`` loads), written by rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from harts.models.ling import LingForCausalLM
-        from harts.models.ling.checkpoint import save_pretrained
+        from harts.bench.common import model_class
 
         if self.pp_group is None:
             sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -725,10 +757,16 @@ class Trainer:
             sd = {k: v for part in parts for k, v in part.items()}
         if self.rank == 0:
             with torch.device("meta"):
-                plain = LingForCausalLM(self.model_cfg)
+                plain = model_class(self.model_cfg)(self.model_cfg)
             plain.to_empty(device="cpu")
+            plain.cast_(self.dtype)  # the trained dtype (float64 runs export float64), decay parameters fp32+
             plain.load_state_dict(sd)
-            save_pretrained(plain, path)
+            if is_qwen35(self.model_cfg):
+                plain.save_pretrained(path)
+            else:
+                from harts.models.ling.checkpoint import save_pretrained
+
+                save_pretrained(plain, path)
             log.info("exported HF safetensors to %s", path)
         if self.distributed:
             dist.barrier()
