@@ -87,6 +87,9 @@ class Trainer:
         torch.manual_seed(seed)
         if dc.deterministic:
             torch.use_deterministic_algorithms(True)
+        self.model_cfg = model_config(lc)
+        if is_qwen35(self.model_cfg):
+            self._check_qwen35()
         self.dims = par.build_parallel_dims(pc, self.world_size, self.device.type)
         d = self.dims
         batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
@@ -98,9 +101,6 @@ class Trainer:
         self.cp_group = d.get_mesh("cp").get_group() if d.cp > 1 else None
         self.metric_group = d.get_mesh("loss").get_group() if d.cp > 1 else self.dp_group
 
-        self.model_cfg = model_config(lc)
-        if is_qwen35(self.model_cfg):
-            self._check_qwen35()
         self.dtype = DTYPES[lc.dtype]
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
