@@ -29,7 +29,9 @@ __all__ = ["HartsJobConfig", "parse_args", "load_config"]
 @dataclass
 class Ling:
     preset: str = "ling3-tiny-debug"
-    """LingConfig preset: 'ling3-tiny-debug' | 'ling3-small' | 'ling3-tiny'."""
+    """Model preset, naming the family: a LingConfig one ('ling3-tiny-debug' | 'ling3-small' | 'ling3-tiny') or a
+    Qwen35Config one ('qwen3.5-debug' | 'qwen3.5-8l' | 'qwen3.5-35b-a3b': Qwen3.5-MoE, whose GDN chunk size
+    ``kda_chunk_size`` then sets; docs/training.md says what it runs with)."""
     num_hidden_layers: int = 0
     """Override the preset's layer count (0 = keep)."""
     kda_chunk_size: int = 0
