@@ -37,10 +37,28 @@ steps. Each region has its own code object per signature family, so torch's per-
 per region in ``by_region``) and the seconds spent in the backend.
 
 Order with the other parallelisms (torchtitan's): TP -> activation checkpointing -> compile -> FSDP2.
-Activation checkpointing here wraps each layer call (``LingModel.forward``), outside the compiled
-regions, whose forwards are rerun on recomputation. Not supported (refused with ``ValueError``): module
-hooks on a layer's submodules (the hand-built TP regions; they would be bypassed) and expert parallelism
-(its all-to-all reads host split sizes).
+Not supported (refused with ``ValueError``): module hooks on a layer's submodules (the hand-built TP
+regions; they would be bypassed) and expert parallelism (its all-to-all reads host split sizes).
+
+Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions:
+
+- ``"full"`` wraps each layer call (``LingModel.forward``) in ``torch.utils.checkpoint``, outside the
+  compiled regions, whose forwards are rerun on recomputation: a whole extra forward per step.
+- ``"selective"`` runs the layer as ``pre`` / core / ``post`` (``selective_layer_forward``) with the core
+  outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's
+  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``) and of the opaque
+  MoE reference op are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
+  row gathers) is recomputed in backward. Why this split: the core is where the layout lives (host-side
+  plans, Triton autograd Functions, which an op policy cannot see into: it would recompute a custom
+  Function whole) and it is the expensive non-GEMM part of a layer (attention and the KDA chunk loop), so
+  it is never recomputed; the GEMMs carry the FLOPs, so they are never recomputed either; what is
+  recomputed is memory-bound elementwise work whose saved inputs would be the largest activations (fp32
+  norm and gate intermediates, the MoE's permuted rows and SwiGLU products). Recomputation reruns the
+  same ops on the same saved inputs, so gradients are exact (bit-identical to no checkpointing in float64
+  on the reference ops, tested). Under ``compile_model`` the selective regions are compiled too (Dynamo
+  traces the checkpoint as a higher-order op and the partitioner applies the same policy), with their own
+  graphs (``pre_kda_sac``, ...). Submodule hooks (TP regions) and expert parallelism are refused for the
+  same reasons as for compile (``check_region_split``).
 """
 from __future__ import annotations
 
@@ -50,10 +68,12 @@ import time
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from harts.models.ling.blocks import DecoderLayer, MoE
 
-__all__ = ["CompileReport", "compile_model", "compiled_layer_forward"]
+__all__ = ["CompileReport", "compile_model", "compiled_layer_forward", "selective_layer_forward", "SAC_SAVE_OPS",
+           "check_region_split"]
 
 log = logging.getLogger("harts.models.ling.compile")
 
@@ -123,6 +143,68 @@ def _post_dense(layer: DecoderLayer, h_TD: torch.Tensor, x_TD: torch.Tensor, o: 
     return h_TD + layer.mlp(layer.post_attention_layernorm(h_TD)), None
 
 
+# Selective activation checkpointing of the regions (module docstring).
+def _save_ops() -> frozenset:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           torch.ops.harts.moe_experts_reference.default}
+    if hasattr(aten, "_grouped_mm"):
+        ops.add(aten._grouped_mm.default)
+    return frozenset(ops)
+
+
+SAC_SAVE_OPS = _save_ops()
+
+
+def _sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_context():
+    return create_selective_checkpoint_contexts(_sac_policy)
+
+
+def _sac(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_context)
+
+
+# One function per region and kind again (own code caches when compiled).
+def _pre_mla_sac(layer, h_TD, position_ids_T):
+    return _sac(_pre_mla, layer, h_TD, position_ids_T)
+
+
+def _pre_kda_sac(layer, h_TD, position_ids_T):
+    return _sac(_pre_kda, layer, h_TD, position_ids_T)
+
+
+def _post_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
+    return _sac(_post_moe, layer, h_TD, x_TD, o, token_weight_T)
+
+
+def _post_dense_sac(layer, h_TD, x_TD, o, token_weight_T):
+    return _sac(_post_dense, layer, h_TD, x_TD, o, token_weight_T)
+
+
+_REGIONS = {f.__name__.lstrip("_"): f for f in (_pre_mla, _pre_kda, _post_moe, _post_dense, _pre_mla_sac,
+                                                 _pre_kda_sac, _post_moe_sac, _post_dense_sac)}
+
+
+def _layer_regions(layer: DecoderLayer, fns: dict, suffix: str = ""):
+    pre = fns[("pre_mla" if layer.kind == "mla" else "pre_kda") + suffix]
+    post = fns[("post_moe" if isinstance(layer.mlp, MoE) else "post_dense") + suffix]
+    return pre, post
+
+
+def selective_layer_forward(layer: DecoderLayer):
+    """The layer's forward under selective activation checkpointing (module docstring): its compiled
+    selective regions if ``compile_model`` compiled it, else the eager ones."""
+    fwd = layer.__dict__.get("selective_forward")
+    if fwd is None:
+        check_region_split(layer, "selective activation checkpointing")
+        fwd = compiled_layer_forward(layer, *_layer_regions(layer, _REGIONS, "_sac"))
+    return fwd
+
+
 def compiled_layer_forward(layer: DecoderLayer, pre, post):
     """The layer's forward as compiled ``pre`` -> eager mixer core -> compiled ``post`` (the same
     computation as ``DecoderLayer.forward``)."""
@@ -137,17 +219,18 @@ def compiled_layer_forward(layer: DecoderLayer, pre, post):
     return forward
 
 
-def _check_compilable(layer: nn.Module) -> None:
+def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
+    """Refuse (naming the layer) what running ``layer`` as pre / core / post regions would get wrong."""
     if not isinstance(layer, DecoderLayer):
-        raise TypeError(f"compile_model expects Ling decoder layers, got {type(layer).__name__}")
+        raise TypeError(f"{what} expects Ling decoder layers, got {type(layer).__name__}")
     for name, mod in layer.named_modules():
         if name and (mod._forward_hooks or mod._forward_pre_hooks):
             raise ValueError(f"layer {layer.layer_idx}: module {name!r} has forward hooks (e.g. tensor-parallel "
-                             "regions); the compiled layer calls its submodules' code directly and would bypass "
-                             "them: compile before attaching such hooks, or run without compile")
+                             f"regions); {what} calls its submodules' code directly and would bypass "
+                             "them: apply it before attaching such hooks, or run without it")
     if isinstance(layer.mlp, MoE) and layer.mlp.expert_parallel is not None:
         raise ValueError(f"layer {layer.layer_idx}: expert parallelism (host-side all-to-all split sizes) is "
-                         "not supported inside a compiled region; run without compile")
+                         f"not supported inside a region of {what}; run without it")
 
 
 def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = True,
@@ -165,17 +248,14 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool 
         raise ValueError("model is already compiled (model.compile_report is set)")
     layers = model.decoder_layers()
     for layer in layers:
-        _check_compilable(layer)
+        check_region_split(layer)
     report = CompileReport(backend=backend, dynamic=dynamic)
-    fns = {}
-    for fn in (_pre_mla, _pre_kda, _post_moe, _post_dense):
-        name = fn.__name__.lstrip("_")
-        fns[name] = torch.compile(fn, backend=_counting_backend(report, name, backend), dynamic=dynamic,
-                                  fullgraph=fullgraph)
+    # torch.compile is lazy: the selective regions' graphs are built only if that policy runs
+    fns = {name: torch.compile(fn, backend=_counting_backend(report, name, backend), dynamic=dynamic,
+                               fullgraph=fullgraph) for name, fn in _REGIONS.items()}
     for layer in layers:
-        pre = fns["pre_mla"] if layer.kind == "mla" else fns["pre_kda"]
-        post = fns["post_moe"] if isinstance(layer.mlp, MoE) else fns["post_dense"]
-        layer.forward = compiled_layer_forward(layer, pre, post)
+        layer.forward = compiled_layer_forward(layer, *_layer_regions(layer, fns))
+        layer.selective_forward = compiled_layer_forward(layer, *_layer_regions(layer, fns, "_sac"))
         report.regions += [f"model.layers.{layer.layer_idx}.pre", f"model.layers.{layer.layer_idx}.post"]
     model.compile_report = report
     log.info("compiled %d decoder layers as pre/post regions (backend %s, dynamic=%s)", len(layers), backend,

@@ -12,8 +12,16 @@ the hidden states on. The LM head is separate: ``token_logprobs`` chunks over to
 fp32 logits tensor never exists. Construct on ``torch.device("meta")`` for deferred init, then
 ``to_empty`` + ``init_weights``. ``model.compile()`` (``harts.models.ling.compile_model``) makes
 torch.compile the execution engine of the decoder layers, applied in place from outside the layers.
+
+Activation checkpointing is a per-model policy, ``model.model.checkpoint_policy`` (``AC_POLICIES``): "none"
+keeps every activation; "full" recomputes each decoder layer in backward (a whole extra forward);
+"selective" keeps the sequence-mixer cores' and the matrix products' outputs and recomputes the rest of
+each layer (``harts.models.ling.compile``, "Activation checkpointing"). ``LingConfig.recompute`` sets the
+initial policy ("full" or "none"); ``harts.train.parallelize.apply_ac`` sets it from the trainer config.
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -24,7 +32,9 @@ from harts.models.ling.config import LingConfig
 from harts.models.ling.logprobs import compact_logprobs_reference
 from harts.ops.moe import RouterStats
 
-__all__ = ["LingModel", "LingForCausalLM"]
+__all__ = ["LingModel", "LingForCausalLM", "AC_POLICIES"]
+
+AC_POLICIES = ("none", "selective", "full")
 
 # kept in float32 when the model is cast to bf16 (as the official checkpoints do)
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "expert_bias")
@@ -69,9 +79,33 @@ class LingModel(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
-        # activation checkpointing of every layer (harts.train.parallelize.apply_ac sets these); early stop
-        # ends a recomputation once the saved tensors are back, which layers with collectives must not do
-        self.checkpoint_layers, self.checkpoint_early_stop = cfg.recompute, True
+        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
+        # recomputation once the saved tensors are back, which layers with collectives must not do
+        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
+
+    @property
+    def checkpoint_policy(self) -> str:
+        """One of ``AC_POLICIES`` (module docstring); read at every forward."""
+        return self._checkpoint_policy
+
+    @checkpoint_policy.setter
+    def checkpoint_policy(self, policy: str) -> None:
+        if policy not in AC_POLICIES:
+            raise ValueError(f"checkpoint_policy = {policy!r}; expected one of {AC_POLICIES}")
+        self._checkpoint_policy = policy
+
+    @property
+    def checkpoint_layers(self) -> bool:
+        """Whether every layer is recomputed whole (``checkpoint_policy == "full"``); setting True / False
+        selects "full" / "none"."""
+        return self._checkpoint_policy == "full"
+
+    @checkpoint_layers.setter
+    def checkpoint_layers(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"checkpoint_layers must be a bool, got {on!r} (set checkpoint_policy to choose "
+                            f"one of {AC_POLICIES})")
+        self._checkpoint_policy = "full" if on else "none"
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
                 *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None):
@@ -104,13 +138,19 @@ class LingModel(nn.Module):
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
-        for layer in layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
-                # Under HARTS the plan is fixed: recomputation reruns the same views, nothing is replanned.
-                with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop):
+        policy = self._checkpoint_policy if torch.is_grad_enabled() else "none"
+        # Under HARTS the plan is fixed: recomputation reruns the same views, nothing is replanned.
+        with (torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop) if policy != "none"
+              else nullcontext()):
+            for layer in layers:
+                if policy == "full":
                     h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
-            else:
-                h_TD = layer(h_TD, batch, token_weight_T, router)
+                elif policy == "selective":
+                    from harts.models.ling.compile import selective_layer_forward
+
+                    h_TD = selective_layer_forward(layer)(h_TD, batch, token_weight_T, router)
+                else:
+                    h_TD = layer(h_TD, batch, token_weight_T, router)
         return h_TD if self.norm is None else self.norm(h_TD)
 
 
