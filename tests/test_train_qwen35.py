@@ -9,7 +9,8 @@ reference ops, a truncated tiny workload.
 - Two gloo processes: the 8-GPU config's layout (FSDP2 + EP over all ranks), once with host init and once
   with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, equals
   the one-process run (losses, grad norms, final weights; ``helpers.assert_same_run``).
-- Settings Qwen3.5 has no implementation for (expert-bias updates, TP, PP, CP, compile) are refused by name.
+- Settings Qwen3.5 has no implementation for (expert-bias updates, TP, PP, CP, compile, online
+  sampling) are refused by name.
 """
 import pytest
 import torch
@@ -105,6 +106,7 @@ def test_fsdp2_ep_on_two_processes_equals_one(runs):
     ({"parallelism.tensor_parallel_degree": 2}, "parallelism.tensor_parallel_degree = 2"),
     ({"parallelism.pipeline_parallel_degree": 2}, "parallelism.pipeline_parallel_degree = 2"),
     ({"compile.enable": True}, "compile.enable"),
+    ({"online.enabled": True}, "online.enabled"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     p = tmp_path / "base.toml"

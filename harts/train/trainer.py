@@ -262,6 +262,8 @@ class Trainer:
              "its GDN layers do not run context-parallel batches"),
             (cfg.compile.enable, "compile.enable = true",
              "the compiled regions are Ling-3.0's (harts.models.ling.compile)"),
+            (cfg.online.enabled, "online.enabled = true",
+             "the rollout sampler decodes incrementally with Ling-3.0's cache (harts.models.ling.generate)"),
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:
