@@ -106,7 +106,7 @@ def test_fsdp2_ep_on_two_processes_equals_one(runs):
     ({"parallelism.tensor_parallel_degree": 2}, "parallelism.tensor_parallel_degree = 2"),
     ({"parallelism.pipeline_parallel_degree": 2}, "parallelism.pipeline_parallel_degree = 2"),
     ({"compile.enable": True}, "compile.enable"),
-    ({"online.enabled": True}, "online.enabled"),
+    ({"online.enabled": True, "data.reward": "auto"}, "online.enabled"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     p = tmp_path / "base.toml"
