@@ -1,7 +1,11 @@
-"""Trajectory-wise training step of the full Ling-3.0-tiny on one GPU: forward + backward, bf16, full
-activation recomputation, a packed microbatch of whole trajectories (varlen, no padding).
+"""Trajectory-wise training step of the full Ling-3.0-tiny on one GPU: forward + backward, bf16, a packed
+microbatch of whole trajectories (varlen, no padding), under an activation checkpointing policy.
 
-    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--compile] [--out DIR]
+    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--compile]
+                                [--ac {none,selective,full}] [--out DIR]
+
+``--ac`` (default full, the paper's setting): the model's ``checkpoint_policy`` (harts.models.ling.model);
+``--no-recompute`` is ``--ac none``.
 
 Prints a table and writes DIR/model_bench.json. ``--device cpu --dtype float32`` with a debug preset is a
 smoke run of the same code (wall-clock timing, no memory figures, no profile), not a measurement. Numbers:
@@ -10,7 +14,8 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   honestly: 2 x active matmul parameters per token (routed experts at top-k only, shared expert, router,
   all projections, LM head; no embedding lookup), causal MLA attention 2*H*(Dqk+Dv)*L(L+1)/2 per
   sequence, the KDA chunked core per token per head 4CK + 3CV + 6KV (intra-chunk A_qk/A_kk, WY products,
-  state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward (4x fwd);
+  state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward under
+  ``--ac full`` (4x fwd); ``selective`` recomputes no matrix product, attention or KDA core (3x fwd);
 - peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family;
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
   [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
@@ -32,6 +37,7 @@ import torch
 
 from harts.bench.common import build_model, family
 from harts.models.ling import LingConfig, LingForCausalLM
+from harts.models.ling.model import AC_POLICIES
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)
 
@@ -79,11 +85,12 @@ def run(args, overrides: dict) -> dict:
     dev = args.device
     cuda = torch.device(dev).type == "cuda"
     dtype = getattr(torch, args.dtype)
-    cfg = LingConfig.preset(args.preset, recompute=not args.no_recompute, **overrides)
+    cfg = LingConfig.preset(args.preset, recompute=args.ac == "full", **overrides)
     lens = trajectory_lengths(args.tokens, args.lens, args.seed)
     T = sum(lens)
     torch.manual_seed(args.seed)
     model = build_model(cfg, dev, dtype)
+    model.model.checkpoint_policy = args.ac
     if args.compile:
         from harts.models.ling import compile_model
 
@@ -119,10 +126,11 @@ def run(args, overrides: dict) -> dict:
     fl = forward_flops_per_step(cfg, model, lens)
     fwd = fl["matmul"] + fl["attention"] + fl["kda"] + fl["conv"]
     model_flops = 3 * fwd
-    hw_flops = 4 * fwd if cfg.recompute else 3 * fwd
+    hw_flops = 4 * fwd if args.ac == "full" else 3 * fwd
     res = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-        "preset": args.preset, "overrides": overrides, "recompute": cfg.recompute, "dtype": args.dtype,
+        "preset": args.preset, "overrides": overrides, "activation_checkpoint": args.ac,
+        "recompute": args.ac == "full", "dtype": args.dtype,
         "tokens": T, "num_trajectories": len(lens), "max_len": max_len, "lens_spec": args.lens,
         "params_total": model.num_params(), "params_active": model.num_params(active=True),
         "params_gib": params_gb, "warmup_s": warm_s, "step_times_s": times, "step_s_median": step_s,
@@ -168,7 +176,8 @@ def run(args, overrides: dict) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"\n== {r['preset']} trajectory-wise fwd+bwd on {r['device']} (torch {r['torch']}) ==")
+    print(f"\n== {r['preset']} trajectory-wise fwd+bwd, activation checkpointing {r['activation_checkpoint']}, on "
+          f"{r['device']} (torch {r['torch']}) ==")
     rows = [
         ("backends", json.dumps(r["overrides"]) if r["overrides"] else "auto (all fast)"),
         ("tokens / trajectories / max len", f"{r['tokens']} / {r['num_trajectories']} / {r['max_len']}"),
@@ -179,6 +188,7 @@ def print_table(r: dict) -> None:
         ("model TFLOP/step (3x fwd)", f"{r['model_flops_per_step'] / 1e12:.1f}"),
         ("fwd TFLOP: matmul/attn/kda/conv", "/".join(f"{r['fwd_flops'][k] / 1e12:.2f}" for k in
                                                      ("matmul", "attention", "kda", "conv"))),
+        ("activation checkpointing", r["activation_checkpoint"]),
         ("MFU / HFU (peak 989 TF bf16)", f"{100 * r['mfu']:.1f}% / {100 * r['hfu']:.1f}%"),
         ("peak memory", "n/a on CPU" if r["peak_mem_gib"] is None else
          f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),
@@ -205,7 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-recompute", action="store_true")
+    p.add_argument("--ac", choices=AC_POLICIES, default="full",
+                   help="activation checkpointing policy (LingModel.checkpoint_policy); full is the paper's")
+    p.add_argument("--no-recompute", dest="ac", action="store_const", const="none", help="same as --ac none")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
