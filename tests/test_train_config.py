@@ -28,7 +28,7 @@ def test_config_errors_name_the_setting(tmp_path):
         config.parse_args(["--rl.objective=dpo"])
     with pytest.raises(ValueError, match=r"data.source = 'jsonl' needs data.path"):
         config.parse_args(["--data.source=jsonl"])
-    with pytest.raises(SystemExit, match="expected true or false"):
+    with pytest.raises(ValueError, match=r"harts.enabled = 'maybe' is not one of 'true', 'false'"):
         config.parse_args(["--harts.enabled=maybe"])
     p = tmp_path / "bad.toml"
     p.write_text("[harts]\ncapcity = 3\n")

@@ -16,6 +16,7 @@ import inspect
 import os
 import sys
 import textwrap
+import typing
 
 from harts.bench.output import write_or_check
 
@@ -73,8 +74,14 @@ def _cell(x) -> str:
     return f"`{x}`"
 
 
-def _type(f: dataclasses.Field) -> str:
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def _type(f: dataclasses.Field, hint=None) -> str:
+    """The field's type; a ``Literal`` is written as its allowed values (``"a" \\| "b"``)."""
+    t = f.type if hint is None else hint
+    if typing.get_origin(t) is typing.Annotated:
+        t = typing.get_args(t)[0]
+    if typing.get_origin(t) is typing.Literal:
+        return " \\| ".join(_cell(v) for v in typing.get_args(t))
+    t = t if isinstance(t, str) else getattr(t, "__name__", None) if isinstance(t, type) else str(t)
     return t.replace("typing.", "").replace("|", "\\|")
 
 
@@ -83,31 +90,35 @@ def _esc(text: str) -> str:
 
 
 def trainer_section() -> list[str]:
-    from harts.train.config import _OURS, _USED, HartsJobConfig
+    from harts.train.config import HartsJobConfig, is_harts_section, torchtitan_fields
 
     out = ["## Trainer (`train.py --config FILE.toml [--section.key=value ...]`)", "",
            "A TOML file has one table per section; any field can be overridden on the command line as",
-           "`--section.key=value` (precedence: command line, then TOML, then these defaults). Sections `ling`, "
-           "`harts`,",
-           "`data`, `rl` and `profile` are HARTS's; the others are torchtitan 0.2.2's, of which only the fields",
-           "listed here are read. Setting any other torchtitan field is an error at load, so a config never silently",
+           "`--section.key=value` (precedence: command line, then TOML, then these defaults; `python train.py "
+           "--help`",
+           "lists the same). A field with a fixed set of values names them in its type; any other value is an "
+           "error. Sections",
+           "`ling`, `harts`, `data`, `rl`, `online` and `profile` are HARTS's; the others are torchtitan 0.2.2's, "
+           "of which only",
+           "the fields listed here are read. Setting any other torchtitan field is an error at load, so a config "
+           "never silently",
            "does nothing.", ""]
+    hints = typing.get_type_hints(HartsJobConfig)
     for sec in dataclasses.fields(HartsJobConfig):
-        cls = type(_default(sec))
-        if not dataclasses.is_dataclass(cls):
-            continue
-        if sec.name not in _OURS and sec.name not in _USED:
-            continue
+        cls = hints[sec.name]
         docs = field_docs(cls)
-        used = None if sec.name in _OURS else _USED[sec.name]
-        rows = [f for f in dataclasses.fields(cls) if used is None or f.name in used]
+        field_hints = typing.get_type_hints(cls, include_extras=True)
+        ours = is_harts_section(sec.name)
+        _, unread = torchtitan_fields(sec.name)
+        rows = [f for f in dataclasses.fields(cls) if f.name not in unread]
         if not rows:
             continue
-        origin = "HARTS" if sec.name in _OURS else "torchtitan" + (", extended by HARTS" if cls.__module__.startswith(
+        origin = "HARTS" if ours else "torchtitan" + (", extended by HARTS" if cls.__module__.startswith(
             "harts") else "")
         out += [f"### `[{sec.name}]` ({origin})", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in rows:
-            out.append(f"| `{f.name}` | {_type(f)} | {_cell(_default(f))} | {_esc(docs.get(f.name, ''))} |")
+            out.append(f"| `{f.name}` | {_type(f, field_hints[f.name])} | {_cell(_default(f))} | "
+                       f"{_esc(docs.get(f.name, ''))} |")
         out.append("")
     return out
 

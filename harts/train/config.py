@@ -1,29 +1,37 @@
-"""Trainer configuration: torchtitan 0.2.2's ``JobConfig`` extended with HARTS sections.
+"""Trainer configuration: HARTS's sections beside the torchtitan 0.2.2 sections the trainer reads.
 
-torchtitan's ``ConfigManager`` gives TOML loading and ``--section.key value`` CLI overrides (tyro) with
-precedence CLI > TOML > defaults. We reuse its sections for what they mean there (``job``, ``training``
-(steps, max_norm, mixed precision), ``optimizer``, ``lr_scheduler``, ``parallelism``, ``checkpoint``,
-``activation_checkpoint``, ``compile``, ``metrics``, ``debug``) and add ours: ``ling`` (the model),
-``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``, ``online`` (rollouts sampled from the
-policy) and ``profile``. Fields of torchtitan sections that this trainer does not read (tokenizer, HF
-datasets, float8, fault tolerance, ...) are rejected by ``validate`` when changed from their default, so a
-config never silently does nothing.
+Like torchtitan's ``JobConfig`` this is a tree of dataclasses parsed by tyro from a TOML file and
+``--section.key value`` command-line overrides (precedence: command line, TOML, defaults). The torchtitan
+sections the trainer reads are torchtitan's own classes (``job``, ``training``, ``optimizer``,
+``lr_scheduler``, ``parallelism``, ``checkpoint``, ``activation_checkpoint``, ``compile``, ``metrics``,
+``debug``, ``comm``), some extended with HARTS fields, so torchtitan's components take them as they are; HARTS
+adds ``ling`` (the model), ``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``, ``online``
+(rollouts sampled from the policy) and ``profile``. torchtitan sections the trainer does not read (model,
+float8, validation, fault tolerance, ...) are not part of the config, so tyro rejects them as unknown.
 
-Besides tyro's own syntax we accept ``--config X.toml`` (= ``--job.config_file``), ``--a.b=true|false``
-for booleans and ``--a.b=1,2`` for lists.
+Types carry the checks that need no context: a field with a fixed set of values is a ``Literal`` (tyro
+rejects another value and ``--help`` lists the allowed ones; TOML values get the same check), and every
+section has a ``validate()`` for checks across its own fields; ``validate(cfg)`` runs them and the checks
+that span sections.
+
+Command-line syntax is tyro's, with three conveniences registered as tyro rules: a boolean takes
+``--a.b``, ``--a.b=true`` or ``--a.b=false``; a list takes ``--a.b=1,2`` as well as ``--a.b 1 2``; and
+``--config FILE`` is an alias of ``--job.config_file FILE``.
 """
 
 import dataclasses
 import sys
 import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
+import tyro
 from torchtitan.config import ConfigManager
 from torchtitan.config import job_config as tt
 
 from harts.data.trajectory import did_you_mean
 
-__all__ = ["HartsJobConfig", "parse_args", "load_config"]
+__all__ = ["HartsJobConfig", "parse_args", "load_config", "validate"]
 
 
 @dataclass
@@ -36,12 +44,12 @@ class Ling:
     """Override the preset's layer count (0 = keep)."""
     kda_chunk_size: int = 0
     """Override the KDA chunk size (0 = keep); it is also the HARTS planner's chunk size."""
-    backend: str = "auto"
+    backend: Literal["auto", "reference", "fast"] = "auto"
     """Op backends: 'auto' (fast on CUDA, reference on CPU), 'reference' or 'fast'."""
     op_backends: str = ""
     """Per-op overrides of ``backend``, e.g. 'norm=reference,moe=reference' (ops: attention, kda, conv,
     moe, logprobs, norm): to place a numerical difference on one op's fast path."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Parameter dtype: float32 | float64 (CPU exactness tests) | bfloat16 (pure bf16, no master copy)."""
     init_seed: int = 0
     """Weight init seed. Every tensor draws from its own generator, seeded by this seed and the tensor's
@@ -53,6 +61,13 @@ class Ling:
     equal the init_on_meta = false weights on a GPU."""
     load_hf: str = ""
     """Start from an HF safetensors checkpoint directory (official layout) instead of random init."""
+
+    def validate(self) -> None:
+        if not isinstance(self.preset, str) or not self.preset:
+            raise ValueError(f"config: ling.preset = {self.preset!r} must name a model preset")
+        for name in ("num_hidden_layers", "kda_chunk_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config: ling.{name} = {getattr(self, name)} must be >= 0 (0 keeps the preset's)")
 
 
 @dataclass
@@ -69,13 +84,20 @@ class Harts:
     """With pipeline parallelism: plan at the largest capacity (<= ``capacity``) that gives every DP rank at
     least as many microbatches as there are stages; with fewer, the stages wait for each other."""
 
+    def validate(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"config: harts.capacity = {self.capacity} must be >= 1")
+        if self.exact_threshold < 0:
+            raise ValueError(f"config: harts.exact_threshold = {self.exact_threshold} must be >= 0")
+
 
 @dataclass
 class Data:
-    source: str = "synthetic"
+    source: Literal["synthetic", "jsonl"] = "synthetic"
     """'synthetic' (a harts.data.synthetic preset, a new seed every step) or 'jsonl' (data.path; the schema
     is docs/byo-rollouts.md). A data.path with source 'synthetic' is an error, not silently ignored."""
     preset: str = "tiny"
+    """Synthetic workload preset (harts.data.synthetic.PRESETS)."""
     seed: int = 0
     """Step s uses seed + s (synthetic)."""
     scale: float = 1.0
@@ -86,7 +108,7 @@ class Data:
     policy fits it)."""
     max_length: int = 0
     """Truncate trajectories to this many tokens (0 = keep); for sizing a workload to the hardware."""
-    reward: str = "auto"
+    reward: Literal["auto", "data", "learnable"] = "auto"
     """'data': rewards from the rollouts; 'learnable': reward = fraction of loss tokens with id < vocab/2
     (a signal the policy can learn from fixed offline rollouts; it replaces the rollouts' rewards);
     'auto': 'data' for JSONL files (your rewards are used), 'learnable' for synthetic rollouts (whose
@@ -94,12 +116,30 @@ class Data:
     prefetch: int = 2
     """Steps prepared ahead by the background worker (0 = prepare in the main thread)."""
 
+    def validate(self) -> None:
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
+        if self.source != "jsonl" and self.path:
+            raise ValueError(f"config: data.path = {self.path} is set but data.source = {self.source!r}, which "
+                             "ignores it; add --data.source=jsonl to train on the files")
+        if self.source == "synthetic":
+            from harts.data.synthetic import PRESETS
+
+            if self.preset not in PRESETS:
+                raise ValueError(f"config: data.preset = {self.preset!r} is not a synthetic workload preset; "
+                                 f"known: {', '.join(sorted(PRESETS))}")
+        if not self.scale > 0:
+            raise ValueError(f"config: data.scale = {self.scale} must be > 0")
+        for name in ("max_length", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config: data.{name} = {getattr(self, name)} must be >= 0")
+
 
 @dataclass
 class RL:
-    objective: str = "grpo"
+    objective: Literal["grpo", "ppo"] = "grpo"
     """'grpo': -A log p (on-policy); 'ppo': PPO-clip against old log-probs."""
-    advantages: str = "grpo"
+    advantages: Literal["grpo", "data"] = "grpo"
     """'grpo': group-relative from reward and group_id; 'data': the rollouts' advantage(s)."""
     std_normalize: bool = True
     adv_eps: float = 1e-6
@@ -108,14 +148,20 @@ class RL:
     """Upper clip (0 = clip_eps)."""
     kl_coef: float = 0.0
     """k3 KL to the rollouts' ref_logprobs."""
-    old_logprobs: str = "data"
+    old_logprobs: Literal["data", "recompute"] = "data"
     """PPO: 'data' (rollouts' old_logprobs) or 'recompute' (a no-grad pass before the update)."""
-    loss_norm: str = "token"
+    loss_norm: Literal["token", "sequence"] = "token"
     """'token' or 'sequence'; both are step-global (see harts.rl.losses)."""
     z_loss_coef: float = 0.0
     aux_loss_coef: float = 0.0
     expert_bias_rate: float = 1e-3
     """Aux-loss-free balancing step (0 = off); counts are multiplicity-weighted and summed over DP."""
+
+    def validate(self) -> None:
+        for name in ("adv_eps", "clip_eps", "clip_eps_high", "kl_coef", "z_loss_coef", "aux_loss_coef",
+                     "expert_bias_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"config: rl.{name} = {getattr(self, name)} must be >= 0")
 
 
 @dataclass
@@ -141,6 +187,21 @@ class Online:
     plot: bool = True
     """Write reward_vs_step.png (reward per step) to job.dump_folder at the end; needs matplotlib."""
 
+    def validate(self) -> None:
+        from harts.rl.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"config: online.task = {self.task!r}; known: {', '.join(sorted(TASKS))}")
+        for name in ("episodes", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config: online.{name} = {getattr(self, name)} must be >= 1")
+        if not self.branching or any(k < 1 for k in self.branching):
+            raise ValueError(f"config: online.branching = {self.branching} must be a non-empty list of counts >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"config: online.temperature = {self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"config: online.top_p = {self.top_p} must lie in (0, 1]")
+
 
 @dataclass
 class Profile:
@@ -149,6 +210,23 @@ class Profile:
     """Steps (1-based) to trace; each writes a chrome trace per rank."""
     folder: str = "profile"
     """Under job.dump_folder."""
+
+    def validate(self) -> None:
+        if any(s < 1 for s in self.steps):
+            raise ValueError(f"config: profile.steps = {self.steps}: steps are 1-based (each >= 1)")
+
+
+@dataclass
+class Job(tt.Job):
+    config_file: Annotated[str | None, tyro.conf.arg(aliases=("--config",))] = None
+    """TOML file to read the config from (``--config FILE`` for short); command-line values override it."""
+
+
+@dataclass
+class Training(tt.Training):
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"config: training.steps = {self.steps} must be >= 1")
 
 
 @dataclass
@@ -160,6 +238,10 @@ class Checkpoint(tt.Checkpoint):
     (checkpoint.folder) and metrics.jsonl first. Without it the trainer resumes from the latest complete
     checkpoint, and refuses a folder whose run already reached training.steps."""
 
+    def validate(self) -> None:
+        if self.enable and self.interval < 1:
+            raise ValueError(f"config: checkpoint.interval = {self.interval} must be >= 1")
+
 
 @dataclass
 class Parallelism(tt.Parallelism):
@@ -167,11 +249,20 @@ class Parallelism(tt.Parallelism):
     """With TP: shard the rows (compact rows or tokens) over the TP group outside the TP regions (norms,
     residual stream, pipeline activations); all-gather into and reduce-scatter out of each region."""
 
+    def validate(self) -> None:
+        for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                     "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config: parallelism.{name} = {getattr(self, name)} must be >= 1")
+        if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
+            raise ValueError(f"config: parallelism.data_parallel_shard_degree = {self.data_parallel_shard_degree} "
+                             "must be >= 1, or -1 (the ranks the other degrees leave)")
+
 
 @dataclass
 class ActivationCheckpoint(tt.ActivationCheckpoint):
-    mode: str = "none"
-    """'none' or 'full' (recompute each decoder layer in backward; the plan and layout are reused)."""
+    mode: Literal["none", "selective", "full"] = "none"
+    """'none', 'selective' or 'full' (recompute each decoder layer in backward; the plan and layout are reused)."""
 
 
 @dataclass
@@ -189,257 +280,292 @@ class Debug(tt.Debug):
     """Path prefix: write step 1's gradient norm of every parameter to PATH.rank<R>.json, for
     scripts/compare_grad_norms.py ('' = off)."""
 
+    def validate(self) -> None:
+        if self.dump_hidden_stride < 1:
+            raise ValueError(f"config: debug.dump_hidden_stride = {self.dump_hidden_stride} must be >= 1")
+        if self.exit_after_step < 0:
+            raise ValueError(f"config: debug.exit_after_step = {self.exit_after_step} must be >= 0 (0 = off)")
+
 
 @dataclass
 class Optimizer(tt.Optimizer):
-    bf16_update: str = "fp32_master"
+    bf16_update: Literal["fp32_master", "plain"] = "fp32_master"
     """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
     an fp32 master weight held as the bf16 weight plus its 16 low bits) or 'plain' (torch's AdamW on the
     bf16 tensors: updates below half a bf16 ulp are lost)."""
-    bf16_fused: str = "auto"
+    bf16_fused: Literal["auto", "true", "false"] = "auto"
     """With bf16_update = 'fp32_master': 'true' runs the update as one Triton kernel per tensor
     (harts.kernels.bf16_adamw) instead of ~20 torch ops, equal up to the last fp32 bits of the master
     weights; 'false' runs the torch ops; 'auto'
     (default) is 'true' on CUDA and 'false' elsewhere (the kernel runs on CPU only interpreted)."""
 
+    def validate(self) -> None:
+        if not self.lr >= 0:
+            raise ValueError(f"config: optimizer.lr = {self.lr} must be >= 0")
+
 
 @dataclass
-class HartsJobConfig(tt.JobConfig):
+class HartsJobConfig:
+    """The trainer's config: torchtitan's sections that the trainer reads, then HARTS's."""
+
+    job: Job = field(default_factory=Job)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: tt.LRScheduler = field(default_factory=tt.LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: tt.Compile = field(default_factory=tt.Compile)
+    metrics: tt.Metrics = field(default_factory=tt.Metrics)
+    debug: Debug = field(default_factory=Debug)
+    comm: tt.Comm = field(default_factory=tt.Comm)
     ling: Ling = field(default_factory=Ling)
     harts: Harts = field(default_factory=Harts)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
     online: Online = field(default_factory=Online)
     profile: Profile = field(default_factory=Profile)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    debug: Debug = field(default_factory=Debug)
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    optimizer: Optimizer = field(default_factory=Optimizer)
 
 
-# torchtitan sections/fields this trainer reads; anything else must stay at its default.
-_USED = {
-    "job": {"config_file", "dump_folder", "description", "print_config"},
+# The torchtitan fields the trainer reads, per section. The other fields of these sections exist because
+# torchtitan's components take torchtitan's section classes, so tyro parses them like any field; this list is
+# what tells a field the trainer implements from one it would silently ignore, which no type can say.
+# Fields HARTS declares itself (in the subclasses above) are not listed.
+_TORCHTITAN_READ = {
+    "job": {"dump_folder", "description", "print_config"},
     "training": {"steps", "max_norm", "mixed_precision_param", "mixed_precision_reduce", "gc_freq"},
-    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "bf16_update",
-                  "bf16_fused"},
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                     "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree",
-                    "enable_sequence_parallel"},
+                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree"},
     "checkpoint": {"enable", "folder", "interval", "keep_latest_k", "load_step", "last_save_model_only",
                    "export_dtype", "initial_load_path", "initial_load_model_only", "async_mode",
-                   "exclude_from_loading", "enable_first_step_checkpoint", "export_hf", "load_only",
-                   "enable_ft_dataloader_checkpoints", "overwrite"},
-    "activation_checkpoint": {"mode"},
+                   "exclude_from_loading", "enable_first_step_checkpoint", "load_only",
+                   "enable_ft_dataloader_checkpoints"},
+    "activation_checkpoint": set(),
     "compile": {"enable", "components", "backend"},
     "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
-    "debug": {"seed", "deterministic", "check_finite", "exit_after_step", "dump_hidden", "dump_hidden_stride",
-              "dump_grad_norms"},
+    "debug": {"seed", "deterministic"},
     "comm": {"init_timeout_seconds", "train_timeout_seconds"},
 }
-_OURS = {"ling", "harts", "data", "rl", "online", "profile"}
 
 
-class _Manager(ConfigManager):
-    def _validate_config(self) -> None:  # torchtitan's checks concern its tokenizer assets
-        pass
-
-    def _dict_to_dataclass(self, cls, data):
-        """torchtitan's TOML -> dataclass, with unknown keys named (section, key, nearest known key); its own
-        message points at a launcher script this repository does not have."""
-        if dataclasses.is_dataclass(cls) and isinstance(data, dict):
-            known = [f.name for f in dataclasses.fields(cls)]
-            for key in data:
-                if key not in known:
-                    raise ValueError(f"config: unknown {_toml_where(cls, key)}{did_you_mean(key, known)} in "
-                                     f"{self._toml_path or 'the TOML file'}; `python train.py --help` lists every key")
-        return super()._dict_to_dataclass(cls, data)
-
-    def parse_args(self, args):
-        self._toml_path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--job.config_file"), None)
-        return super().parse_args(args)
-
-    def _maybe_load_toml(self, args):
-        """torchtitan's loader logs a traceback before re-raising; this names the file in one line."""
-        if self._toml_path is None:
-            return super()._maybe_load_toml(args)
-        import tomllib
-
-        try:
-            with open(self._toml_path, "rb") as f:
-                return tomllib.load(f)
-        except OSError as e:
-            raise ValueError(f"config: cannot read the config file {self._toml_path} ({e.strerror})") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config: {self._toml_path} is not valid TOML ({e})") from None
+def torchtitan_fields(section: str) -> tuple[list[str], list[str]]:
+    """(read, not read): the fields of a section that come from torchtitan's class, split by whether the
+    trainer reads them; fields HARTS declares are in neither."""
+    cls = typing.get_type_hints(HartsJobConfig)[section]
+    ours = {name for klass in cls.__mro__ if klass.__module__ == __name__
+            for name in getattr(klass, "__annotations__", {})}
+    theirs = [f.name for f in dataclasses.fields(cls) if f.name not in ours]
+    read = _TORCHTITAN_READ.get(section, set())
+    return [n for n in theirs if n in read], [n for n in theirs if n not in read]
 
 
-def _toml_where(cls, key: str) -> str:
-    """'section [x]' for a top-level key, 'key x of [section]' inside one."""
-    if cls is HartsJobConfig or issubclass(HartsJobConfig, cls):
-        return f"section [{key}]"
-    section = next((f.name for f in dataclasses.fields(HartsJobConfig) if f.type is cls
-                    or typing.get_type_hints(HartsJobConfig).get(f.name) is cls), None)
-    return f"key '{key}' of [{section}]" if section else f"key '{key}'"
+def is_harts_section(section: str) -> bool:
+    return typing.get_type_hints(HartsJobConfig)[section].__mro__[-2].__module__ == __name__
 
 
-def _field_types(cls) -> dict[str, dict[str, typing.Any]]:
-    out = {}
+# ------------------------------------------------------------------ parsing
+
+_BOOL = {"true": True, "false": False}
+_REGISTRY = tyro.constructors.ConstructorRegistry()
+ConfigManager.register_tyro_rules(_REGISTRY)  # torchtitan's rule: a list[str] is given as "a,b,c"
+
+
+@_REGISTRY.primitive_rule
+def _bool_rule(info: tyro.constructors.PrimitiveTypeInfo):
+    """``--a.b`` alone means true; ``--a.b=true`` / ``--a.b=false`` set either value (TOML's spelling)."""
+    if info.type is not bool:
+        return None
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs=(0, 1), metavar="[true|false]", choices=tuple(_BOOL),
+        instance_from_str=lambda args: True if not args else _BOOL[args[0]],
+        is_instance=lambda x: isinstance(x, bool), str_from_instance=lambda x: ["true" if x else "false"])
+
+
+@_REGISTRY.primitive_rule
+def _number_list_rule(info: tyro.constructors.PrimitiveTypeInfo):
+    """A list of numbers takes ``--a.b=1,2`` as well as ``--a.b 1 2``."""
+    if info.type not in (list[int], list[float]):
+        return None
+    elem = typing.get_args(info.type)[0]
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs="*", metavar="N,N,...",
+        instance_from_str=lambda args: [elem(x) for a in args for x in a.split(",") if x],
+        is_instance=lambda v: isinstance(v, list) and all(isinstance(x, elem) for x in v),
+        str_from_instance=lambda v: [",".join(str(x) for x in v)])
+
+
+_CONFIG_KEYS = ("--config", "--job.config_file", "--job.config-file")
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition("=")
+        if key in _CONFIG_KEYS:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
+
+
+def _read_toml(path: str) -> dict:
+    """The file's tables, or one line naming the file (torchtitan's loader logs a traceback first)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"config: cannot read the config file {path} ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config: {path} is not valid TOML ({e})") from None
+
+
+def _from_toml(cls, data: dict, path: str, section: str | None = None):
+    """TOML tables -> the dataclasses, naming an unknown section or key with the nearest known one."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        sub = hints[f.name]
-        if dataclasses.is_dataclass(sub):
-            out[f.name] = typing.get_type_hints(sub)
-    return out
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            where = f"key '{key}' of [{section}]" if section else f"section [{key}]"
+            extra = (" (a torchtitan section the HARTS trainer does not use)"
+                     if section is None and key in {f.name for f in dataclasses.fields(tt.JobConfig)} else "")
+            raise ValueError(f"config: unknown {where}{did_you_mean(key, known)}{extra} in {path}; "
+                             "`python train.py --help` lists every key")
+        sub = hints[key]
+        kwargs[key] = _from_toml(sub, value, path, key) if dataclasses.is_dataclass(sub) and isinstance(
+            value, dict) else value
+    return cls(**kwargs)
 
 
-def _normalize(argv: list[str]) -> list[str]:
-    """``--config F`` -> ``--job.config_file F``; ``--a.b=true`` -> ``--a.b``; ``--a.b=1,2`` -> ``--a.b 1 2``."""
-    types = _field_types(HartsJobConfig)
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--config" or a.startswith("--config="):
-            if "=" in a:
-                out += ["--job.config_file", a.split("=", 1)[1]]
-            else:
-                if i + 1 >= len(argv):
-                    raise SystemExit("--config needs a TOML file")
-                out += ["--job.config_file", argv[i + 1]]
-                i += 1
-            i += 1
-            continue
-        if a.startswith("--") and "." in a.split("=", 1)[0]:
-            _check_cli_key(a.split("=", 1)[0][2:], types)
-        if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]:
-            key, val = a[2:].split("=", 1)
-            sec, _, name = key.partition(".")
-            t = types.get(sec, {}).get(name.replace("-", "_"))
-            if t is bool:
-                v = val.strip().lower()
-                if v not in ("true", "false", "1", "0", "yes", "no"):
-                    raise SystemExit(f"--{key}: expected true or false, got {val!r}")
-                out.append(f"--{key}" if v in ("true", "1", "yes") else f"--{sec}.no-{name}")
-                i += 1
-                continue
-            if t in (int, float):
-                try:
-                    t(val)
-                except ValueError:
-                    raise ValueError(f"config: --{key}={val}: expected {'an integer' if t is int else 'a number'}"
-                                     ) from None
-            if typing.get_origin(t) is list and "," in val and typing.get_args(t) != (str,):
-                # list[str] already takes "a,b" (torchtitan's tyro rule); other lists get one value each
-                out += [f"--{key}"] + [x for x in val.split(",") if x]
-                i += 1
-                continue
-        out.append(a)
-        i += 1
-    return out
+def _unknown_option(token: str) -> str:
+    key = token.split("=", 1)[0]
+    if not key.startswith("--") or "." not in key:
+        return f"config: unexpected argument {token!r}; options are written --section.key=value"
+    sec, _, name = key[2:].partition(".")
+    sections = {f.name: typing.get_type_hints(HartsJobConfig)[f.name] for f in dataclasses.fields(HartsJobConfig)}
+    if sec not in sections:
+        extra = (" (a torchtitan section the HARTS trainer does not use)"
+                 if sec in {f.name for f in dataclasses.fields(tt.JobConfig)} else "")
+        return f"config: unknown option {key}: no section [{sec}]{did_you_mean(sec, sections)}{extra}"
+    dotted = [f"--{sec}.{f.name}" for f in dataclasses.fields(sections[sec])]
+    return (f"config: unknown option {key}{did_you_mean(f'--{sec}.' + name.replace('-', '_'), dotted)}; "
+            "`python train.py --help` lists every option")
 
 
-def _check_cli_key(key: str, types: dict) -> None:
-    """``--section.key``: an unknown section or key is one line naming the nearest known one (tyro's own
-    message is a 12-line box)."""
-    sec, _, name = key.partition(".")
-    if sec not in types:
-        raise ValueError(f"config: unknown option --{key}: no section [{sec}]{did_you_mean(sec, types)}")
-    name = name.replace("-", "_")
-    bare = name[3:] if name.startswith("no_") and types[sec].get(name[3:]) is bool else name
-    if bare not in types[sec]:
-        dotted = [f"--{sec}.{k}" for k in types[sec]]
-        raise ValueError(f"config: unknown option --{key}{did_you_mean(f'--{sec}.{name}', dotted)}; "
-                         "`python train.py --help` lists every option")
+def _given(argv: list[str], key: str) -> str | None:
+    """The value the command line gave ``--key`` (last occurrence)."""
+    names = {f"--{key}", f"--{key.replace('_', '-')}"}
+    value = None
+    for i, a in enumerate(argv):
+        k, eq, v = a.partition("=")
+        if k in names:
+            value = v if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
+
+
+def _not_allowed(key: str, value, allowed) -> str:
+    return f"config: {key} = {value!r} is not one of {', '.join(repr(a) for a in allowed)}"
+
+
+def _one_line_errors(argv: list[str]):
+    """tyro's parse errors as one-line ValueErrors naming the option, the value and what is allowed (train.py
+    prints those as its one ``error:`` line; tyro's own rendering is a multi-line box). The hook API is tyro's
+    (``tyro._errors``, 1.0.x); where it is missing, tyro prints its own message, which names the same things."""
+    import contextlib
+
+    try:
+        from tyro import _errors
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(_errors, "on_parse_error"):
+        return contextlib.nullcontext()
+
+    def hook(event) -> None:
+        arg = getattr(event, "argument", None)
+        key = arg.get_output_key() if arg is not None else None
+        if isinstance(event, _errors.InvalidChoice):
+            raise ValueError(_not_allowed(key, event.value, event.choices) + f" (--{key})")
+        if isinstance(event, _errors.UnrecognizedArgs):
+            raise ValueError(_unknown_option(event.tokens[0]))
+        if isinstance(event, _errors.BadValue):
+            raise ValueError(f"config: --{key} needs a value")
+        if isinstance(event, _errors.InstantiationFailure) and key is not None:
+            t = arg.field.type_stripped
+            kind = {int: "an integer", float: "a number"}.get(t) or (
+                "numbers separated by commas" if t in (list[int], list[float]) else f"a {getattr(t, '__name__', t)}")
+            raise ValueError(f"config: --{key}={_given(argv, key)}: expected {kind}")
+
+    return _errors.on_parse_error(hook)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check_values(section: str, obj) -> None:
+    """Values a TOML file set (tyro checks the command line's): Literal fields hold an allowed value, bools a
+    bool."""
+    for f in dataclasses.fields(obj):
+        t, v = typing.get_type_hints(type(obj))[f.name], getattr(obj, f.name)
+        if typing.get_origin(t) is Literal and v not in typing.get_args(t):
+            raise ValueError(_not_allowed(f"{section}.{f.name}", v, typing.get_args(t)))
+        if t is bool and not isinstance(v, bool):
+            raise TypeError(f"config: {section}.{f.name} = {v!r} must be true or false")
 
 
 def validate(cfg: HartsJobConfig) -> HartsJobConfig:
-    """Reject settings of torchtitan sections this trainer does not implement, and bad values of ours."""
+    """Every section's values and ``validate()``, then the checks that span sections: torchtitan fields the
+    trainer does not read stay at their defaults; context parallelism needs HARTS batches; online mode
+    excludes rollout files, replaced rewards, data advantages and the KL term."""
     default = HartsJobConfig()
-    for f in dataclasses.fields(cfg):
-        if f.name in _OURS:
-            continue
-        used = _USED.get(f.name, set())
-        cur, ref = getattr(cfg, f.name), getattr(default, f.name)
-        for g in dataclasses.fields(cur):
-            if g.name not in used and getattr(cur, g.name) != getattr(ref, g.name):
-                raise ValueError(f"config: {f.name}.{g.name} = {getattr(cur, g.name)!r} is a torchtitan setting "
+    for sec in dataclasses.fields(cfg):
+        obj = getattr(cfg, sec.name)
+        _check_values(sec.name, obj)
+        _, unread = torchtitan_fields(sec.name)
+        for name in unread:
+            if getattr(obj, name) != getattr(getattr(default, sec.name), name):
+                raise ValueError(f"config: {sec.name}.{name} = {getattr(obj, name)!r} is a torchtitan setting "
                                  "the HARTS trainer does not use; remove it")
-    choices = {
-        ("data", "source"): ("synthetic", "jsonl"), ("data", "reward"): ("auto", "data", "learnable"),
-        ("rl", "objective"): ("grpo", "ppo"), ("rl", "advantages"): ("grpo", "data"),
-        ("rl", "old_logprobs"): ("data", "recompute"), ("rl", "loss_norm"): ("token", "sequence"),
-        ("ling", "dtype"): ("float32", "float64", "bfloat16"), ("ling", "backend"): ("auto", "reference", "fast"),
-        ("activation_checkpoint", "mode"): ("none", "selective", "full"),
-        ("optimizer", "bf16_update"): ("fp32_master", "plain"),
-    }
-    for (sec, name), ok in choices.items():
-        v = getattr(getattr(cfg, sec), name)
-        if v not in ok:
-            raise ValueError(f"config: {sec}.{name} = {v!r}; expected one of {ok}")
-    if cfg.data.source == "jsonl" and not cfg.data.path:
-        raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
-    if cfg.data.source != "jsonl" and cfg.data.path:
-        raise ValueError(f"config: data.path = {cfg.data.path} is set but data.source = {cfg.data.source!r}, which "
-                         "ignores it; add --data.source=jsonl to train on the files")
-    if cfg.data.source == "synthetic":
-        from harts.data.synthetic import PRESETS
-
-        if cfg.data.preset not in PRESETS:
-            raise ValueError(f"config: data.preset = {cfg.data.preset!r} is not a synthetic workload preset; "
-                             f"known: {', '.join(sorted(PRESETS))}")
-    _validate_online(cfg)
-    if cfg.training.steps < 1:
-        raise ValueError(f"config: training.steps = {cfg.training.steps} must be >= 1")
-    if cfg.debug.dump_hidden_stride < 1:
-        raise ValueError(f"config: debug.dump_hidden_stride = {cfg.debug.dump_hidden_stride} must be >= 1")
-    if cfg.harts.capacity < 1:
-        raise ValueError(f"config: harts.capacity = {cfg.harts.capacity} must be >= 1")
-    cp = cfg.parallelism.context_parallel_degree
-    if cp < 1:
-        raise ValueError(f"config: parallelism.context_parallel_degree = {cp} must be >= 1")
-    if cp > 1 and not cfg.harts.enabled:
+        if hasattr(obj, "validate"):
+            obj.validate()
+    if cfg.parallelism.context_parallel_degree > 1 and not cfg.harts.enabled:
         raise ValueError("config: parallelism.context_parallel_degree > 1 needs harts.enabled = true (context "
                          "parallelism is implemented for HARTS prefix-shared batches, not the trajectory-wise "
                          "baseline)")
+    if cfg.online.enabled:
+        if cfg.data.source != "synthetic" or cfg.data.path:
+            raise ValueError(f"config: online.enabled = true samples its own rollouts, but data.source = "
+                             f"{cfg.data.source!r}{' with data.path' if cfg.data.path else ''} is set too; remove it")
+        if cfg.data.reward not in ("auto", "data"):
+            raise ValueError(f"config: data.reward = {cfg.data.reward!r} would replace the environment's rewards "
+                             "in online mode; leave it at 'auto'")
+        if cfg.rl.advantages != "grpo":
+            raise ValueError("config: online.enabled = true needs rl.advantages = 'grpo' (rollouts carry rewards, "
+                             "not advantages)")
+        if cfg.rl.kl_coef > 0:
+            raise ValueError("config: rl.kl_coef > 0 needs reference log-probs, which online rollouts do not carry")
     return cfg
 
 
-def _validate_online(cfg: HartsJobConfig) -> None:
-    on = cfg.online
-    from harts.rl.tasks import TASKS
-
-    if on.task not in TASKS:
-        raise ValueError(f"config: online.task = {on.task!r}; known: {', '.join(sorted(TASKS))}")
-    for name in ("episodes", "max_turns"):
-        if getattr(on, name) < 1:
-            raise ValueError(f"config: online.{name} = {getattr(on, name)} must be >= 1")
-    if not on.branching or any(k < 1 for k in on.branching):
-        raise ValueError(f"config: online.branching = {on.branching} must be a non-empty list of counts >= 1")
-    if not on.temperature >= 0:
-        raise ValueError(f"config: online.temperature = {on.temperature} must be >= 0")
-    if not 0 < on.top_p <= 1:
-        raise ValueError(f"config: online.top_p = {on.top_p} must lie in (0, 1]")
-    if not on.enabled:
-        return
-    if cfg.data.source != "synthetic" or cfg.data.path:
-        raise ValueError(f"config: online.enabled = true samples its own rollouts, but data.source = "
-                         f"{cfg.data.source!r}{' with data.path' if cfg.data.path else ''} is set too; remove it")
-    if cfg.data.reward not in ("auto", "data"):
-        raise ValueError(f"config: data.reward = {cfg.data.reward!r} would replace the environment's rewards in "
-                         "online mode; leave it at 'auto'")
-    if cfg.rl.advantages != "grpo":
-        raise ValueError("config: online.enabled = true needs rl.advantages = 'grpo' (rollouts carry rewards, not "
-                         "advantages)")
-    if cfg.rl.kl_coef > 0:
-        raise ValueError("config: rl.kl_coef > 0 needs reference log-probs, which online rollouts do not carry")
-
-
 def parse_args(argv: list[str] | None = None) -> HartsJobConfig:
+    """The config of a command line: ``--config FILE.toml`` (optional) and ``--section.key=value`` overrides."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = _Manager(HartsJobConfig).parse_args(_normalize(argv))
+    path = _config_path(argv)
+    base = HartsJobConfig()
+    if path:
+        base = _from_toml(HartsJobConfig, _read_toml(path), path)
+        for sec in dataclasses.fields(base):  # before tyro, which would warn about them
+            try:
+                _check_values(sec.name, getattr(base, sec.name))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{e} (in {path})") from None
+    with _one_line_errors(argv):
+        cfg = tyro.cli(HartsJobConfig, args=argv, default=base, registry=_REGISTRY,
+                       config=(tyro.conf.FlagConversionOff,))
     return validate(cfg)
 
 
