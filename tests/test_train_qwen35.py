@@ -107,6 +107,7 @@ def test_fsdp2_ep_on_two_processes_equals_one(runs):
     ({"parallelism.pipeline_parallel_degree": 2}, "parallelism.pipeline_parallel_degree = 2"),
     ({"compile.enable": True}, "compile.enable"),
     ({"online.enabled": True, "data.reward": "auto"}, "online.enabled"),
+    ({"activation_checkpoint.mode": "selective"}, "activation_checkpoint.mode = 'selective'"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     p = tmp_path / "base.toml"
@@ -114,3 +115,25 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     with pytest.raises(ValueError, match=r"qwen3\.5-debug.*Qwen3\.5-MoE") as e:
         Trainer(load_config(str(p), **{"job.dump_folder": str(tmp_path / "out"), **over}))
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("mode, forwards", [("none", 1), ("full", 2)])
+def test_apply_ac_recomputes_qwen35_layers(mode, forwards):
+    """The trainer's checkpointing reaches Qwen3.5's layers: under 'full' each layer's forward runs again in
+    backward, under 'none' once (a setting that did nothing would run it once in both)."""
+    from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+    from harts.train.parallelize import apply_ac
+
+    cfg = Qwen35Config.preset("qwen3.5-debug", num_hidden_layers=4, backend="reference")
+    torch.manual_seed(0)
+    model = Qwen35ForCausalLM(cfg).double()
+    apply_ac(model, mode)
+    calls = []
+    for layer in model.decoder_layers():
+        layer.register_forward_pre_hook(lambda m, a: calls.append(m.layer_idx))  # early stop cuts the rerun short
+    ids_T = torch.randint(3, cfg.vocab_size, (20,))
+    pos_T = torch.cat([torch.arange(12), torch.arange(8)])
+    model(ids_T, pos_T, torch.tensor([0, 12, 20])).square().sum().backward()
+    assert sorted(calls) == sorted(list(range(4)) * forwards)
+    with pytest.raises(ValueError, match="selective"):
+        model.model.checkpoint_policy = "selective"

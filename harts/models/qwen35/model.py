@@ -37,6 +37,20 @@ class Qwen35Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.checkpoint_layers, self.checkpoint_early_stop = cfg.recompute, True
 
+    @property
+    def checkpoint_policy(self) -> str:
+        """Activation checkpointing as LingModel's policy names it (harts.train.parallelize.apply_ac sets it):
+        "full" recomputes every layer whole, "none" nothing; Ling's "selective" regions have no Qwen3.5 split,
+        so it is refused rather than left doing nothing."""
+        return "full" if self.checkpoint_layers else "none"
+
+    @checkpoint_policy.setter
+    def checkpoint_policy(self, policy: str) -> None:
+        if policy not in ("none", "full"):
+            raise ValueError(f"checkpoint_policy = {policy!r}: Qwen3.5 layers are checkpointed 'none' or 'full' "
+                             "(selective checkpointing has regions for Ling-3.0 layers only)")
+        self.checkpoint_layers = policy == "full"
+
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
                 *, layout=None, router: tuple | None = None) -> torch.Tensor:
         if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
