@@ -95,3 +95,54 @@ def test_pipeline_fill_plans_enough_microbatches_at_the_largest_capacity(enabled
 def test_unknown_synthetic_preset_is_named():
     with pytest.raises(ValueError, match=r"data.preset = 'ling3-tiny-debug'.*known: .*swe-step.*tiny"):
         config.load_config("configs/debug_cpu.toml", **{"data.preset": "ling3-tiny-debug"})
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("ling.dtype", "float16", ("float32", "float64", "bfloat16")),
+    ("activation_checkpoint.mode", "memory_budget", ("none", "selective", "full")),
+    ("optimizer.bf16_fused", "sometimes", ("auto", "true", "false")),
+])
+def test_literal_fields_reject_other_values_naming_key_value_and_choices(tmp_path, key, value, allowed):
+    """A value outside a Literal field's set is refused on the command line (by tyro) and in a TOML file (tyro
+    does not see those), both naming the key, the value and every allowed value."""
+    from typing import Literal, get_args, get_type_hints
+
+    sec, name = key.split(".")
+    hint = get_type_hints(get_type_hints(config.HartsJobConfig)[sec])[name]
+    assert set(get_args(hint)) == set(allowed) and hint == Literal[get_args(hint)]
+    want = rf"{key} = '{value}' is not one of " + ", ".join(f"'{a}'" for a in get_args(hint))
+    with pytest.raises(ValueError, match=want):
+        config.parse_args([f"--{key}={value}"])
+    p = tmp_path / "c.toml"
+    p.write_text(f'[{sec}]\n{name} = "{value}"\n')
+    with pytest.raises(ValueError, match=want + rf".*{p}"):
+        config.parse_args(["--config", str(p)])
+    for ok in allowed:
+        assert getattr(getattr(config.parse_args([f"--{key}={ok}"]), sec), name) == ok
+
+
+def test_help_lists_every_literal_fields_values(capsys):
+    """``--help`` names each Literal field's allowed values and takes true/false for booleans; torchtitan
+    sections the trainer does not read are not offered."""
+    from typing import Literal, get_args, get_origin, get_type_hints
+
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    literal = 0
+    for sec, cls in get_type_hints(config.HartsJobConfig).items():
+        for name, hint in get_type_hints(cls).items():
+            if get_origin(hint) is Literal:
+                literal += 1
+                assert f"--{sec}.{name} {{{','.join(get_args(hint))}}}" in text, (sec, name)
+    assert literal >= 14 and "--harts.enabled [true|false]" in text and "--config" in text
+    assert "--float8." not in text and "--model." not in text and "--validation." not in text
+
+
+def test_unknown_torchtitan_section_and_bool_spellings():
+    with pytest.raises(ValueError, match=r"--model.name: no section \[model\].*torchtitan section the HARTS "
+                                         r"trainer does not use"):
+        config.parse_args(["--model.name=llama3"])
+    c = config.parse_args(["--checkpoint.overwrite", "--harts.enabled=false", "--online.branching", "3", "2"])
+    assert c.checkpoint.overwrite is True and c.harts.enabled is False and c.online.branching == [3, 2]

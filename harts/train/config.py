@@ -564,7 +564,7 @@ def parse_args(argv: list[str] | None = None) -> HartsJobConfig:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{e} (in {path})") from None
     with _one_line_errors(argv):
-        cfg = tyro.cli(HartsJobConfig, args=argv, default=base, registry=_REGISTRY,
+        cfg = tyro.cli(HartsJobConfig, args=argv, default=base, registry=_REGISTRY, use_underscores=True,
                        config=(tyro.conf.FlagConversionOff,))
     return validate(cfg)
 
