@@ -7,10 +7,11 @@ reference ops, a truncated tiny workload.
   export is an HF folder that ``Qwen35ForCausalLM.from_pretrained`` reads back bit for bit and that
   ``ling.load_hf`` starts a run from.
 - Two gloo processes: the 8-GPU config's layout (FSDP2 + EP over all ranks), once with host init and once
-  with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, equals
-  the one-process run (losses, grad norms, final weights; ``helpers.assert_same_run``).
-- Settings Qwen3.5 has no implementation for (expert-bias updates, TP, PP, CP, compile, online
-  sampling) are refused by name.
+  with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, and
+  two pipeline stages (PP2, full AC), each equal the one-process run (losses, grad norms, final weights;
+  ``helpers.assert_same_run``).
+- Settings Qwen3.5 has no implementation for (expert-bias updates, TP, CP, selective
+  checkpointing, compile, online sampling) are refused by name.
 """
 import pytest
 import torch
@@ -89,14 +90,16 @@ def test_harts_equals_baseline_and_export_round_trips(runs):
 
 
 @pytest.mark.slow
-def test_fsdp2_ep_on_two_processes_equals_one(runs):
+def test_fsdp2_ep_and_pp_on_two_processes_equal_one(runs):
     d, cfg, _ = runs
     names = {"fsdp_ep": FSDP_EP, "fsdp_ep_meta_ac": [*FSDP_EP, "--ling.init_on_meta=true",
-                                                     "--activation_checkpoint.mode=full"]}
+                                                     "--activation_checkpoint.mode=full"],
+             "pp_ac": ["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full"]}
     torchrun_many([(cfg, d / n, args, {}) for n, args in names.items()], nproc=2)
     for n in names:
         got = records(d / n)
-        assert all(r["dp"] == 2 and r["ep"] == 2 and r["world"] == 2 for r in got), n
+        layout = dict(dp=1, ep=1, pp=2) if n == "pp_ac" else dict(dp=2, ep=2, pp=1)
+        assert all(r["world"] == 2 and all(r[k] == v for k, v in layout.items()) for r in got), n
         assert_same_run(d / "harts", d / n, rel=1e-9, wrel=1e-9)
     assert any("mlp.experts.gate_up_proj" in k for k in weights(d / "fsdp_ep"))
 
@@ -104,7 +107,6 @@ def test_fsdp2_ep_on_two_processes_equals_one(runs):
 @pytest.mark.parametrize("over, named", [
     ({"rl.expert_bias_rate": 1e-3}, "rl.expert_bias_rate"),
     ({"parallelism.tensor_parallel_degree": 2}, "parallelism.tensor_parallel_degree = 2"),
-    ({"parallelism.pipeline_parallel_degree": 2}, "parallelism.pipeline_parallel_degree = 2"),
     ({"compile.enable": True}, "compile.enable"),
     ({"online.enabled": True, "data.reward": "auto"}, "online.enabled"),
     ({"activation_checkpoint.mode": "selective"}, "activation_checkpoint.mode = 'selective'"),

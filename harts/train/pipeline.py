@@ -12,10 +12,10 @@ preallocate buffers for; padding rows carry zeros and get zero gradients. The la
 microbatch's objective (already normalised by the step's global weights) and returns it as the stage
 output; the schedule's loss function only sums it, and gradients are not rescaled (scale_grads=False).
 
-A stage is the same ``LingForCausalLM`` pruned (``prune_to_stage``): it keeps its layers in a ModuleDict
-under their original indices and sets the embeddings / final norm / LM head it does not own to None, so
-FQNs, and checkpoints, stay those of the full model. A stage's forward starts from the previous stage's rows
-(``hidden_PD``), which only Ling's model takes: ``prune_to_stage`` refuses a Qwen3.5 model with a ValueError.
+A stage is the same ``LingForCausalLM`` or ``Qwen35ForCausalLM`` pruned (``prune_to_stage``): it keeps its
+layers in a ModuleDict under their original indices and sets the embeddings / final norm / LM head it does
+not own to None, so FQNs, and checkpoints, stay those of the full model. Both families prune the same way
+(both take the previous stage's rows as ``hidden_PD``; Qwen3.5's embeddings are ``embed_tokens``).
 
 Legend: R padded rows (= capacity), P physical rows of a microbatch, D hidden.
 """
@@ -27,6 +27,7 @@ from torch import nn
 
 from harts.models.ling import LingForCausalLM
 from harts.models.ling.blocks import router_term
+from harts.models.qwen35 import Qwen35ForCausalLM
 from harts.rl.losses import token_losses
 from harts.runtime.compact import logprobs as compact_logprobs
 
@@ -51,7 +52,7 @@ class Stage:
     stage's padded rows otherwise) becomes the next microbatch's ``model(layout=..., router=...,
     hidden_PD=...)`` call; the output becomes the padded rows (the last stage: the microbatch's loss)."""
 
-    def __init__(self, model: LingForCausalLM, first: bool, last: bool):
+    def __init__(self, model: LingForCausalLM | Qwen35ForCausalLM, first: bool, last: bool):
         self.model, self.first, self.last = model, first, last
         self.rows = 0
         self.row_split = 1  # context / sequence parallelism: a stage passes on this CP and TP rank's rows
@@ -104,18 +105,15 @@ class Stage:
         return loss.reshape(1)
 
 
-def prune_to_stage(model: LingForCausalLM, stage: int, pp: int) -> Stage:
+def prune_to_stage(model: LingForCausalLM | Qwen35ForCausalLM, stage: int, pp: int) -> Stage:
     """Keep this stage's layers (under their indices) and the ends it owns, in place; returns its hooks."""
-    if not isinstance(model, LingForCausalLM):
-        raise ValueError(f"pipeline parallelism (pipeline_parallel_degree={pp}) runs LingForCausalLM stages only, "
-                         f"not {type(model).__name__} (its forward takes no previous stage's hidden rows); set "
-                         "parallelism.pipeline_parallel_degree = 1 (FSDP2 and expert parallelism shard it)")
     keep = stage_layers(len(model.decoder_layers()), pp)[stage]
     layers = model.decoder_layers()
     model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
     first, last = stage == 0, stage == pp - 1
     if not first:
-        model.model.word_embeddings = None
+        emb = next(n for n in ("word_embeddings", "embed_tokens") if hasattr(model.model, n))
+        setattr(model.model, emb, None)
     if not last:
         model.model.norm = None
         model.lm_head = None

@@ -247,7 +247,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_qwen35(self):
-        """Qwen3.5-MoE runs under FSDP2 and expert parallelism; the settings it has no implementation for are
+        """Qwen3.5-MoE runs under FSDP2, expert and pipeline parallelism; the settings it has no implementation for are
         refused here, before any mesh or weight is built, rather than failing (or doing nothing) later."""
         cfg, pc = self.cfg, self.cfg.parallelism
         unsupported = [
@@ -256,8 +256,6 @@ class Trainer:
              "and balance with rl.aux_loss_coef"),
             (pc.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {pc.tensor_parallel_degree}",
              "tensor parallelism has a plan for Ling-3.0 layers only; shard with FSDP2 and expert parallelism"),
-            (pc.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree = {pc.pipeline_parallel_degree}",
-             "pipeline stages run Ling-3.0 models only"),
             (pc.context_parallel_degree > 1, f"parallelism.context_parallel_degree = {pc.context_parallel_degree}",
              "its GDN layers do not run context-parallel batches"),
             (cfg.compile.enable, "compile.enable = true",

@@ -52,7 +52,9 @@ class Qwen35Model(nn.Module):
         self.checkpoint_layers = policy == "full"
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
-                *, layout=None, router: tuple | None = None) -> torch.Tensor:
+                *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
+        """As LingModel.forward: a pipeline stage (harts.train.pipeline) without embeddings takes the previous
+        stage's rows ``hidden_PD``, one without the final norm passes its hidden states on."""
         if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
             layout, input_ids_T = input_ids_T, None
         if layout is not None:
@@ -61,25 +63,31 @@ class Qwen35Model(nn.Module):
             check_batch(layout, self.cfg)
             batch, input_ids_T = layout, layout.local_rows(layout.input_ids)
             token_weight_T = layout.local_rows(layout.multiplicity)
-            if layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size:
+            if self.embed_tokens is not None and (layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size):
                 where, unit = "CompactBatch.input_ids", ("physical row" if layout.prefix_sharing else "position")
                 _check_token_ids(input_ids_T, self.cfg.vocab_size, where=where, unit=unit)
         else:
             if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
                 raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
             _check_packed(input_ids_T, position_ids_T, cu_seqlens)
-            _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
+            if self.embed_tokens is not None:
+                _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
             batch = Packed(position_ids_T, cu_seqlens, max_seqlen)
-        h_TD = self.embed_tokens(input_ids_T)
+        if self.embed_tokens is not None:
+            h_TD = self.embed_tokens(input_ids_T)
+        elif hidden_PD is None:
+            raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
+        else:
+            h_TD = hidden_PD
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
-        for layer in self.layers:
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop):
                     h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
             else:
                 h_TD = layer(h_TD, batch, token_weight_T, router)
-        return self.norm(h_TD)
+        return h_TD if self.norm is None else self.norm(h_TD)
 
 
 class Qwen35ForCausalLM(nn.Module):
@@ -136,12 +144,13 @@ class Qwen35ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
-                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None) -> torch.Tensor:
+                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None,
+                hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch);
         ``token_weight_T`` weights the router statistics, ``router`` adds the router losses to the backward
-        (see harts.models.ling.blocks.MoE)."""
+        (see harts.models.ling.blocks.MoE); ``hidden_PD``: see ``Qwen35Model.forward``."""
         return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
-                          router=router)
+                          router=router, hidden_PD=hidden_PD)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """Full logits in fp32+ (small inputs / tests only)."""
@@ -163,7 +172,9 @@ class Qwen35ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ MoE
     def decoder_layers(self) -> list[DecoderLayer]:
-        return list(self.model.layers)
+        """The decoder layers this module holds (all, or a pipeline stage's, kept under their indices)."""
+        layers = self.model.layers
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
     def moe_layers(self) -> list[SparseMoE]:
         return [l.mlp for l in self.decoder_layers()]
