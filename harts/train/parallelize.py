@@ -367,12 +367,20 @@ def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
 
     if mode not in AC_POLICIES:
         raise ValueError(f"activation checkpointing: checkpoint_policy = {mode!r}; expected one of {AC_POLICIES}")
-    if mode == "selective":
+    from harts.models.ling.model import LingModel
+
+    if not isinstance(model.model, LingModel):  # Qwen3.5-MoE: whole-layer recompute or none
+        if mode == "selective":
+            raise ValueError(f"activation checkpointing: 'selective' runs Ling-3.0's layer regions; "
+                             f"{type(model.model).__name__} supports 'none' or 'full'")
+        model.model.checkpoint_layers = mode == "full"
+    elif mode == "selective":
         from harts.models.ling.compile import check_region_split
 
         for layer in model.decoder_layers():
             check_region_split(layer, "selective activation checkpointing")
-    model.model.checkpoint_policy = mode
+    if isinstance(model.model, LingModel):
+        model.model.checkpoint_policy = mode
     model.model.checkpoint_early_stop = not collectives_in_layers
 
 
