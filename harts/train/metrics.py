@@ -14,7 +14,7 @@ import resource
 
 import torch
 
-__all__ = ["MetricsLogger", "peak_memory_gib", "expert_balance"]
+__all__ = ["MetricsLogger", "StepSums", "peak_memory_gib", "expert_balance"]
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -30,6 +30,70 @@ def expert_balance(counts_LE: torch.Tensor) -> dict:
     c = counts_LE.double()
     ratio = c.max(dim=1).values / c.mean(dim=1).clamp_min(1e-12)
     return {"expert_load_max_over_mean": float(ratio.mean()), "expert_load_worst_layer": float(ratio.max())}
+
+
+class StepSums:
+    """One step's metric sums by name, the MoE assignment counts and the non-finite flags of every rank, in
+    one float64 buffer that one all-reduce over the world sums: metrics and counts from one rank per tensor-
+    parallel group (TP replicas hold the same values; the others contribute zeros), flags from every rank
+    (so all ranks see every bad rank and stop together). Everything stays on the device until ``reduce``,
+    which makes the step's one host read.
+
+    Flags: ``bad[kind, rank]`` = 1 + the first microbatch id whose loss (kind 0) or accumulated gradients
+    (kind 1) are non-finite on that rank, 0 if none; the gradient check is the sum of the gradients' norms."""
+
+    NAMES = ("loss", "policy_loss", "kl", "clip_frac", "router_loss", "positions",
+             "probe_good_logp", "probe_good_n", "probe_bad_logp", "probe_bad_n")
+
+    def __init__(self, device, *, world: int, rank: int, counts_shape: tuple[int, int] | None):
+        self.device, self.world, self.rank = device, world, rank
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
+        self.counts = None if counts_shape is None else torch.zeros(counts_shape, dtype=torch.float64, device=device)
+        self.bad = torch.zeros(2, world, dtype=torch.float64, device=device)
+        self.result: dict | None = None
+        self.grads_by_stage = False  # pipeline: gradients are checked once per stage, flagged as stage + 1
+
+    def add(self, **terms) -> None:
+        """Add named terms (0-d tensors or floats) to the sums."""
+        for k, v in terms.items():
+            self.values[self.NAMES.index(k)] += v
+
+    def add_counts(self, counts_LE: torch.Tensor) -> None:
+        self.counts += counts_LE.to(torch.float64)
+
+    def flag(self, kind: int, mb_id: int, value: torch.Tensor) -> None:
+        """Record microbatch ``mb_id`` as this rank's first bad one of ``kind`` if ``value`` is non-finite."""
+        cur = self.bad[kind, self.rank]
+        cand = torch.where(torch.isfinite(value.detach()), 0.0, float(mb_id + 1)).to(torch.float64)
+        self.bad[kind, self.rank] = torch.where(cur > 0, cur, cand)
+
+    def reduce(self, group_is_world: bool, contribute: bool) -> dict:
+        """Sum over all ranks (``group_is_world``: a process group exists) with one all-reduce; metrics and
+        counts count only where ``contribute``. Returns the named sums; counts stay on the device."""
+        import torch.distributed as dist
+
+        parts = [self.values] + ([self.counts.flatten()] if self.counts is not None else []) + [self.bad.flatten()]
+        buf = torch.cat(parts)
+        if not contribute:
+            buf[: buf.numel() - self.bad.numel()] = 0
+        if group_is_world:
+            dist.all_reduce(buf)
+        n, nc = self.values.numel(), 0 if self.counts is None else self.counts.numel()
+        if self.counts is not None:
+            self.counts = buf[n:n + nc].view_as(self.counts)
+        host = buf.tolist()
+        self.bad_host = [host[n + nc:n + nc + self.world], host[n + nc + self.world:]]
+        self.result = dict(zip(self.NAMES, host[:n]))
+        return self.result
+
+    def nonfinite(self) -> str | None:
+        """After ``reduce``: where the step went non-finite ("non-finite loss in microbatch 3 on rank 1; ..."),
+        or None."""
+        where = [f"non-finite loss in microbatch {int(v) - 1} on rank {r}" for r, v in enumerate(self.bad_host[0]) if v]
+        grads = "non-finite gradients of pipeline stage {} on rank {}" if self.grads_by_stage else \
+            "non-finite gradients in microbatch {} on rank {}"
+        where += [grads.format(int(v) - 1, r) for r, v in enumerate(self.bad_host[1]) if v]
+        return "; ".join(where) or None
 
 
 def _fmt(v) -> str:

@@ -32,7 +32,7 @@ from harts.rl.losses import LossConfig, token_losses
 from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
 from harts.train.hooks import StepHooks, hooks_from_config
-from harts.train.metrics import MetricsLogger, expert_balance, peak_memory_gib
+from harts.train.metrics import MetricsLogger, StepSums, expert_balance, peak_memory_gib
 from harts.train.model import DTYPES, build_policy, init_sharded, is_qwen35, model_config, router_term
 
 log = logging.getLogger("harts.train")
@@ -93,13 +93,11 @@ class Trainer:
         self.dims = par.build_parallel_dims(pc, self.world_size, self.device.type)
         d = self.dims
         batch_mesh = d.get_optional_mesh("batch") if self.world_size > 1 else None
-        self.dp_group = batch_mesh.get_group() if batch_mesh is not None else None
         self.dp_degree = batch_mesh.size() if batch_mesh is not None else 1
         self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
         # context parallelism: the CP ranks of a replica share its microbatches (each holds a share of the
-        # rows); metric sums and MoE counts are then reduced over batch x cp (torchtitan's "loss" mesh)
+        # rows and positions); metric sums and MoE counts are summed over every rank but TP replicas (StepSums)
         self.cp_group = d.get_mesh("cp").get_group() if d.cp > 1 else None
-        self.metric_group = d.get_mesh("loss").get_group() if d.cp > 1 else self.dp_group
 
         self.dtype = DTYPES[lc.dtype]
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
@@ -313,7 +311,8 @@ class Trainer:
                      collectives_in_layers=d.tp > 1 or d.ep > 1 or d.cp > 1)
         if cfg.compile.enable:
             names = par.apply_compile(self.model, cfg.compile.backend)
-            log.info("compiled %d modules per-block (fullgraph): norms, dense MLPs, shared experts", len(names))
+            log.info("compiled %d regions (pre/post around each decoder layer's mixer core, dynamic rows; "
+                     "harts.models.ling.compile)", len(names))
         self.amp = contextlib.nullcontext()
         self.mp_param_dtype = None
         self.replicated_params, self.replicated_mesh = [], None
@@ -446,6 +445,9 @@ class Trainer:
                  f"{raw:,} raw tokens, {rows:,} compact rows (compression {raw / max(rows, 1):.3f}x)",
                  f"mean {raw / secs if secs else 0.0:,.1f} raw tok/s over {secs:.1f} s of steps",
                  f"metrics {self.metrics.path}"]
+        report = getattr(self.model, "compile_report", None)
+        if report is not None:
+            parts.append(report.summary(len(h)))
         if cfg.checkpoint.enable:
             parts.append(f"checkpoints {self.ckpt_folder}")
         return "; ".join(parts)
@@ -550,9 +552,9 @@ class Trainer:
                 else:
                     old = [mb.select(model.logprobs(mb.batch)).detach() for mb in mbs]
         self.hooks.before_forward(self, data, mbs)
-        # loss pg kl clip router positions | learnable-reward probe: logp sum/count of good and bad targets
-        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
-        counts = None
+        sums = StepSums(self.device, world=self.world_size, rank=self.rank,
+                        counts_shape=(self.n_moe, self.model_cfg.num_experts) if self.n_moe else None)
+        check = cfg.debug.check_finite
         if self.pipe is not None:
             if len(mbs) < self.dims.pp and not self._warned_pp_fill:
                 self._warned_pp_fill = True  # once per run
@@ -561,38 +563,33 @@ class Trainer:
                             "compression); %s", step, len(mbs), self.dims.pp,
                             "the step has too few trajectories to split further" if cfg.harts.fill_pipeline
                             else "harts.fill_pipeline = true plans enough of them")
-            sums, counts = self._pipeline_slots(step, mbs, router, sums, old_pp)
+            self._pipeline_slots(mbs, router, sums, old_pp)
         for j, mb in enumerate(mbs if self.pipe is None else ()):
             with torch.profiler.record_function(f"harts.microbatch.{mb.index}"):
                 loss, logp, c, (loss_S, pg_S, kl_S, clip_S) = self.microbatch_loss(mb, router, old[j])
             stats = model.router_stats()
-            if stats:
-                cnt = torch.stack([s.counts_E for s in stats]).double()
-                counts = cnt if counts is None else counts + cnt
-                with torch.no_grad():
-                    rterm = (sum(router_term(s, router, i).item() for i, s in enumerate(stats))
-                             if router is not None else 0.0)
-            else:
-                rterm = 0.0
+            with torch.no_grad():
+                if stats:
+                    sums.add_counts(torch.stack([s.counts_E for s in stats]))
+                    if router is not None:
+                        sums.add(router_loss=sum(router_term(s, router, i).double() for i, s in enumerate(stats)))
             with torch.profiler.record_function(f"harts.backward.{mb.index}"):
                 loss.backward()
             self.accumulate_grads()
-            if cfg.debug.check_finite:
-                self._check_finite(step, j, mb.index, loss)
             with torch.no_grad():
-                sums += torch.stack([loss.detach().double(), (c * pg_S).sum().detach().double(),
-                                     (c * kl_S).sum().detach().double(), (c * clip_S).sum().detach().double(),
-                                     torch.tensor(rterm, dtype=torch.float64, device=self.device),
-                                     torch.tensor(float(c.numel()), dtype=torch.float64, device=self.device),
-                                     *self._reward_probe(logp.detach(), mb)])
-        if self.metric_group is not None:  # DP replicas, and CP ranks (disjoint rows and positions)
-            dist.all_reduce(sums, group=self.metric_group)
-            if counts is not None:
-                dist.all_reduce(counts, group=self.metric_group)
-        if self.pp_group is not None:  # stages contribute disjoint parts (metrics on the last, counts per layer)
-            dist.all_reduce(sums, group=self.pp_group)
-            if counts is not None:
-                dist.all_reduce(counts, group=self.pp_group)
+                if check:
+                    sums.flag(0, mb.index, loss)
+                    sums.flag(1, mb.index, _norms_sum(self._grads()))
+                sums.add(loss=loss.detach().double(), policy_loss=(c * pg_S).sum().double(),
+                         kl=(c * kl_S).sum().double(), clip_frac=(c * clip_S).sum().double(),
+                         positions=float(c.numel()), **self._reward_probe(logp.detach(), mb))
+        # one all-reduce for metrics, MoE counts and non-finite flags; TP replicas contribute once
+        tp_rank = self.dims.get_mesh("tp").get_local_rank() if self.dims.tp > 1 else 0
+        s = sums.reduce(self.distributed, contribute=tp_rank == 0)
+        bad = sums.nonfinite() if check else None
+        if bad:
+            raise NonFiniteError(f"step {step}: {bad} (step not applied)")
+        counts = sums.counts
         self._sync_replicated_grads()
         # F/B/Grad ends here (paper Table 4: ready plan to gradients, optimizer excluded); one sync per step
         if self.device.type == "cuda":
@@ -611,11 +608,11 @@ class Trainer:
                 model.update_expert_bias(cfg.rl.expert_bias_rate, counts[own].to(torch.float32))
             c = self.model_cfg
             self.state.moe_f = counts * (c.num_experts / (c.num_experts_per_tok * data.normalizer.raw_tokens))
-        s = sums.tolist()
-        out = {"loss": s[0] + s[4], "policy_loss": s[1], "kl": s[2], "clip_frac": s[3], "router_loss": s[4],
-               "grad_norm": float(grad_norm), "counts": counts, "fbgrad_s": fbgrad_s}
-        if self.builder.reward == "learnable" and s[7] > 0 and s[9] > 0:
-            out["logp_gap"] = s[6] / s[7] - s[8] / s[9]
+        out = {"loss": s["loss"] + s["router_loss"], "policy_loss": s["policy_loss"], "kl": s["kl"],
+               "clip_frac": s["clip_frac"], "router_loss": s["router_loss"], "grad_norm": float(grad_norm),
+               "counts": counts, "fbgrad_s": fbgrad_s}
+        if self.builder.reward == "learnable" and s["probe_good_n"] > 0 and s["probe_bad_n"] > 0:
+            out["logp_gap"] = s["probe_good_logp"] / s["probe_good_n"] - s["probe_bad_logp"] / s["probe_bad_n"]
         return out
 
     def microbatch_loss(self, mb, router, old_logp=None, model=None):
@@ -634,60 +631,41 @@ class Trainer:
         for o in self.optimizers if self.bf16_opt else ():
             o.accumulate_grads()
 
-    def _pipeline_slots(self, step: int, mbs, router, sums, old_logp=None):
-        """All slots through the pipeline schedule; returns this rank's metric sums and MoE counts (full
-        [MoE layers, E] with this stage's rows filled), to be reduced over DP and PP like the others.
+    def _pipeline_slots(self, mbs, router, sums: StepSums, old_logp=None) -> None:
+        """All slots through the pipeline schedule, into this rank's ``sums`` (MoE counts: this stage's rows).
+        The schedule interleaves microbatches, so gradients are checked once after all of them (the flag
+        names the stage); non-finite losses are flagged per microbatch (last stage).
         ``old_logp``: PPO's recomputed old log-probs by microbatch index (last stage)."""
         m = self.pipe.io
         with torch.profiler.record_function("harts.pipeline"), self.amp:
             self.pipe.run(mbs, router, self.loss_cfg, old_logp)
-        counts = None
-        if self.n_moe:
-            counts = torch.zeros(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64, device=self.device)
-            if m.mb_counts is not None:
-                counts[m.moe_ids()] = m.mb_counts
+        if self.n_moe and m.mb_counts is not None:
+            sums.counts[m.moe_ids()] = m.mb_counts.to(torch.float64)
         by_id = {mb.index: mb for mb in mbs}
-        bad_loss = []
-        for mb_id, logp, loss, pg, kl, clip in m.mb_records:
-            mb = by_id[mb_id]
-            if not torch.isfinite(loss).item():
-                bad_loss.append(mb_id)
-            sums += torch.stack([loss.double(), pg.double(), kl.double(), clip.double(),
-                                 torch.zeros((), dtype=torch.float64, device=self.device),
-                                 torch.tensor(float(mb.coeff.numel()), dtype=torch.float64, device=self.device),
-                                 *self._reward_probe(logp, mb)])
-        sums[4] += m.router_sum
-        if self.cfg.debug.check_finite:
-            self._check_finite_pipeline(step, bad_loss)
-        return sums, counts
+        check = self.cfg.debug.check_finite
+        with torch.no_grad():
+            for mb_id, logp, loss, pg, kl, clip in m.mb_records:
+                mb = by_id[mb_id]
+                if check:
+                    sums.flag(0, mb_id, loss)
+                sums.add(loss=loss.double(), policy_loss=pg.double(), kl=kl.double(), clip_frac=clip.double(),
+                         positions=float(mb.coeff.numel()), **self._reward_probe(logp, mb))
+            sums.add(router_loss=m.router_sum)
+            if check:
+                sums.grads_by_stage = True
+                sums.flag(1, self.pp_rank, _norms_sum(self._grads()))
 
-    def _check_finite_pipeline(self, step: int, bad_loss: list[int]):
-        """Under PP the schedule interleaves microbatches, so gradients are checked once after all of
-        them (the error names the stage); non-finite losses are named per microbatch (last stage)."""
-        grads = self._grads()
-        gsq = _norms_sum(grads)
-        flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
-        flags[0, self.rank] = (bad_loss[0] + 1) if bad_loss else 0
-        flags[1, self.rank] = 0 if torch.isfinite(gsq).item() else self.pp_rank + 1
-        dist.all_reduce(flags)
-        if flags.any():
-            where = [f"non-finite loss in microbatch {int(flags[0, r]) - 1} on rank {r}"
-                     for r in torch.nonzero(flags[0]).flatten().tolist()]
-            where += [f"non-finite gradients of pipeline stage {int(flags[1, r]) - 1} on rank {r}"
-                      for r in torch.nonzero(flags[1]).flatten().tolist()]
-            raise NonFiniteError(f"step {step}: " + "; ".join(where) + " (step not applied)")
-
-    def _reward_probe(self, logp: torch.Tensor, mb) -> list[torch.Tensor]:
+    def _reward_probe(self, logp: torch.Tensor, mb) -> dict:
         """Learnable reward: mean log-prob of rewarded (id < V/2) minus unrewarded loss-token targets; it
         rises as the policy learns the reward (the loss itself is noisy when every step has new rollouts)."""
-        z = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.builder.reward != "learnable":
-            return list(z)
+            return {}
         on = mb.coeff > 0
         good = (mb.select(mb.batch.logprob_targets) < self.builder.reward_vocab // 2) & on
         bad = ~good & on
         lp = logp.double()
-        return [lp[good].sum(), good.sum().double(), lp[bad].sum(), bad.sum().double()]
+        return {"probe_good_logp": lp[good].sum(), "probe_good_n": good.sum().double(),
+                "probe_bad_logp": lp[bad].sum(), "probe_bad_n": bad.sum().double()}
 
     def _check_plan(self, data: StepData):
         h = torch.tensor([data.plan_hash, -data.plan_hash], dtype=torch.int64, device=self.device)
@@ -695,24 +673,6 @@ class Trainer:
         if int(h[0]) != data.plan_hash or -int(h[1]) != data.plan_hash:
             raise RuntimeError(f"step {data.step}: ranks computed different microbatch plans (hash {data.plan_hash:#x} "
                                f"on rank {self.rank}); the planner input or code differs between ranks")
-
-    def _check_finite(self, step: int, slot: int, mb_id: int, loss: torch.Tensor):
-        """Stop on NaN/Inf in the loss or the accumulated gradients after microbatch ``mb_id``, naming it.
-        Every rank learns about every bad rank (one small all-reduce), so all of them stop together."""
-        grads = self._grads()
-        gsq = _norms_sum(grads)
-        bad_loss, bad_grad = (not torch.isfinite(loss.detach()).item()), (not torch.isfinite(gsq).item())
-        flags = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
-        flags[0, self.rank] = (mb_id + 1) if bad_loss else 0
-        flags[1, self.rank] = (mb_id + 1) if bad_grad else 0
-        if self.distributed:
-            dist.all_reduce(flags)
-        if flags.any():
-            where = []
-            for kind, row in (("loss", flags[0]), ("gradients", flags[1])):
-                for r in torch.nonzero(row).flatten().tolist():
-                    where.append(f"non-finite {kind} in microbatch {int(row[r]) - 1} on rank {r}")
-            raise NonFiniteError(f"step {step}, slot {slot}: " + "; ".join(where) + " (step not applied)")
 
     def _record(self, data: StepData, out: dict, step_s: float, wait_s: float) -> dict:
         st = data.stats
