@@ -199,10 +199,23 @@ def selective_layer_forward(layer: DecoderLayer):
     """The layer's forward under selective activation checkpointing (module docstring): its compiled
     selective regions if ``compile_model`` compiled it, else the eager ones."""
     fwd = layer.__dict__.get("selective_forward")
-    if fwd is None:
+    if fwd is not None:
+        check_selective_compile_supported()
+    else:
         check_region_split(layer, "selective activation checkpointing")
         fwd = compiled_layer_forward(layer, *_layer_regions(layer, _REGIONS, "_sac"))
     return fwd
+
+
+def check_selective_compile_supported() -> None:
+    """Compiled selective regions need torch >= 2.13: torch 2.11's Dynamo loses a checkpointed region's
+    outputs that carry no gradient (the router statistics: "Node output referenced nonexistent value").
+    Eager selective checkpointing and compiled full or no checkpointing work on 2.11."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 13):
+        raise ValueError(f"selective activation checkpointing of compiled layers needs torch >= 2.13 (this is "
+                         f"{torch.__version__}, whose Dynamo drops the router statistics of a checkpointed region); "
+                         "use checkpoint_policy 'full' with compile, or 'selective' without compile")
 
 
 def compiled_layer_forward(layer: DecoderLayer, pre, post):
