@@ -262,7 +262,8 @@ class Parallelism(tt.Parallelism):
 @dataclass
 class ActivationCheckpoint(tt.ActivationCheckpoint):
     mode: Literal["none", "selective", "full"] = "none"
-    """'none', 'selective' or 'full' (recompute each decoder layer in backward; the plan and layout are reused)."""
+    """'none'; 'full' (recompute each decoder layer in backward; the plan and layout are reused); 'selective'
+    (save matrix products and the mixer cores, recompute norms, gates and casts: harts.models.ling.compile)."""
 
 
 @dataclass
