@@ -103,7 +103,9 @@ def expert_weights(experts: nn.Module) -> tuple[str, ...]:
     """Names of a MoE's stacked routed-expert parameters, all with the expert dim first: Qwen3.5's
     ``gate_up_proj`` [E, 2F, D] (gate rows first) and ``down_proj`` [E, D, F], or Ling's ``gate_proj`` /
     ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F]."""
-    names = ("gate_up_proj", "down_proj") if hasattr(experts, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    names = getattr(type(experts), "stacked_weights", None)
+    if names is None:
+        raise TypeError(f"{type(experts).__name__} does not declare its stacked expert weights (stacked_weights)")
     missing = [n for n in names if not isinstance(getattr(experts, n, None), torch.Tensor)]
     if missing:
         raise TypeError(f"{type(experts).__name__} has no stacked expert parameter(s) {missing}")
@@ -123,10 +125,10 @@ def _swiglu_weights(experts: nn.Module, dtype: torch.dtype):
 def embeddings(model) -> nn.Module | None:
     """The token embedding module of a causal LM (None on a pipeline stage that does not own it)."""
     inner = model.model
-    for name in ("word_embeddings", "embed_tokens"):
-        if hasattr(inner, name):
-            return getattr(inner, name)
-    raise TypeError(f"{type(model).__name__}.model has neither word_embeddings nor embed_tokens")
+    name = getattr(type(inner), "embedding_attr", None)
+    if name is None:
+        raise TypeError(f"{type(inner).__name__} does not declare its token embedding (embedding_attr)")
+    return getattr(inner, name)
 
 
 # ------------------------------------------------------------------------------------------ EP

@@ -112,8 +112,7 @@ def prune_to_stage(model: LingForCausalLM | Qwen35ForCausalLM, stage: int, pp: i
     model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
     first, last = stage == 0, stage == pp - 1
     if not first:
-        emb = next(n for n in ("word_embeddings", "embed_tokens") if hasattr(model.model, n))
-        setattr(model.model, emb, None)
+        setattr(model.model, model.model.embedding_attr, None)
     if not last:
         model.model.norm = None
         model.lm_head = None

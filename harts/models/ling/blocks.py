@@ -320,6 +320,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts, stacked: gate_proj/up_proj [E, F, D], down_proj [E, D, F]."""
 
+    stacked_weights = ("gate_proj", "up_proj", "down_proj")  # expert dim first (parallelisms shard it)
+
     def __init__(self, cfg: LingConfig):
         super().__init__()
         E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

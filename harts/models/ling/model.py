@@ -72,6 +72,8 @@ def _check_token_ids(ids_T: torch.Tensor, vocab_size: int, cu_seqlens=None, wher
 
 
 class LingModel(nn.Module):
+    embedding_attr = "word_embeddings"  # the token embedding's attribute (None on later pipeline stages)
+
     def __init__(self, cfg: LingConfig):
         super().__init__()
         self.cfg = cfg

@@ -208,6 +208,8 @@ class Experts(nn.Module):
     """Routed experts, stacked as in the checkpoint: gate_up_proj [E, 2F, D] (gate rows first), down_proj
     [E, D, F]."""
 
+    stacked_weights = ("gate_up_proj", "down_proj")  # expert dim first (parallelisms shard it)
+
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
         E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

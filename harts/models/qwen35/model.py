@@ -29,6 +29,8 @@ FP32_PARAM_SUFFIXES = ("A_log", "dt_bias")
 
 
 class Qwen35Model(nn.Module):
+    embedding_attr = "embed_tokens"  # the token embedding's attribute (None on later pipeline stages)
+
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
         self.cfg = cfg
