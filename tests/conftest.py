@@ -76,3 +76,16 @@ def fla_interpreter_patches(monkeypatch):
 
     monkeypatch.setattr(chunk_intra, "IS_GATHER_SUPPORTED", False)
     monkeypatch.setattr(chunk_intra, "SAFE_GATE_DOT_PRECISION", tl.constexpr("ieee"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_caches():
+    """Each test compiles from a clean Dynamo cache. The compiled regions are shared functions whose code
+    cache holds one entry per (dtype, grad mode, backend, model constants); one process that runs every
+    compile test in turn would otherwise pass Dynamo's per-function recompile limit (8), which no single
+    training run comes near (tests/test_compile.py bounds a run's compilations)."""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
