@@ -16,37 +16,9 @@ from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import router_term
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
-__all__ = ["Completed", "router_term", "build_policy", "init_sharded", "model_config", "is_qwen35", "DTYPES"]
+__all__ = ["router_term", "build_policy", "init_sharded", "model_config", "is_qwen35", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def _completed(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
-class Completed(torch.autograd.Function):
-    """Identity whose output and input gradient are completed plain tensors.
-
-    DTensor's redistribute runs torch's functional collectives, which hand back AsyncCollectiveTensor
-    wrappers that wait only when a torch op touches them. Triton kernels read raw pointers and never
-    trigger that wait, so a kernel reading a region's input, or a layer norm's backward reading the
-    gradient that a region boundary's reduce-scatter may still be writing, could read a half-written
-    buffer (tests/test_train_completed.py shows such a gradient arriving unwaited). DTensor's parallel
-    styles redistribute synchronously (``async_op=False``, which waits) wherever the result reaches a
-    Triton op, so the TP/SP boundaries no longer need this; a hand-made boundary around a functional
-    collective would."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = _completed(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return _completed(g)
 
 
 def is_qwen35(cfg) -> bool:
