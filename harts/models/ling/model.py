@@ -27,10 +27,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harts.models.causal_lm import CausalLM
 from harts.models.ling.blocks import DecoderLayer, MoE, Packed, RMSNorm, init_module_weights
 from harts.models.ling.config import LingConfig
-from harts.models.ling.logprobs import compact_logprobs_reference
-from harts.ops.moe import RouterStats
 
 __all__ = ["LingModel", "LingForCausalLM", "AC_POLICIES"]
 
@@ -156,7 +155,7 @@ class LingModel(nn.Module):
         return h_TD if self.norm is None else self.norm(h_TD)
 
 
-class LingForCausalLM(nn.Module):
+class LingForCausalLM(CausalLM):
     def __init__(self, cfg: LingConfig):
         super().__init__()
         self.config = cfg.validate()
@@ -186,70 +185,9 @@ class LingForCausalLM(nn.Module):
             t.data = t.data.to(keep if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
         return self
 
-    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
-        """Total (or per-token active) parameter count; the router's expert bias is a buffer, not counted."""
-        c = self.config
-        total = 0
-        for name, p in self.named_parameters():
-            if not embeddings and ("word_embeddings" in name or name.startswith("lm_head")):
-                continue
-            n = p.numel()
-            if active and ".mlp.experts." in name:
-                n = n // c.num_experts * c.num_experts_per_tok
-            total += n
-        return total
-
-    # ------------------------------------------------------------------ forward
-    def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
-                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None,
-                hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch).
-        ``token_weight_T`` (multiplicity per row, default ones) only weights the router statistics;
-        ``max_seqlen`` (optional) avoids a host sync in the fast attention path; ``router`` adds the
-        router losses to the backward (see ``MoE.forward``); ``hidden_PD``: see ``LingModel.forward``."""
-        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
-                          router=router, hidden_PD=hidden_PD)
-
-    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """Full logits in fp32+ (small inputs / tests only)."""
-        return self.lm_head(hidden_TD).to(torch.promote_types(hidden_TD.dtype, torch.float32))
-
-    def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
-                       rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows (no [S, V] fp32 tensor kept)."""
-        if rows_S is None:
-            rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
-        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
-                                          chunk_size=self.config.logprobs_chunk_size)
-
-    # ------------------------------------------------------------------ HARTS batches
-    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
-        """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
-        order (use ``batch.split`` for per-trajectory tensors; under context parallelism the positions of
-        other ranks' rows are zero). Runs the compact path for a HARTS batch and the packed path for a
-        trajectory-wise one; no [S, V] tensor is built. ``router``: see ``MoE.forward``."""
-        from harts.runtime.compact import logprobs
-
-        return logprobs(self, batch, router=router)
-
-    def moe_counts(self) -> torch.Tensor:
-        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward (what the
-        expert-bias update consumes; all-reduce over DP before ``update_expert_bias``)."""
-        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
-
     # ------------------------------------------------------------------ MoE
-    def decoder_layers(self) -> list[DecoderLayer]:
-        """The decoder layers this module holds (all, or a pipeline stage's, kept under their indices)."""
-        layers = self.model.layers
-        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-
     def moe_layers(self) -> list[MoE]:
         return [l.mlp for l in self.decoder_layers() if isinstance(l.mlp, MoE)]
-
-    def router_stats(self) -> list[RouterStats]:
-        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
-        return [m.last_stats for m in self.moe_layers()]
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, counts_LE: torch.Tensor | None = None) -> None:

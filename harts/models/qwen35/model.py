@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts.models.ling.logprobs import compact_logprobs_reference
+from harts.models.causal_lm import CausalLM
 from harts.models.ling.model import _check_packed, _check_token_ids
 from harts.models.qwen35.blocks import DecoderLayer, Packed, RMSNorm, SparseMoE, init_module_weights
 from harts.models.qwen35.config import Qwen35Config
@@ -92,7 +92,7 @@ class Qwen35Model(nn.Module):
         return h_TD if self.norm is None else self.norm(h_TD)
 
 
-class Qwen35ForCausalLM(nn.Module):
+class Qwen35ForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
         if not isinstance(cfg, Qwen35Config):
@@ -131,63 +131,9 @@ class Qwen35ForCausalLM(nn.Module):
 
         save_pretrained(self, path, **kwargs)
 
-    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
-        """Total (or per-token active) parameter count."""
-        c, total = self.config, 0
-        for name, p in self.named_parameters():
-            if not embeddings and ("embed_tokens" in name or name.startswith("lm_head")):
-                continue
-            n = p.numel()
-            if active and ".mlp.experts." in name:
-                n = n // c.num_experts * c.num_experts_per_tok
-            total += n
-        return total
-
-    # ------------------------------------------------------------------ forward
-    def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
-                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None,
-                hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch);
-        ``token_weight_T`` weights the router statistics, ``router`` adds the router losses to the backward
-        (see harts.models.ling.blocks.MoE); ``hidden_PD``: see ``Qwen35Model.forward``."""
-        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
-                          router=router, hidden_PD=hidden_PD)
-
-    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """Full logits in fp32+ (small inputs / tests only)."""
-        return self.lm_head(hidden_TD).to(torch.promote_types(hidden_TD.dtype, torch.float32))
-
-    def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
-                       rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows."""
-        if rows_S is None:
-            rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
-        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
-                                          chunk_size=self.config.logprobs_chunk_size)
-
-    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
-        """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original order."""
-        from harts.runtime.compact import logprobs
-
-        return logprobs(self, batch, router=router)
-
     # ------------------------------------------------------------------ MoE
-    def decoder_layers(self) -> list[DecoderLayer]:
-        """The decoder layers this module holds (all, or a pipeline stage's, kept under their indices)."""
-        layers = self.model.layers
-        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-
     def moe_layers(self) -> list[SparseMoE]:
         return [l.mlp for l in self.decoder_layers()]
-
-    def router_stats(self):
-        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
-        return [m.last_stats for m in self.moe_layers()]
-
-    def moe_counts(self) -> torch.Tensor:
-        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward."""
-        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
 
     def update_expert_bias(self, rate: float, counts_LE: torch.Tensor | None = None) -> None:
         raise ValueError("Qwen3.5-MoE routes by softmax without an expert bias: aux-loss-free bias updates do not "

@@ -1,0 +1,84 @@
+"""What every HARTS causal LM shares above its decoder stack (Ling-3.0, Qwen3.5-MoE): parameter counts, the
+forward to final hidden states, logits and chunked token log-probs, HARTS log-probs of a batch, and access to
+the decoder layers and their MoE router statistics.
+
+A model subclasses ``CausalLM`` and sets ``config``, ``model`` (its decoder stack, whose class declares
+``embedding_attr``: the token embedding's attribute) and ``lm_head``, and defines ``moe_layers()``.
+
+Legend: T packed tokens, P compact rows, D hidden, S semantic positions, L MoE layers, E experts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harts.models.ling.logprobs import compact_logprobs_reference
+
+__all__ = ["CausalLM"]
+
+
+class CausalLM(nn.Module):
+    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
+        """Total (or per-token active) parameter count; buffers (e.g. a router's expert bias) do not count."""
+        c, emb = self.config, self.model.embedding_attr
+        total = 0
+        for name, p in self.named_parameters():
+            if not embeddings and (emb in name or name.startswith("lm_head")):
+                continue
+            n = p.numel()
+            if active and ".mlp.experts." in name:
+                n = n // c.num_experts * c.num_experts_per_tok
+            total += n
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,
+                max_seqlen: int | None = None, *, layout=None, router: tuple | None = None,
+                hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, D] of a packed stream, or [P, D] of a ``layout`` (a CompactBatch).
+        ``token_weight_T`` (multiplicity per row, default ones) only weights the router statistics;
+        ``max_seqlen`` (optional) avoids a host sync in the fast attention path; ``router`` adds the
+        router losses to the backward (see the model's MoE); ``hidden_PD``: see the decoder stack's forward."""
+        return self.model(input_ids_T, position_ids_T, cu_seqlens, token_weight_T, max_seqlen, layout=layout,
+                          router=router, hidden_PD=hidden_PD)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """Full logits in fp32+ (small inputs / tests only)."""
+        return self.lm_head(hidden_TD).to(torch.promote_types(hidden_TD.dtype, torch.float32))
+
+    def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
+                       rows_S: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows (no [S, V] fp32 tensor kept)."""
+        if rows_S is None:
+            rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
+        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
+                                          chunk_size=self.config.logprobs_chunk_size)
+
+    # ------------------------------------------------------------------ HARTS batches
+    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
+        """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
+        order (use ``batch.split`` for per-trajectory tensors; under context parallelism the positions of
+        other ranks' rows are zero). Runs the compact path for a HARTS batch and the packed path for a
+        trajectory-wise one; no [S, V] tensor is built. ``router``: see the model's MoE."""
+        from harts.runtime.compact import logprobs
+
+        return logprobs(self, batch, router=router)
+
+    # ------------------------------------------------------------------ layers and MoE
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers this module holds (all, or a pipeline stage's, kept under their indices)."""
+        layers = self.model.layers
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+    def moe_layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def router_stats(self) -> list:
+        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
+        return [m.last_stats for m in self.moe_layers()]
+
+    def moe_counts(self) -> torch.Tensor:
+        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward (what the
+        expert-bias update consumes; all-reduce over DP before using them)."""
+        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
