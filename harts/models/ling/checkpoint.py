@@ -121,13 +121,18 @@ def load_hf_state_dict(model: LingForCausalLM, hf_sd: dict[str, torch.Tensor], w
 
 
 def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+    write_hf_folder(path, to_hf_state_dict(model), model.config, max_shard_bytes)
+
+
+def write_hf_folder(path: str | os.PathLike, hf_sd: dict[str, torch.Tensor], config, max_shard_bytes: int) -> None:
+    """config.json (``config.to_hf_dict``, with the dtype that holds most elements) + safetensors shards of at
+    most ``max_shard_bytes`` (one tensor may exceed it alone) + model.safetensors.index.json."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
-    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(torch_dtype=_main_dtype(sd)), indent=2)
-                                      + "\n")
+    sd = {k: v.detach().contiguous().cpu() for k, v in hf_sd.items()}
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(torch_dtype=_main_dtype(sd)), indent=2) + "\n")
     shards, cur, cur_bytes = [], {}, 0
     for k, v in sd.items():
         nbytes = v.numel() * v.element_size()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from harts.models.ling.checkpoint import INDEX_NAME, CheckpointError, _main_dtype, _report, read_hf_tensors
+from harts.models.ling.checkpoint import CheckpointError, _report, read_hf_tensors, write_hf_folder
 from harts.models.qwen35.config import Qwen35Config
 from harts.models.qwen35.model import Qwen35ForCausalLM
 
@@ -91,31 +91,7 @@ def load_hf_state_dict(model: Qwen35ForCausalLM, sd: dict[str, torch.Tensor], wh
 
 
 def save_pretrained(model: Qwen35ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
-    cfg = model.config.to_hf_dict(torch_dtype=_main_dtype(sd))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shards, cur, cur_bytes = [], {}, 0
-    for k, v in sd.items():
-        nbytes = v.numel() * v.element_size()
-        if cur and cur_bytes + nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, cur_bytes = {}, 0
-        cur[k] = v
-        cur_bytes += nbytes
-    if cur:
-        shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(v.numel() * v.element_size() for v in sd.values())
-    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2) + "\n")
+    write_hf_folder(path, to_hf_state_dict(model), model.config, max_shard_bytes)
 
 
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
