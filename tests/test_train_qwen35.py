@@ -18,32 +18,11 @@ import torch
 
 from harts.train.config import load_config
 from harts.train.trainer import Trainer
-from tests.helpers import assert_same_run, records, torchrun_many, weights
+from tests.helpers import COMMON, assert_same_run, records, torchrun_many, weights
 
-BASE = """
-[ling]
-preset = "qwen3.5-debug"
-num_hidden_layers = 4
-backend = "reference"
-dtype = "float64"
-[harts]
-capacity = 64
-[data]
-preset = "tiny"
-max_length = 40
-reward = "learnable"
-prefetch = 1
-[rl]
-z_loss_coef = 1e-3
-aux_loss_coef = 1e-3
-expert_bias_rate = 0.0
-[optimizer]
-lr = 1e-3
-implementation = "foreach"
-weight_decay = 0.0
-[lr_scheduler]
-warmup_steps = 0
-[training]
+# the shared float64 debug config with the Qwen3.5 debug model; no expert bias (softmax routing)
+BASE = COMMON.replace('preset = "ling3-tiny-debug"', 'preset = "qwen3.5-debug"').replace(
+    "expert_bias_rate = 1e-2", "expert_bias_rate = 0.0") + """[training]
 steps = 2
 [metrics]
 log_freq = 1
@@ -52,6 +31,7 @@ disable_color_printing = true
 export_hf = true
 folder = "ckpt"
 """
+assert 'preset = "qwen3.5-debug"' in BASE and "expert_bias_rate = 0.0" in BASE, "tests.helpers.COMMON changed"
 FSDP_EP = ["--parallelism.data_parallel_shard_degree=2", "--parallelism.expert_parallel_degree=2"]
 
 
