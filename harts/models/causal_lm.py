@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harts.models.ling.logprobs import compact_logprobs_reference
-
 __all__ = ["CausalLM"]
 
 
@@ -50,6 +48,8 @@ class CausalLM(nn.Module):
     def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
                        rows_S: torch.Tensor | None = None) -> torch.Tensor:
         """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows (no [S, V] fp32 tensor kept)."""
+        from harts.models.ling.logprobs import compact_logprobs_reference  # (harts.models.ling imports this module)
+
         if rows_S is None:
             rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
         return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
