@@ -305,3 +305,26 @@ def figure2(B):
     v0 = [9] * (B - 1)
     v1 = [1, 0]
     return [v0 + v1 + [3, 0, 0], v0 + v1 + [4, 0], v0 + [2, 0, 0, 0, 0]]
+
+
+def drop_replay(batch):
+    """A deliberately wrong handoff: sequences that replay [a(p), p) skip it and start at p from S_a."""
+    from dataclasses import replace
+
+    rounds = []
+    for r in batch.rounds:
+        cu = r.cu_seqlens_cpu.tolist()
+        keep = torch.zeros(cu[-1], dtype=torch.bool)
+        keep[r.output_positions] = True
+        emits = set(r.emit_seq.tolist())
+        for n in range(len(cu) - 1):
+            if n in emits:  # keep emitting sequences intact so later state ids stay valid
+                keep[cu[n]:cu[n + 1]] = True
+        lens = [int(keep[cu[n]:cu[n + 1]].sum()) for n in range(len(cu) - 1)]
+        new_cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
+        out = torch.zeros(cu[-1], dtype=torch.bool)
+        out[r.output_positions] = True
+        rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
+                              output_positions=torch.nonzero(out[keep]).flatten(),
+                              max_seqlen=max(lens), gather_is_identity=False))
+    return replace(batch, rounds=tuple(rounds))

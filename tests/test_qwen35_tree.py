@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 from harts.runtime import logprobs, pack
-from tests.helpers import fork_tree, tree_specs
+from tests.helpers import drop_replay, fork_tree, tree_specs
 
 
 def make_model(chunk_size: int, recompute: bool = False, seed: int = 0) -> Qwen35ForCausalLM:
@@ -82,27 +82,6 @@ def test_random_forests_equal_trajectory_wise(spec):
     assert_equivalent(trajs, B)
 
 
-def _drop_replay(batch):
-    """A deliberately wrong handoff: sequences that replay [a(p), p) skip it and start at p from S_a."""
-    rounds = []
-    for r in batch.rounds:
-        cu = r.cu_seqlens_cpu.tolist()
-        keep = torch.zeros(cu[-1], dtype=torch.bool)
-        keep[r.output_positions] = True
-        emits = set(r.emit_seq.tolist())
-        for n in range(len(cu) - 1):
-            if n in emits:  # emitting sequences stay intact so later state ids remain valid
-                keep[cu[n]:cu[n + 1]] = True
-        lens = [int(keep[cu[n]:cu[n + 1]].sum()) for n in range(len(cu) - 1)]
-        new_cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
-        out = torch.zeros(cu[-1], dtype=torch.bool)
-        out[r.output_positions] = True
-        rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
-                              output_positions=torch.nonzero(out[keep]).flatten(), max_seqlen=max(lens),
-                              gather_is_identity=False))
-    return replace(batch, rounds=tuple(rounds))
-
-
 def _wrong_ancestors(batch):
     """The convolution windows read the previous physical row instead of the true ancestor."""
     pred = batch.conv_pred.clone()
@@ -123,7 +102,7 @@ def test_wrong_placement_is_caught():
         assert rel(logprobs(model, hb), base) <= 1e-9
         zero_states = replace(hb, rounds=tuple(replace(r, init_source=torch.full_like(r.init_source, -1),
                                                        has_init=False) for r in hb.rounds))
-        for name, broken in (("no replay", _drop_replay(hb)), ("zero states", zero_states),
+        for name, broken in (("no replay", drop_replay(hb)), ("zero states", zero_states),
                              ("wrong ancestors", _wrong_ancestors(hb))):
             assert rel(logprobs(model, broken), base) > 1e-6, name
 

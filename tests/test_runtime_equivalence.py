@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harts.runtime import logprobs, pack
-from tests.helpers import VOCAB, fork_tree, make_model
+from tests.helpers import VOCAB, drop_replay, fork_tree, make_model
 
 
 def grpo_loss(lp_S, adv_S, mask_S):
@@ -117,29 +117,6 @@ def test_compact_batch_split_and_metadata():
         b.semantic("old_logprobs")
 
 
-def _drop_replay(batch):
-    """A deliberately wrong handoff: sequences that replay [a(p), p) skip it and start at p from S_a."""
-    from dataclasses import replace
-
-    rounds = []
-    for r in batch.rounds:
-        cu = r.cu_seqlens_cpu.tolist()
-        keep = torch.zeros(cu[-1], dtype=torch.bool)
-        keep[r.output_positions] = True
-        emits = set(r.emit_seq.tolist())
-        for n in range(len(cu) - 1):
-            if n in emits:  # keep emitting sequences intact so later state ids stay valid
-                keep[cu[n]:cu[n + 1]] = True
-        lens = [int(keep[cu[n]:cu[n + 1]].sum()) for n in range(len(cu) - 1)]
-        new_cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
-        out = torch.zeros(cu[-1], dtype=torch.bool)
-        out[r.output_positions] = True
-        rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
-                              output_positions=torch.nonzero(out[keep]).flatten(),
-                              max_seqlen=max(lens), gather_is_identity=False))
-    return replace(batch, rounds=tuple(rounds))
-
-
 def test_no_replay_ablation_and_broken_handoffs():
     """replay=False (exact state at the fork, chunk grid restarted there) equals the baseline in float64
     up to rounding; a handoff that skips the mandatory replay, or drops the boundary state, is caught."""
@@ -152,7 +129,7 @@ def test_no_replay_ablation_and_broken_handoffs():
     lp_nr = logprobs(model, nr).detach()
     assert ((lp_nr - base).abs().max() / base.abs().max()).item() <= 1e-9
     hb = pack(trajs, chunk_size=B)
-    for broken in (_drop_replay(hb), _zero_states(hb)):
+    for broken in (drop_replay(hb), _zero_states(hb)):
         lp = logprobs(model, broken).detach()
         assert ((lp - base).abs().max() / base.abs().max()).item() > 1e-6
 
