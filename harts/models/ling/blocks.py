@@ -496,17 +496,19 @@ def init_targets(model: nn.Module):
                 yield (f"{mname}.{attr}" if mname else attr), m, attr, t
 
 
-def initial_tensors(model: nn.Module, cfg: LingConfig, seed: int | None = None):
+def initial_tensors(model: nn.Module, cfg: LingConfig, seed: int | None = None, value=None):
     """(tensor, its whole initial value) for every parameter and buffer of ``model``: with a seed, each
     drawn from its own generator (``param_seed``) on the tensor's device, without one from torch's global
-    generator. Names are qualified from ``model``, so pass the root model to reproduce a whole model's init."""
+    generator. Names are qualified from ``model``, so pass the root model to reproduce a whole model's init.
+    ``value``: the model family's ``initial_value`` (default Ling's)."""
+    value = initial_value if value is None else value
     for name, m, attr, t in init_targets(model):
         gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
-        yield t, initial_value(m, attr, t.shape, cfg, gen, t.device)
+        yield t, value(m, attr, t.shape, cfg, gen, t.device)
 
 
 @torch.no_grad()
-def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None) -> None:
+def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None, value=None) -> None:
     """Initialise every parameter and buffer of ``model`` in place (``initial_tensors``)."""
-    for t, full in initial_tensors(model, cfg, seed):
+    for t, full in initial_tensors(model, cfg, seed, value):
         t.copy_(full)

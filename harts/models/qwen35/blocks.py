@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harts.models.ling.blocks import MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, param_seed, router_term
+from harts.models.ling import blocks as ling_blocks
+from harts.models.ling.blocks import MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, router_term
 from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
@@ -321,18 +322,10 @@ def initial_value(module: nn.Module, attr: str, shape, cfg: Qwen35Config, genera
 
 
 def initial_tensors(model: nn.Module, cfg: Qwen35Config, seed: int | None = None):
-    """(tensor, its whole initial value) for every parameter of ``model``, each drawn from its own generator
-    (``param_seed`` of the qualified name) when a seed is given, else from torch's global generator."""
-    for mname, m in model.named_modules():
-        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is None:
-                continue
-            name = f"{mname}.{attr}" if mname else attr
-            gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
-            yield t, initial_value(m, attr, t.shape, cfg, gen, t.device)
+    """(tensor, its whole initial value) for every parameter and buffer of ``model``, each drawn from its own
+    generator (``param_seed`` of the qualified name) when a seed is given (as Ling's, with Qwen's values)."""
+    return ling_blocks.initial_tensors(model, cfg, seed, value=initial_value)
 
 
-@torch.no_grad()
 def init_module_weights(model: nn.Module, cfg: Qwen35Config, seed: int | None = None) -> None:
-    for t, full in initial_tensors(model, cfg, seed):
-        t.copy_(full)
+    ling_blocks.init_module_weights(model, cfg, seed, value=initial_value)
