@@ -11,6 +11,7 @@ E emitted boundary states, w conv width.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -81,16 +82,27 @@ class CompactBatch:
     mla_row: torch.Tensor | None = None  # [P] trie row of each physical row (DFS preorder), -1 for padding
     mla_row_end: torch.Tensor | None = None  # [P] exclusive end of that row's trie subtree, -1 for padding
     mla_block_size: int = 128  # rows per block of mla_block_counts
-    mla_block_counts: torch.Tensor | None = None  # [nb, nb] int32 visible pairs per (query, key) block pair
     kda_output_perm: torch.Tensor | None = None  # rounds' concatenated outputs -> physical order (no-replay)
     replay: bool = True  # False only for the fidelity ablation (see pack)
     cp: object | None = None  # harts.runtime.cp.ContextParallel when sharded over a CP group
     vocab_size: int | None = None  # token ids were checked against this vocab size in pack (None: not checked)
     stats: dict = field(default_factory=dict)
-    # Per-device objects derived from the layout fields (the MLA block mask, shared by all MLA layers)
+    # Objects derived from the layout on first use (MLA block counts; per device, the block mask shared by all
+    # MLA layers)
     derived: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ sizes and helpers
+    @property
+    def mla_block_counts(self) -> torch.Tensor | None:
+        """[nb, nb] int32 visible (query, key) pairs per block pair of ``mla_block_size`` physical rows
+        (harts.planning.layout.mla_block_counts), counted on first use: only the FlexAttention path reads
+        them, so packing does not pay for them. None for a trajectory-wise batch."""
+        counts = self.derived.get("mla_block_counts")
+        if counts is None and "mla_block_counts_of" in self.derived:
+            counts = self.derived["mla_block_counts"] = torch.as_tensor(self.derived["mla_block_counts_of"](),
+                                                                        dtype=torch.int32)
+        return counts
+
     @property
     def num_phys(self) -> int:
         return int(self.input_ids.shape[0])
@@ -281,7 +293,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         mla_kv_rows=_t(lay.mla_kv_rows), cu_seqlens_q=_t(lay.cu_seqlens_q), cu_seqlens_k=_t(lay.cu_seqlens_k),
         max_seqlen_q=int(lay.max_seqlen_q), max_seqlen_k=int(lay.max_seqlen_k),
         mla_row=_t(lay.row_of_phys), mla_row_end=_t(lay.mla_row_end), mla_block_size=mla_block_size,
-        mla_block_counts=torch.as_tensor(mla_block_counts(lay, mla_block_size), dtype=torch.int32),
+        derived={"mla_block_counts_of": functools.partial(mla_block_counts, lay, mla_block_size)},
         stats={"raw_tokens": int(lengths.sum()), "compact_rows": C, "phys_rows": P,
                "kda_calls": lay.num_rounds, "kda_sequences": lay.num_sequences,
                "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,
