@@ -100,8 +100,7 @@ def _read_metrics(folder: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _tail_mean(xs: list[float], n: int = 10) -> float:
-    xs = xs[-n:]
+def _mean(xs: list[float]) -> float:
     return sum(xs) / max(len(xs), 1)
 
 
@@ -162,9 +161,9 @@ def main(argv=None) -> int:
             "reward": rewards, "compression": [r["compression"] for r in hist],
             "raw_tok_s": [r["raw_tok_s"] for r in hist], "step_s": [r["step_s"] for r in hist],
             "rollout_s": [r.get("rollout_s") for r in hist],
-            "reward_first10": _tail_mean(rewards[:10]), "reward_last10": _tail_mean(rewards)}
+            "reward_first10": _mean(rewards[:10]), "reward_last10": _mean(rewards[-10:])}
         log.info("%s: mean reward %.3f over the first 10 steps, %.3f over the last 10", label,
-                 _tail_mean(rewards[:10]), _tail_mean(rewards))
+                 _mean(rewards[:10]), _mean(rewards[-10:]))
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     if plot_rewards(curves, args.out, "lookup task, online GRPO"):
