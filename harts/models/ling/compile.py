@@ -71,11 +71,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from harts.models.ling.blocks import DecoderLayer, MoE
+from harts.ops.moe import RouterStats
 
 __all__ = ["CompileReport", "compile_model", "compiled_layer_forward", "selective_layer_forward", "SAC_SAVE_OPS",
            "check_region_split"]
 
 log = logging.getLogger("harts.models.ling.compile")
+_STATS_FIELDS = dataclasses.fields(RouterStats)
 
 
 @dataclasses.dataclass
@@ -177,8 +179,17 @@ def _pre_kda_sac(layer, h_TD, position_ids_T):
     return _sac(_pre_kda, layer, h_TD, position_ids_T)
 
 
+def _post_moe_fields(layer, h_TD, x_TD, o, token_weight_T):
+    out_TD, stats = _post_moe(layer, h_TD, x_TD, o, token_weight_T)
+    return out_TD, tuple(getattr(stats, f.name) for f in _STATS_FIELDS)
+
+
 def _post_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
-    return _sac(_post_moe, layer, h_TD, x_TD, o, token_weight_T)
+    # The statistics cross the checkpoint as a tuple of tensors and become RouterStats outside it: torch
+    # 2.11's Dynamo loses tensors a checkpointed function returns inside a dataclass ("Node output referenced
+    # nonexistent value") when the region is compiled; a tuple is kept (and is what 2.13 does internally).
+    out_TD, fields = _sac(_post_moe_fields, layer, h_TD, x_TD, o, token_weight_T)
+    return out_TD, RouterStats(*fields)
 
 
 def _post_dense_sac(layer, h_TD, x_TD, o, token_weight_T):
@@ -199,23 +210,10 @@ def selective_layer_forward(layer: DecoderLayer):
     """The layer's forward under selective activation checkpointing (module docstring): its compiled
     selective regions if ``compile_model`` compiled it, else the eager ones."""
     fwd = layer.__dict__.get("selective_forward")
-    if fwd is not None:
-        check_selective_compile_supported()
-    else:
+    if fwd is None:
         check_region_split(layer, "selective activation checkpointing")
         fwd = compiled_layer_forward(layer, *_layer_regions(layer, _REGIONS, "_sac"))
     return fwd
-
-
-def check_selective_compile_supported() -> None:
-    """Compiled selective regions need torch >= 2.13: torch 2.11's Dynamo loses a checkpointed region's
-    outputs that carry no gradient (the router statistics: "Node output referenced nonexistent value").
-    Eager selective checkpointing and compiled full or no checkpointing work on 2.11."""
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 13):
-        raise ValueError(f"selective activation checkpointing of compiled layers needs torch >= 2.13 (this is "
-                         f"{torch.__version__}, whose Dynamo drops the router statistics of a checkpointed region); "
-                         "use checkpoint_policy 'full' with compile, or 'selective' without compile")
 
 
 def compiled_layer_forward(layer: DecoderLayer, pre, post):
