@@ -16,7 +16,7 @@ from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import router_term
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
-__all__ = ["router_term", "build_policy", "init_sharded", "model_config", "is_qwen35", "DTYPES"]
+__all__ = ["router_term", "build_policy", "init_sharded", "model_config", "is_qwen35", "state_dict_adapter", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -52,6 +52,18 @@ def model_config(ling) -> LingConfig | Qwen35Config:
         op = "gdn" if qwen and op == "kda" else op
         overrides[f"{op}_backend"] = which  # the model config checks the backend name
     return preset_config(ling.preset, **overrides)
+
+
+def state_dict_adapter(cfg: LingConfig | Qwen35Config, hf_assets_path: str | None = None):
+    """The family's torchtitan state-dict adapter (HF layout <-> our names), reading the key layout of the HF
+    folder ``hf_assets_path`` when given."""
+    if is_qwen35(cfg):
+        from harts.models.qwen35.checkpoint import Qwen35StateDictAdapter
+
+        return Qwen35StateDictAdapter(cfg, hf_assets_path)
+    from harts.models.ling.checkpoint import LingStateDictAdapter
+
+    return LingStateDictAdapter(cfg, hf_assets_path)
 
 
 def build_policy(cfg: LingConfig | Qwen35Config, *, device: torch.device, dtype: torch.dtype, seed: int,

@@ -33,7 +33,15 @@ from harts.train import parallelize as par
 from harts.train.data import Prefetcher, StepBuilder, StepData
 from harts.train.hooks import StepHooks, hooks_from_config
 from harts.train.metrics import MetricsLogger, StepSums, expert_balance, peak_memory_gib
-from harts.train.model import DTYPES, build_policy, init_sharded, is_qwen35, model_config, router_term
+from harts.train.model import (
+    DTYPES,
+    build_policy,
+    init_sharded,
+    is_qwen35,
+    model_config,
+    router_term,
+    state_dict_adapter,
+)
 
 log = logging.getLogger("harts.train")
 
@@ -103,21 +111,6 @@ class Trainer:
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
         self.n_moe = len(self.model.moe_layers())  # of the whole model (a pipeline stage has fewer)
-        if lc.load_hf:
-            if lc.init_on_meta:
-                raise ValueError("ling.load_hf needs ling.init_on_meta = false (the checkpoint is loaded before "
-                                 "sharding)")
-            from harts.models.ling.checkpoint import read_hf_tensors
-
-            if is_qwen35(self.model_cfg):
-                from harts.models.qwen35.checkpoint import from_hf_names, load_hf_state_dict
-
-                sd = from_hf_names(read_hf_tensors(lc.load_hf), self.model_cfg.num_experts, where=lc.load_hf)
-            else:
-                from harts.models.ling.checkpoint import load_hf_state_dict
-
-                sd = read_hf_tensors(lc.load_hf)
-            load_hf_state_dict(self.model, sd, where=lc.load_hf)
         self.sp = cfg.parallelism.enable_sequence_parallel and d.tp > 1
         if d.cp > 1:
             self._check_cp()
@@ -190,6 +183,8 @@ class Trainer:
             dataloader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers, states={"train_state": self.state},
             checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=self.dump)
+        if lc.load_hf:
+            self._load_hf(lc.load_hf)
         self.metrics = MetricsLogger(self.dump, rank=self.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      tb_folder=cfg.metrics.save_tb_folder,
                                      color=not cfg.metrics.disable_color_printing and sys.stdout.isatty())
@@ -337,6 +332,28 @@ class Trainer:
             from torchtitan.distributed.utils import maybe_enable_amp
 
             self.amp = maybe_enable_amp(d, cfg.training.mixed_precision_param, "cuda")
+
+    def _load_hf(self, path: str) -> None:
+        """Start from an HF folder the way torchtitan's ``CheckpointManager`` loads one (``dcp_load`` with
+        ``from_hf``): the family's state-dict adapter names this rank's tensors in the folder's layout, DCP's
+        HuggingFace storage reader fills them, and ``ModelWrapper`` loads the result. It runs after
+        parallelisation, so each rank reads only its own shards (any layout, ``init_on_meta`` included). The
+        folder's key set and shapes (safetensors headers) are checked against the whole model first: one error
+        lists every missing, unexpected or mis-shaped tensor. A checkpoint resumed from ``checkpoint.folder``
+        replaces these weights."""
+        import torch.distributed.checkpoint as dcp
+        from torchtitan.components.checkpoint import ModelWrapper
+
+        from harts.models.ling.checkpoint import check_hf_keys, hf_checkpoint_shapes
+
+        whole = state_dict_adapter(self.model_cfg, path).to_hf(self._whole_model().state_dict())
+        check_hf_keys({k: tuple(v.shape) for k, v in whole.items()}, hf_checkpoint_shapes(path), path)
+        adapter, wrapper = state_dict_adapter(self.model_cfg, path), ModelWrapper(self.model)
+        hf_sd = adapter.to_hf(wrapper.state_dict())
+        dcp.load(hf_sd, storage_reader=adapter.get_hf_storage_reader(path))
+        wrapper.load_state_dict(adapter.from_hf(hf_sd))
+        if self.rank == 0:
+            log.info("loaded HF weights from %s (DCP, %s)", path, type(adapter).__name__)
 
     def _stage_params(self) -> int:
         """Parameters this rank's model holds (a DTensor counts whole: the pipeline stage's share)."""

@@ -22,16 +22,19 @@ import re
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.models.utils import MoEStateDictAdapter
 
 from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM
 
-__all__ = ["to_hf_state_dict", "load_hf_state_dict", "save_pretrained", "load_pretrained", "CheckpointError"]
+__all__ = ["LingStateDictAdapter", "to_hf_state_dict", "load_hf_state_dict", "save_pretrained", "load_pretrained",
+           "hf_checkpoint_shapes", "check_hf_keys", "CheckpointError"]
 
 log = logging.getLogger(__name__)
 
-_EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -39,29 +42,79 @@ class CheckpointError(ValueError):
     pass
 
 
-def _expected_hf_shapes(model: LingForCausalLM) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
-    """hf key -> (shape, our state-dict name, expert index or None)."""
-    out = {}
-    for name, t in model.state_dict().items():
-        m = _EXPERT_PARAM.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (tuple(t.shape[1:]), name, e)
-        else:
-            out[name] = (tuple(t.shape), name, None)
-    return out
+class LingStateDictAdapter(MoEStateDictAdapter):
+    """Ling-3.0 <-> the official HF layout, as a torchtitan state-dict adapter: the object torchtitan's
+    ``CheckpointManager`` uses to load and save HF safetensors through DCP (``sd_adapter``), which the trainer
+    and ``save_pretrained`` / ``load_pretrained`` also use.
+
+    Our names are the official ones except that routed experts are stacked ([E, F, D] per projection):
+    ``to_hf`` splits them into ``mlp.experts.{e}.*.weight``, a sharded DTensor (FSDP2 / expert parallelism)
+    into its own rank's experts without gathering (torchtitan's ``MoEStateDictAdapter``), and ``from_hf``
+    stacks them back (into the same sharding when ``to_hf`` saw DTensors). transformers' ``bailing_hybrid``
+    names every output projection ``attention.dense``, the released checkpoints name KDA's
+    ``attention.o_proj``: ``from_hf`` accepts both, ``to_hf`` writes ``kda_output`` ("o_proj"; "dense" when the
+    folder at ``hf_assets_path`` uses transformers' name, so DCP reads the keys the folder has)."""
+
+    def __init__(self, config: LingConfig, hf_assets_path: str | os.PathLike | None = None):
+        super().__init__(config, str(hf_assets_path) if hf_assets_path else None)
+        self.config = config
+        self.kda_layers = {i for i in range(config.num_hidden_layers) if config.layer_type(i) == "kda"}
+        keys = hf_checkpoint_shapes(hf_assets_path) if hf_assets_path else {}
+        self.kda_output = "dense" if any(f"model.layers.{i}.attention.dense.weight" in keys
+                                         for i in self.kda_layers) else "o_proj"
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in state_dict.items():
+            m = _EXPERT_PARAM.match(name)
+            if m is None:
+                out[self._kda_name(name, self.kda_output)] = t
+                continue
+            layer, proj = m.groups()
+            ours, hf = f"model.layers.{{}}.mlp.experts.{proj}", f"model.layers.{{}}.mlp.experts.{{}}.{proj}.weight"
+            if isinstance(t, DTensor):  # remember the sharding for from_hf, keep only this rank's experts
+                self.grouped_expert_weight_placements[ours] = t.placements
+                self.grouped_expert_weight_shape[ours] = t.shape
+                self.grouped_expert_weight_mesh[ours] = t.device_mesh
+                out.update(self._get_local_experts_weights(hf, ours, layer, t))
+            else:
+                out.update({hf.format(layer, e): w for e, w in enumerate(t.unbind(0))})
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out, experts = {}, {}
+        for key, t in hf_state_dict.items():
+            key = self._kda_name(key, "o_proj")
+            m = _EXPERT_KEY.match(key)
+            if m is None:
+                out[key] = t
+                continue
+            layer, e, proj = m.groups()
+            ours = f"model.layers.{{}}.mlp.experts.{proj}"
+            experts.setdefault(layer, {}).setdefault(ours, {})[int(e)] = t
+            if ours in self.local_experts_indices:
+                stacked = self._concatenate_expert_weights_dtensor(experts, ours, layer)
+            else:
+                stacked = self._concatenate_expert_weights(experts, ours, layer, self.config.num_experts)
+            if stacked is not None:
+                out[ours.format(layer)] = stacked
+        incomplete = [f"{ours.format(layer)}: experts {sorted(got)}" for layer, by in experts.items()
+                      for ours, got in by.items()]
+        if incomplete:
+            raise CheckpointError("routed experts missing from the checkpoint (stacked weight: experts present): "
+                                  + "; ".join(incomplete))
+        return out
+
+    def _kda_name(self, key: str, to: str) -> str:
+        """A KDA layer's output projection under the name ``to`` ("o_proj" or "dense")."""
+        m = re.match(r"^model\.layers\.(\d+)\.attention\.(o_proj|dense)\.weight$", key)
+        if m is None or int(m.group(1)) not in self.kda_layers:
+            return key
+        return f"model.layers.{m.group(1)}.attention.{to}.weight"
 
 
 def to_hf_state_dict(model: LingForCausalLM) -> dict[str, torch.Tensor]:
-    sd = {}
-    for name, t in model.state_dict().items():
-        m = _EXPERT_PARAM.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                sd[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
-        else:
-            sd[name] = t
-    return sd
+    return LingStateDictAdapter(model.config).to_hf(model.state_dict())
 
 
 def _report(missing, unexpected, mismatched, where: str) -> None:
@@ -82,42 +135,26 @@ def _report(missing, unexpected, mismatched, where: str) -> None:
     raise CheckpointError("\n".join(lines))
 
 
-def _kda_output_names(hf_sd: dict[str, torch.Tensor], cfg: LingConfig) -> dict[str, torch.Tensor]:
-    """transformers' ``attention.dense`` of a KDA layer -> the released ``attention.o_proj``."""
-    out = dict(hf_sd)
-    for i in range(cfg.num_hidden_layers):
-        if cfg.layer_type(i) != "kda":
-            continue
-        src, dst = f"model.layers.{i}.attention.dense.weight", f"model.layers.{i}.attention.o_proj.weight"
-        if src in out:
-            if dst in out:
-                raise CheckpointError(f"checkpoint holds both {src} and {dst} for KDA layer {i}")
-            out[dst] = out.pop(src)
-    return out
+def check_hf_keys(expected: dict[str, tuple], got: dict[str, tuple], where: str) -> None:
+    """One error listing every missing key, unexpected key and shape mismatch (key -> shape maps)."""
+    mismatched = [(k, tuple(s), tuple(expected[k])) for k, s in got.items()
+                  if k in expected and tuple(s) != tuple(expected[k])]
+    _report([k for k in expected if k not in got], [k for k in got if k not in expected], mismatched, where)
 
 
-def _mtp_keys(hf_sd: dict[str, torch.Tensor], cfg: LingConfig) -> list[str]:
+def _mtp_keys(keys, cfg: LingConfig) -> list[str]:
     """Keys of multi-token-prediction layers (stored as model.layers.{L}.*, L >= num_hidden_layers)."""
     pat = re.compile(r"^model\.layers\.(\d+)\.")
-    return [k for k in hf_sd if (m := pat.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers]
+    return [k for k in keys if (m := pat.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers]
 
 
 def load_hf_state_dict(model: LingForCausalLM, hf_sd: dict[str, torch.Tensor], where: str = "<dict>") -> None:
     """Copy an HF-named state dict (released or transformers names) into ``model`` (on any device, not meta)
-    after a full check. Values are copied with ``copy_`` into the model's tensors, keeping the model's dtypes."""
-    hf_sd = _kda_output_names(hf_sd, model.config)
-    expected = _expected_hf_shapes(model)
-    missing = [k for k in expected if k not in hf_sd]
-    unexpected = [k for k in hf_sd if k not in expected]
-    mismatched = [(k, tuple(v.shape), expected[k][0]) for k, v in hf_sd.items()
-                  if k in expected and tuple(v.shape) != expected[k][0]]
-    _report(missing, unexpected, mismatched, where)
-    own = model.state_dict()
-    with torch.no_grad():
-        for k, v in hf_sd.items():
-            _, name, e = expected[k]
-            dst = own[name] if e is None else own[name][e]
-            dst.copy_(v)
+    after a full check. Values are copied into the model's tensors, keeping the model's dtypes."""
+    adapter = LingStateDictAdapter(model.config)
+    expected = {k: tuple(v.shape) for k, v in adapter.to_hf(model.state_dict()).items()}
+    check_hf_keys(expected, {adapter._kda_name(k, "o_proj"): tuple(v.shape) for k, v in hf_sd.items()}, where)
+    model.load_state_dict(adapter.from_hf(hf_sd))
 
 
 def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
@@ -163,20 +200,51 @@ def _main_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
     return max(count, key=count.get) if count else torch.float32
 
 
+def _weight_files(path: Path) -> list[str]:
+    if (path / INDEX_NAME).exists():
+        return sorted(set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values()))
+    if (path / "model.safetensors").exists():
+        return ["model.safetensors"]
+    raise CheckpointError(f"{path}: neither {INDEX_NAME} nor model.safetensors found")
+
+
 def read_hf_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if (path / INDEX_NAME).exists():
-        files = sorted(set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path}: neither {INDEX_NAME} nor model.safetensors found")
     sd = {}
-    for f in files:
-        sd.update(load_file(str(path / f), device=str(device)))
+    for f in _weight_files(Path(path)):
+        sd.update(load_file(str(Path(path) / f), device=str(device)))
     return sd
+
+
+def hf_checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """key -> shape of every tensor of an HF folder, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(Path(path) / f), framework="pt") as fh:
+            out.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    return out
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+
+
+def adopt_dtypes(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Give each of ``model``'s tensors the dtype of its value in ``sd`` (our names), so that loading
+    rounds nothing."""
+    own = dict(model.named_parameters()) | dict(model.named_buffers())
+    for k, v in sd.items():
+        if k in own and own[k].dtype != v.dtype:
+            own[k].data = own[k].data.to(v.dtype)
 
 
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -185,15 +253,7 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     Without ``dtype`` each tensor keeps the dtype stored in the checkpoint (bit-exact). Reads our folders, the
     released Ling-3.0 layout and transformers' ``bailing_hybrid`` folders. Multi-token-prediction layers
     are not part of the model: a checkpoint holding them is refused unless ``drop_mtp=True``."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    cfg = LingConfig.from_hf_dict(raw, **config_overrides)
+    cfg = LingConfig.from_hf_dict(read_hf_config(path), **config_overrides)
     sd = read_hf_tensors(path, device)
     mtp = _mtp_keys(sd, cfg)
     if mtp:
@@ -202,21 +262,16 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
                                   f"num_hidden_layers={cfg.num_hidden_layers}); HARTS has no MTP head: pass "
                                   "drop_mtp=True to load the main model without them")
         log.info("%s: dropped %d multi-token-prediction tensors (drop_mtp=True)", path, len(mtp))
-        drop = set(mtp)
-        sd = {k: v for k, v in sd.items() if k not in drop}
-    sd = _kda_output_names(sd, cfg)
+        sd = {k: v for k, v in sd.items() if k not in set(mtp)}
     with torch.device("meta"):
         model = LingForCausalLM(cfg)
     model.to_empty(device=device)
-    # adopt checkpoint dtypes per tensor before copying so nothing is rounded
-    expected = _expected_hf_shapes(model)
-    own = dict(model.named_parameters()) | dict(model.named_buffers())
-    for k, v in sd.items():
-        if k in expected:
-            name = expected[k][1]
-            if own[name].dtype != v.dtype:
-                own[name].data = own[name].data.to(v.dtype)
-    load_hf_state_dict(model, sd, where=str(path))
+    adapter = LingStateDictAdapter(cfg)
+    expected = {k: tuple(v.shape) for k, v in adapter.to_hf(model.state_dict()).items()}
+    check_hf_keys(expected, {adapter._kda_name(k, "o_proj"): tuple(v.shape) for k, v in sd.items()}, str(path))
+    ours = adapter.from_hf(sd)
+    adopt_dtypes(model, ours)
+    model.load_state_dict(ours)
     if dtype is not None:
         model.cast_(dtype)
     return model

@@ -14,66 +14,142 @@ Tensors keep their stored dtype (a save/load round trip is bit-exact) unless ``d
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.models.utils import MoEStateDictAdapter
 
-from harts.models.ling.checkpoint import CheckpointError, _report, read_hf_tensors, write_hf_folder
+from harts.models.ling.checkpoint import (
+    CheckpointError,
+    _report,
+    adopt_dtypes,
+    hf_checkpoint_shapes,
+    read_hf_config,
+    read_hf_tensors,
+    write_hf_folder,
+)
 from harts.models.qwen35.config import Qwen35Config
 from harts.models.qwen35.model import Qwen35ForCausalLM
 
-__all__ = ["to_hf_state_dict", "from_hf_names", "load_hf_state_dict", "save_pretrained", "load_pretrained",
-           "CheckpointError"]
+__all__ = ["Qwen35StateDictAdapter", "to_hf_state_dict", "from_hf_names", "load_hf_state_dict", "save_pretrained",
+           "load_pretrained", "CheckpointError"]
 
 log = logging.getLogger(__name__)
 
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_TEXT_PREFIX = "model.language_model."
+
+
+class Qwen35StateDictAdapter(MoEStateDictAdapter):
+    """Qwen3.5-MoE <-> its HF layouts, as a torchtitan state-dict adapter (the object torchtitan's
+    ``CheckpointManager`` loads and saves HF safetensors through, with DCP).
+
+    ``to_hf`` writes transformers' layout (our names, stacked experts) unless the folder at ``hf_assets_path``
+    is a released one: then the keys get the ``model.language_model.`` prefix and per-expert
+    ``{gate,up,down}_proj`` tensors, a sharded DTensor split into its own rank's experts without gathering
+    (torchtitan's ``MoEStateDictAdapter``), so DCP reads exactly the keys the folder has. ``from_hf`` takes
+    either layout (module docstring) and drops vision / MTP tensors only when asked (else refuses them)."""
+
+    def __init__(self, config: Qwen35Config, hf_assets_path: str | os.PathLike | None = None, *,
+                 drop_vision: bool = False, drop_mtp: bool = False):
+        super().__init__(config, str(hf_assets_path) if hf_assets_path else None)
+        self.config, self.drop_vision, self.drop_mtp = config, drop_vision, drop_mtp
+        keys = list(hf_checkpoint_shapes(hf_assets_path)) if hf_assets_path else []
+        self.prefix = _TEXT_PREFIX if any(k.startswith(_TEXT_PREFIX) for k in keys) else "model."
+        self.per_expert = any(_PER_EXPERT.match("model." + k.removeprefix(self.prefix)) for k in keys)
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in state_dict.items():
+            m = _STACKED.match(name)
+            if not (self.per_expert and m):
+                out[self._hf_name(name)] = t
+                continue
+            layer, proj = m.groups()
+            ours = f"model.layers.{{}}.mlp.experts.{proj}"
+            hf = self._hf_name(f"model.layers.{{}}.mlp.experts.{{}}.{proj}")
+            if isinstance(t, DTensor):
+                self.grouped_expert_weight_placements[ours] = t.placements
+                self.grouped_expert_weight_shape[ours] = t.shape
+                self.grouped_expert_weight_mesh[ours] = t.device_mesh
+                per = self._get_local_experts_weights(hf, ours, layer, t)
+            else:
+                per = {hf.format(layer, e): w for e, w in enumerate(t.unbind(0))}
+            for key, w in per.items():  # views: DCP reads into them in place
+                if proj == "down_proj":
+                    out[key + ".weight"] = w
+                else:
+                    gate, up = w.chunk(2, dim=0)
+                    out[key.replace("gate_up_proj", "gate_proj") + ".weight"] = gate
+                    out[key.replace("gate_up_proj", "up_proj") + ".weight"] = up
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor], where: str = "<dict>") -> dict[str, torch.Tensor]:
+        out, experts, dropped = {}, {}, {"vision": [], "mtp": []}
+        for k, v in hf_state_dict.items():
+            if k.startswith(_TEXT_PREFIX):
+                k = "model." + k.removeprefix(_TEXT_PREFIX)
+            if k.startswith(("model.visual.", "visual.")):
+                dropped["vision"].append(k)
+            elif k.startswith("mtp."):
+                dropped["mtp"].append(k)
+            elif m := _PER_EXPERT.match(k):
+                experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+            else:
+                out[k] = v
+        for kind, flag, name in (("vision", self.drop_vision, "drop_vision"), ("mtp", self.drop_mtp, "drop_mtp")):
+            keys = dropped[kind]
+            if keys and not flag:
+                raise CheckpointError(f"{where}: {len(keys)} {kind} tensors (e.g. {keys[0]}) are not part of the "
+                                      f"text model: pass {name}=True to load it without them")
+            if keys:
+                log.info("%s: dropped %d %s tensors (%s=True)", where, len(keys), kind, name)
+        for layer, parts in experts.items():
+            out.update(self._stack(layer, parts, where))
+        return out
+
+    def _stack(self, layer: str, parts: dict, where: str) -> dict[str, torch.Tensor]:
+        """One layer's per-expert tensors -> stacked gate_up_proj [E, 2F, D] (gate rows first), down_proj."""
+        prefix = f"model.layers.{layer}.mlp.experts"
+        ids = sorted({e for e, _ in parts})
+        missing = [f"{prefix}.{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in parts]
+        extra = [f"{prefix}.{e}.{p}.weight" for e, p in parts if e >= self.config.num_experts]
+        if missing or extra:
+            _report(missing, extra, [], where)
+        by = {layer: {"gate_up": {e: torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"])) for e in ids},
+                      "down": {e: parts[e, "down_proj"] for e in ids}}}
+        out = {}
+        for kind, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            ours = f"model.layers.{{}}.mlp.experts.{proj}"
+            by[layer][ours] = by[layer].pop(kind)
+            if ours in self.local_experts_indices:
+                stacked = self._concatenate_expert_weights_dtensor(by, ours, layer)
+            else:
+                stacked = self._concatenate_expert_weights(by, ours, layer, self.config.num_experts)
+            if stacked is None:
+                _report([f"{prefix}.{e}.*" for e in range(self.config.num_experts) if e not in ids], [], [], where)
+            out[ours.format(layer)] = stacked
+        return out
+
+    def _hf_name(self, name: str) -> str:
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 def to_hf_state_dict(model: Qwen35ForCausalLM) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict())
+    """transformers' layout: our names, stacked experts."""
+    return Qwen35StateDictAdapter(model.config).to_hf(model.state_dict())
 
 
 def from_hf_names(hf_sd: dict[str, torch.Tensor], num_experts: int, *, drop_vision: bool = False,
                   drop_mtp: bool = False, where: str = "<dict>") -> dict[str, torch.Tensor]:
-    """An HF-named state dict in our names: prefix mapped, per-expert tensors stacked, vision / MTP tensors
-    dropped when asked (else refused)."""
-    out, experts, dropped = {}, {}, {"vision": [], "mtp": []}
-    for k, v in hf_sd.items():
-        if k.startswith("model.language_model."):
-            k = "model." + k.removeprefix("model.language_model.")
-        if k.startswith(("model.visual.", "visual.")):
-            dropped["vision"].append(k)
-            continue
-        if k.startswith("mtp."):
-            dropped["mtp"].append(k)
-            continue
-        m = _PER_EXPERT.match(k)
-        if m:
-            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
-            continue
-        out[k] = v
-    for kind, flag, name in (("vision", drop_vision, "drop_vision"), ("mtp", drop_mtp, "drop_mtp")):
-        keys = dropped[kind]
-        if keys and not flag:
-            raise CheckpointError(f"{where}: {len(keys)} {kind} tensors (e.g. {keys[0]}) are not part of the text "
-                                  f"model: pass {name}=True to load it without them")
-        if keys:
-            log.info("%s: dropped %d %s tensors (%s=True)", where, len(keys), kind, name)
-    for prefix, parts in experts.items():
-        missing = [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
-                   if (e, p) not in parts]
-        extra = [f"{prefix}.{e}.{p}.weight" for e, p in parts if e >= num_experts]
-        if missing or extra:
-            _report(missing, extra, [], where)
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"])) for e in range(num_experts)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(num_experts)])
-    return out
+    """An HF-named state dict in our names (``Qwen35StateDictAdapter.from_hf``)."""
+    cfg = Qwen35Config.preset("qwen3.5-debug", num_experts=num_experts)
+    return Qwen35StateDictAdapter(cfg, drop_vision=drop_vision, drop_mtp=drop_mtp).from_hf(hf_sd, where)
 
 
 def load_hf_state_dict(model: Qwen35ForCausalLM, sd: dict[str, torch.Tensor], where: str = "<dict>") -> None:
@@ -85,9 +161,7 @@ def load_hf_state_dict(model: Qwen35ForCausalLM, sd: dict[str, torch.Tensor], wh
     mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
                   if k in own and v.shape != own[k].shape]
     _report(missing, unexpected, mismatched, where)
-    with torch.no_grad():
-        for k, v in sd.items():
-            own[k].copy_(v)
+    model.load_state_dict(sd)
 
 
 def save_pretrained(model: Qwen35ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
@@ -99,24 +173,13 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     """Build the model from config.json on the meta device, materialise it on ``device`` and load the
     weights; without ``dtype`` every tensor keeps its stored dtype. ``config_overrides`` set Qwen35Config
     fields (e.g. ``backend``, ``gdn_chunk_size``)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    cfg = Qwen35Config.from_hf_dict(raw, **config_overrides)
-    sd = from_hf_names(read_hf_tensors(path, device), cfg.num_experts, drop_vision=drop_vision, drop_mtp=drop_mtp,
-                       where=str(path))
+    cfg = Qwen35Config.from_hf_dict(read_hf_config(path), **config_overrides)
+    adapter = Qwen35StateDictAdapter(cfg, drop_vision=drop_vision, drop_mtp=drop_mtp)
+    sd = adapter.from_hf(read_hf_tensors(path, device), where=str(path))
     with torch.device("meta"):
         model = Qwen35ForCausalLM(cfg)
     model.to_empty(device=device)
-    own = dict(model.named_parameters())
-    for k, v in sd.items():  # adopt the stored dtypes before copying, so nothing is rounded
-        if k in own and own[k].dtype != v.dtype:
-            own[k].data = own[k].data.to(v.dtype)
+    adopt_dtypes(model, sd)
     load_hf_state_dict(model, sd, where=str(path))
     if dtype is not None:
         model.cast_(dtype)
