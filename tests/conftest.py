@@ -7,10 +7,13 @@ include them (``-m 'not slow'`` for a quick local pass).
 
 On a machine without CUDA, Triton kernels (fla's and ours) run under the Triton interpreter in
 float32. TRITON_INTERPRET is read when ``@triton.jit`` is applied, so it is set here, before anything
-imports fla or harts.kernels. Two shims make fla 0.6.0's kernels interpreter-safe, both defined below:
+imports fla or harts.kernels. Three shims make fla 0.6.0's kernels interpreter-safe, all defined below:
 (1) autotune benchmarking needs a GPU driver, so every autotuned kernel takes its first (pruned) config;
 (2) interpreter loop variables are Python ints where fla calls ``.to()`` on them, so ``range`` loop
-variables are turned into interpreter tensors. Our own kernels do not need the shims.
+variables are turned into interpreter tensors; (3) Triton 3.6's interpreter (the GPU image's) converts a
+scalar to an index with ``int()`` of its one-element 1-d array, which NumPy >= 2.4 refuses, so a ``range``
+bounded by a program id fails there; the index takes the array's single element, as Triton 3.7 does. Our
+own kernels do not need the shims.
 """
 import os
 
@@ -48,6 +51,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
             return node
 
     interpreter.FunctionRewriter.ast_transformer = _LoopVarToTensor()
+
+    # (3) int() of a one-element 1-d array: an error from NumPy 2.4 on; Triton 3.7 squeezes it first.
+    _patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_index(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor_index
 
 import pytest  # noqa: E402
 
