@@ -2,11 +2,14 @@
 
 Recomputation reruns the same ops on the same inputs, so in float64 every policy's log-probs and gradients
 equal the un-checkpointed model's (the reference: no checkpointing at all), eager and compiled, on packed
-trajectories and on a prefix-shared CompactBatch, with the router loss joined in the layers' backward. That
+trajectories and on a prefix-shared CompactBatch, with the router loss (z and balance terms) joined in the
+layers' backward; so do the router statistics the layers record (they leave a compiled selective region
+through its checkpoint, on torch 2.11 and 2.13). That
 "selective" saves the matrix products and recomputes the elementwise work is observed at the dispatcher:
 an outer TorchDispatchMode counts the aten ops that actually execute over forward + backward (ops whose
 saved output is reused never reach it).
 """
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -21,7 +24,13 @@ from harts.train.parallelize import apply_ac
 from tests.helpers import fork_tree, make_model
 
 CHUNK = 16
-ROUTER = (torch.tensor([1e-3, 1e-2], dtype=torch.float64), None)  # (c_z, c_aux): z-loss term in backward
+
+
+def _router(model) -> tuple:
+    """(c_z, c_aux) and previous load fractions f_LE: the z and balance terms join each MoE layer's backward."""
+    f_LE = torch.rand(len(model.moe_layers()), model.config.num_experts, generator=torch.Generator().manual_seed(4),
+                      dtype=torch.float64)
+    return torch.tensor([1e-3, 1e-2], dtype=torch.float64), f_LE
 
 
 def _compact():
@@ -38,17 +47,21 @@ def _packed(vocab: int):
 
 
 def _step(model, batch):
-    """Log-probs and parameter gradients of a fixed linear loss (plus the router term)."""
+    """Log-probs, parameter gradients of a fixed linear loss (plus the router term) and the router statistics
+    recorded by the forward."""
     model.zero_grad(set_to_none=True)
+    router = _router(model)
     if isinstance(batch, tuple):
         ids, pos, cu = batch
-        h = model(ids, pos, cu, router=ROUTER)
+        h = model(ids, pos, cu, router=router)
         lp = model.token_logprobs(h, torch.roll(ids, -1))
     else:
-        lp = logprobs(model, batch, router=ROUTER)
+        lp = logprobs(model, batch, router=router)
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(3), dtype=lp.dtype)
     (w * lp).sum().backward()
-    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    stats = [{f.name: getattr(st, f.name).detach().clone() for f in dataclasses.fields(st)}
+             for st in model.router_stats()]
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
 
 
 def _rel(a, b) -> float:
@@ -60,6 +73,11 @@ def _assert_equal(got, ref, what):
     assert got[1].keys() == ref[1].keys(), f"{what}: parameters with gradients"
     for name, g in ref[1].items():
         assert _rel(got[1][name], g) <= 1e-12, f"{what}: grad {name}"
+    assert len(got[2]) == len(ref[2]) > 0, f"{what}: MoE layers with router statistics"
+    for i, (st, st_ref) in enumerate(zip(got[2], ref[2])):
+        assert st.keys() == st_ref.keys()
+        for name, t in st_ref.items():
+            assert st[name].shape == t.shape and _rel(st[name], t) <= 1e-12, f"{what}: MoE layer {i} {name}"
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,14 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   same ops on the same saved inputs, so gradients are exact (bit-identical to no checkpointing in float64
   on the reference ops, tested). Under ``compile_model`` the selective regions are compiled too (Dynamo
   traces the checkpoint as a higher-order op and the partitioner applies the same policy), with their own
-  graphs (``pre_kda_sac``, ...). Submodule hooks (TP regions) and expert parallelism are refused for the
-  same reasons as for compile (``check_region_split``).
+  graphs (``pre_kda_sac``, ...), one code object per region family as above, so the counts are the same.
+  The MoE region's router statistics leave its checkpoint as a tuple of tensors and become ``RouterStats``
+  outside it (``_post_moe_sac``): torch 2.11's Dynamo loses tensors that a compiled checkpointed function
+  returns inside a dataclass ("Node output referenced nonexistent value"), a tuple it keeps, on 2.11 and
+  2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
+  norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
+  and the tuple crossing costs nothing. Submodule hooks (TP regions) and expert parallelism are refused for
+  the same reasons as for compile (``check_region_split``).
 """
 from __future__ import annotations
 
