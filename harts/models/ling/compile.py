@@ -193,7 +193,7 @@ def _post_moe_fields(layer, h_TD, x_TD, o, token_weight_T):
 def _post_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
     # The statistics cross the checkpoint as a tuple of tensors and become RouterStats outside it: torch
     # 2.11's Dynamo loses tensors a checkpointed function returns inside a dataclass ("Node output referenced
-    # nonexistent value") when the region is compiled; a tuple is kept (and is what 2.13 does internally).
+    # nonexistent value") when the region is compiled; a tuple it keeps.
     out_TD, fields = _sac(_post_moe_fields, layer, h_TD, x_TD, o, token_weight_T)
     return out_TD, RouterStats(*fields)
 
