@@ -15,13 +15,22 @@ These replace the two sequential kernels of fla-core 0.6.0's chunked KDA (the fo
 
 Requests are looked up through ``state_slot`` [NT_total + N] (int32, -1 = not requested), indexed
 by the boundary id ``chunk_offsets[n] + n + c``. All other KDA kernels are fla's.
+
+``SCALAR_G`` switches both scans to Gated DeltaNet's gate form, the one of fla's GDN scans
+(``chunk_gated_delta_rule_{fwd_kernel_h,bwd_kernel_dhu}_blockdim64`` with ``USE_G``): ``g`` [T, HV] is the
+per-head chunk-local cumulative log2 decay, k and q stay at the H key heads (each serves HV / H value heads)
+ungated, and the scans apply the decay themselves (v_new scaled by 2^(g_last - g_t) before the state update,
+q by 2^g_t in the dh update). A switch rather than per-channel forms computed from the scalar gate: those
+would write and read three [T, HV, K] tensors (gk, kg, qg) that GDN does not need. With SCALAR_G off and
+H == HV the KDA scans are unchanged.
 The state is held as up to four [64, BV] fp32 row tiles (K <= 256), the register layout of fla's
 blockdim64 scans; boundary stores and gradient loads sit behind scalar branches, so unrequested chunks
 pay one prefetched int32 load. Interpreter-safe: one autotune config under TRITON_INTERPRET=1, no casts
 of loop variables, no Python min/max on runtime values.
 
-Legend: T packed tokens, N sequences, HV heads (k/w/q are already expanded to HV by fla's
-recompute_w_u), K key dim, V value dim, BT chunk size, NT_total total chunks, M boundary states.
+Legend: T packed tokens, N sequences, HV value heads, H key heads (KDA: H == HV, k/q already expanded
+to HV by fla's recompute_w_u; GDN: k/q at the key heads), K key dim, V value dim, BT chunk size, NT_total
+total chunks, M boundary states.
 """
 import os
 
@@ -128,16 +137,35 @@ def _bwd_update(b, o_k, K: tl.constexpr, p_gl, qg, w, o_t, m_t, stride, b_do, b_
     return b + tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
 
 
+@triton.jit
+def _fwd_update_scalar(b, o_k, K: tl.constexpr, decay, k, o_t, m_t, stride, b_v):
+    """Row tile o_k of S_end = 2^g_last S_start + k^T v_gated (v_gated already scaled by 2^(g_last - g_t))."""
+    b *= decay
+    return tl.dot(_cols(k, o_t, m_t, o_k, o_k < K, stride), b_v, b)
+
+
+@triton.jit
+def _bwd_update_scalar(b, o_k, K: tl.constexpr, decay, b_gq, q, w, o_t, m_t, stride_q, stride_w, b_do, b_dv, scale):
+    """Row tile o_k of dS_start = 2^g_last dS_end + scale (2^g q)^T do - w^T dv2 (as fla's GDN dh scan:
+    the gated q is fp32, so that product runs in fp32)."""
+    m_k = o_k < K
+    b *= decay
+    b_q = _cols(q, o_t, m_t, o_k, m_k, stride_q) * b_gq[None, :]
+    b_w = _cols(w, o_t, m_t, o_k, m_k, stride_w)
+    return b + tl.dot(b_q.to(b_q.dtype), b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+
+
 @triton.heuristics({
     'USE_INITIAL_STATE': lambda a: a['h0'] is not None,
     'STORE_FINAL_STATE': lambda a: a['ht'] is not None,
 })
-@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'SAVE_BOUNDARY'])
+@triton.autotune(configs=_configs(), key=['H', 'HV', 'K', 'V', 'BT', 'SAVE_BOUNDARY', 'SCALAR_G'])
 @triton.jit(do_not_specialize=['T'])
 def kda_round_fwd_kernel_h(
     k, u, w, v_new, gk, h, h0, ht, hb, state_slot, cu_seqlens, chunk_offsets, T,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, SAVE_BOUNDARY: tl.constexpr,
+    SCALAR_G: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -151,10 +179,13 @@ def kda_round_fwd_kernel_h(
     m_v = o_v < V
     o_k = tl.arange(0, 64)
 
-    # per-(sequence, head) bases; token t of the sequence is at +t*HV*{K,V}
-    k += (bos * HV + i_h) * K
+    # per-(sequence, head) bases; token t of the sequence is at +t*H*K (k), +t*HV*{K,V} (w, u, v_new)
+    k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
-    gk += (bos * HV + i_h) * K
+    if SCALAR_G:
+        gk += bos * HV + i_h
+    else:
+        gk += (bos * HV + i_h) * K
     u += (bos * HV + i_h) * V
     v_new += (bos * HV + i_h) * V
     h += (boh * HV + i_h) * K * V
@@ -187,16 +218,30 @@ def kda_round_fwd_kernel_h(
         tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
-        # S_end = diag(2^gk_last) S_start + kg^T v_new
-        p_gl = gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV * K
-        b_v = b_v.to(k.dtype.element_ty)
-        b_h1 = _fwd_update(b_h1, o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
-        if K > 64:
-            b_h2 = _fwd_update(b_h2, 64 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
-        if K > 128:
-            b_h3 = _fwd_update(b_h3, 128 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
-        if K > 192:
-            b_h4 = _fwd_update(b_h4, 192 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
+        if SCALAR_G:
+            # S_end = 2^g_last S_start + k^T (2^(g_last - g_t) v_new)
+            b_gl = tl.load(gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV).to(tl.float32)
+            b_g = tl.load(gk + o_t * HV, mask=m_t, other=0.).to(tl.float32)
+            b_v = (b_v * tl.where(m_t, tl.exp2(b_gl - b_g), 0)[:, None]).to(k.dtype.element_ty)
+            decay = tl.exp2(b_gl)
+            b_h1 = _fwd_update_scalar(b_h1, o_k, K, decay, k, o_t, m_t, H * K, b_v)
+            if K > 64:
+                b_h2 = _fwd_update_scalar(b_h2, 64 + o_k, K, decay, k, o_t, m_t, H * K, b_v)
+            if K > 128:
+                b_h3 = _fwd_update_scalar(b_h3, 128 + o_k, K, decay, k, o_t, m_t, H * K, b_v)
+            if K > 192:
+                b_h4 = _fwd_update_scalar(b_h4, 192 + o_k, K, decay, k, o_t, m_t, H * K, b_v)
+        else:
+            # S_end = diag(2^gk_last) S_start + kg^T v_new
+            p_gl = gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV * K
+            b_v = b_v.to(k.dtype.element_ty)
+            b_h1 = _fwd_update(b_h1, o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
+            if K > 64:
+                b_h2 = _fwd_update(b_h2, 64 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
+            if K > 128:
+                b_h3 = _fwd_update(b_h3, 128 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
+            if K > 192:
+                b_h4 = _fwd_update(b_h4, 192 + o_k, K, p_gl, k, o_t, m_t, HV * K, b_v)
 
     # the end state: final state and/or the request of chunk NT
     if STORE_FINAL_STATE:
@@ -210,13 +255,13 @@ def kda_round_fwd_kernel_h(
     'USE_INITIAL_STATE': lambda a: a['dh0'] is not None,
     'USE_FINAL_STATE_GRADIENT': lambda a: a['dht'] is not None,
 })
-@triton.autotune(configs=_configs(), key=['HV', 'K', 'V', 'BT', 'USE_BOUNDARY_GRADIENT'])
+@triton.autotune(configs=_configs(), key=['H', 'HV', 'K', 'V', 'BT', 'USE_BOUNDARY_GRADIENT', 'SCALAR_G'])
 @triton.jit(do_not_specialize=['T'])
 def kda_round_bwd_kernel_dh(
     qg, k, w, gk, dht, dh0, dhb, state_slot, do, dv, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_BOUNDARY_GRADIENT: tl.constexpr,
-    INJECT_AT_TOP: tl.constexpr,
+    INJECT_AT_TOP: tl.constexpr, SCALAR_G: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -230,10 +275,13 @@ def kda_round_bwd_kernel_dh(
     m_v = o_v < V
     o_k = tl.arange(0, 64)
 
-    qg += (bos * HV + i_h) * K
-    k += (bos * HV + i_h) * K
+    qg += (bos * H + i_h // (HV // H)) * K
+    k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
-    gk += (bos * HV + i_h) * K
+    if SCALAR_G:
+        gk += bos * HV + i_h
+    else:
+        gk += (bos * HV + i_h) * K
     do += (bos * HV + i_h) * V
     dv += (bos * HV + i_h) * V
     dv2 += (bos * HV + i_h) * V
@@ -270,21 +318,42 @@ def kda_round_bwd_kernel_dh(
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
         m_tv = m_t[:, None] & m_v[None, :]
-        p_gl = gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV * K
-        b_do = _rows(do, o_t, m_t, o_v, m_v, HV * V)
+        if SCALAR_G:
+            b_do = _rows(do, o_t, m_t, o_v, m_v, HV * V)
+            b_gl = tl.load(gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV).to(tl.float32)
+            b_g = tl.load(gk + o_t * HV, mask=m_t, other=0.).to(tl.float32)
+            # dv2 = 2^(g_last - g_t) k dS_end + dv_local  (gradient of v_new of this chunk)
+            b_dv = _rows_dot_state(k, o_t, m_t, H * K, b_dh1, b_dh2, b_dh3, b_dh4, K)
+            b_dv *= tl.where(m_t, tl.exp2(b_gl - b_g), 0)[:, None]
+            b_dv += _rows(dv, o_t, m_t, o_v, m_v, HV * V).to(tl.float32)
+            tl.store(dv2 + o_t[:, None] * (HV * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
 
-        # dv2 = kg dS_end + dv_local  (gradient of v_new of this chunk)
-        b_dv = _rows_dot_state(k, o_t, m_t, HV * K, b_dh1, b_dh2, b_dh3, b_dh4, K)
-        b_dv += _rows(dv, o_t, m_t, o_v, m_v, HV * V).to(tl.float32)
-        tl.store(dv2 + o_t[:, None] * (HV * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+            decay, b_gq = tl.exp2(b_gl), tl.exp2(b_g)
+            b_dh1 = _bwd_update_scalar(b_dh1, o_k, K, decay, b_gq, qg, w, o_t, m_t, H * K, HV * K, b_do, b_dv, scale)
+            if K > 64:
+                b_dh2 = _bwd_update_scalar(b_dh2, 64 + o_k, K, decay, b_gq, qg, w, o_t, m_t, H * K, HV * K, b_do,
+                                           b_dv, scale)
+            if K > 128:
+                b_dh3 = _bwd_update_scalar(b_dh3, 128 + o_k, K, decay, b_gq, qg, w, o_t, m_t, H * K, HV * K, b_do,
+                                           b_dv, scale)
+            if K > 192:
+                b_dh4 = _bwd_update_scalar(b_dh4, 192 + o_k, K, decay, b_gq, qg, w, o_t, m_t, H * K, HV * K, b_do,
+                                           b_dv, scale)
+        else:
+            p_gl = gk + (tl.minimum(i_t * BT + BT, T) - 1).to(tl.int64) * HV * K
+            b_do = _rows(do, o_t, m_t, o_v, m_v, HV * V)
+            # dv2 = kg dS_end + dv_local  (gradient of v_new of this chunk)
+            b_dv = _rows_dot_state(k, o_t, m_t, HV * K, b_dh1, b_dh2, b_dh3, b_dh4, K)
+            b_dv += _rows(dv, o_t, m_t, o_v, m_v, HV * V).to(tl.float32)
+            tl.store(dv2 + o_t[:, None] * (HV * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
 
-        b_dh1 = _bwd_update(b_dh1, o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
-        if K > 64:
-            b_dh2 = _bwd_update(b_dh2, 64 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
-        if K > 128:
-            b_dh3 = _bwd_update(b_dh3, 128 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
-        if K > 192:
-            b_dh4 = _bwd_update(b_dh4, 192 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            b_dh1 = _bwd_update(b_dh1, o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            if K > 64:
+                b_dh2 = _bwd_update(b_dh2, 64 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            if K > 128:
+                b_dh3 = _bwd_update(b_dh3, 128 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
+            if K > 192:
+                b_dh4 = _bwd_update(b_dh4, 192 + o_k, K, p_gl, qg, w, o_t, m_t, HV * K, b_do, b_dv, scale)
         if USE_BOUNDARY_GRADIENT:
             if not INJECT_AT_TOP:
                 # b_dh is now exactly dL/dS_start(i_t): add the request's gradient (scalar branch,
@@ -299,10 +368,12 @@ def kda_round_bwd_kernel_dh(
 
 def kda_round_fwd_h(kg, w, u, gk, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks,
                     chunk_size, state_slot=None, num_states=0):
-    """State scan. Returns h [1, NT_total, HV, K, V] (kg's dtype), v_new (u's dtype),
-    final_state [N, HV, K, V] fp32 or None, boundary_states [M, HV, K, V] fp32 or None."""
-    _, T, HV, K = kg.shape
-    V, N = u.shape[-1], cu_seqlens.numel() - 1
+    """State scan. The gate form follows ``gk``'s rank: [1, T, HV, K] is KDA's per-channel log2 decay (kg
+    [1, T, HV, K] gated keys), [1, T, HV] GDN's per-head one (kg = the ungated keys [1, T, H, K], H | HV).
+    Returns h [1, NT_total, HV, K, V] (kg's dtype), v_new (u's dtype), final_state [N, HV, K, V] fp32 or
+    None, boundary_states [M, HV, K, V] fp32 or None."""
+    _, T, H, K = kg.shape
+    HV, V, N = u.shape[2], u.shape[-1], cu_seqlens.numel() - 1
     h = kg.new_empty(1, num_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     ht = kg.new_zeros(N, HV, K, V, dtype=torch.float32) if output_final_state else None
@@ -313,17 +384,19 @@ def kda_round_fwd_h(kg, w, u, gk, initial_state, output_final_state, cu_seqlens,
         return (triton.cdiv(V, meta['BV']), N * HV)
     kda_round_fwd_kernel_h[grid](
         k=kg, u=u, w=w, v_new=v_new, gk=gk, h=h, h0=initial_state, ht=ht, hb=hb, state_slot=state_slot,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T, HV=HV, K=K, V=V, BT=chunk_size,
-        SAVE_BOUNDARY=hb is not None,
+        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        SAVE_BOUNDARY=hb is not None, SCALAR_G=gk.dim() == 3,
     )
     return h, v_new, ht, hb
 
 
 def kda_round_bwd_dh(qg, kg, w, gk, h0, dht, dhb, state_slot, do, dv, scale, cu_seqlens, chunk_offsets,
                      num_chunks, chunk_size, inject_at_top=False):
-    """Reverse dh scan. Returns dh [1, NT_total, HV, K, V] (qg's dtype), dh0 fp32 or None, dv2 (dv's dtype)."""
-    _, T, HV, K = qg.shape
-    V, N = do.shape[-1], cu_seqlens.numel() - 1
+    """Reverse dh scan; the gate form follows ``gk``'s rank as in ``kda_round_fwd_h`` (GDN: qg, kg are the
+    ungated q, k at the key heads). Returns dh [1, NT_total, HV, K, V] (qg's dtype), dh0 fp32 or None, dv2
+    (dv's dtype)."""
+    _, T, H, K = qg.shape
+    HV, V, N = do.shape[2], do.shape[-1], cu_seqlens.numel() - 1
     dh = qg.new_empty(1, num_chunks, HV, K, V)
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)
@@ -334,7 +407,7 @@ def kda_round_bwd_dh(qg, kg, w, gk, h0, dht, dhb, state_slot, do, dv, scale, cu_
         return (triton.cdiv(V, meta['BV']), N * HV)
     kda_round_bwd_kernel_dh[grid](
         qg=qg, k=kg, w=w, gk=gk, dht=dht, dh0=dh0, dhb=dhb, state_slot=state_slot, do=do, dv=dv, dh=dh, dv2=dv2,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=chunk_size,
-        USE_BOUNDARY_GRADIENT=dhb is not None, INJECT_AT_TOP=inject_at_top,
+        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        USE_BOUNDARY_GRADIENT=dhb is not None, INJECT_AT_TOP=inject_at_top, SCALAR_G=gk.dim() == 3,
     )
     return dh, dh0, dv2

@@ -20,14 +20,20 @@ FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk":
 BWD_SIG = {"qg": f"*{DT}", "k": f"*{DT}", "w": f"*{DT}", "gk": "*fp32", "dht": "*fp32", "dh0": "*fp32", "dhb": "*fp32",
            "state_slot": "*i32", "do": f"*{DT}", "dv": f"*{DT}", "dh": f"*{DT}", "dv2": f"*{DT}", "cu_seqlens": "*i64",
            "chunk_offsets": "*i64", "scale": "fp32", "T": "i32"}
-VARIANTS = [("fwd", dict(SAVE_BOUNDARY=False)), ("fwd", dict(SAVE_BOUNDARY=True)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=False, INJECT_AT_TOP=False)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False)),
-            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=True))]
+# KDA (per-channel gate, k/q at the value heads: H == HV) and GDN (SCALAR_G: per-head gate, k/q at H = HV / 2
+# key heads, Qwen3.5's grouping)
+KDA, GDN = dict(H=16, SCALAR_G=False), dict(H=8, SCALAR_G=True)
+VARIANTS = [("fwd", dict(SAVE_BOUNDARY=False, **KDA)), ("fwd", dict(SAVE_BOUNDARY=True, **KDA)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=False, INJECT_AT_TOP=False, **KDA)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False, **KDA)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=True, **KDA)),
+            ("fwd", dict(SAVE_BOUNDARY=False, **GDN)), ("fwd", dict(SAVE_BOUNDARY=True, **GDN)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=False, INJECT_AT_TOP=False, **GDN)),
+            ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False, **GDN))]
 
 
 @pytest.mark.parametrize("K", [64, 128])
-def test_kda_round_scans_compile_for_sm90(K):
+def test_round_scans_compile_for_sm90(K):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, __file__, str(K)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
