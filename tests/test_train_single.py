@@ -125,6 +125,16 @@ def test_compile_and_profiler(make, harts_run, tmp_path):
     assert summ["ranges_s"]["harts.microbatch"] > 0 and summ["ranges_s"]["harts.backward"] > 0
 
 
+def test_compiled_selective_checkpointing_step_equals_eager(make, harts_run, tmp_path):
+    """The trainer's compiled layers under selective activation checkpointing (aot_eager: the partitioner that
+    applies the save policy, without inductor's C++ compile) give the eager, uncheckpointed step (float64)."""
+    a = harts_run[0]
+    b = make(**{"training.steps": 1, "compile.enable": True, "compile.backend": "aot_eager",
+                "activation_checkpoint.mode": "selective", "job.dump_folder": str(tmp_path / "sel")}).train()
+    assert _close(a[0]["loss"], b[0]["loss"], 1e-12) and _close(a[0]["grad_norm"], b[0]["grad_norm"], 1e-12)
+    assert _close(a[0]["router_loss"], b[0]["router_loss"], 1e-12)
+
+
 @pytest.mark.slow
 def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
     """PPO-clip + k3 KL on JSONL steps carrying old/ref log-probs and data advantages (one file per step):
