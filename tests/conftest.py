@@ -10,7 +10,7 @@ float32. TRITON_INTERPRET is read when ``@triton.jit`` is applied, so it is set 
 imports fla or harts.kernels. Three shims make fla 0.6.0's kernels interpreter-safe, all defined below:
 (1) autotune benchmarking needs a GPU driver, so every autotuned kernel takes its first (pruned) config;
 (2) interpreter loop variables are Python ints where fla calls ``.to()`` on them, so ``range`` loop
-variables are turned into interpreter tensors; (3) Triton 3.6's interpreter (the GPU image's) converts a
+variables are turned into interpreter tensors; (3) Triton 3.6's interpreter (torch 2.11's Triton) converts a
 scalar to an index with ``int()`` of its one-element 1-d array, which NumPy >= 2.4 refuses, so a ``range``
 bounded by a program id fails there; the index takes the array's single element, as Triton 3.7 does. Our
 own kernels do not need the shims.
