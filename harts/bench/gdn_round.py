@@ -1,8 +1,11 @@
-"""Gated DeltaNet on the KDA round kernels against fla's GDN kernel: ``python -m harts.bench.gdn_round --out DIR``.
+"""Gated DeltaNet rounds against fla's GDN kernel: ``python -m harts.bench.gdn_round --out DIR``.
 
-Qwen3.5's GDN core runs on a compact batch as ``harts.runtime.compact.kda_rounds``: the KDA round kernels
+Qwen3.5's GDN core runs on a compact batch as ``harts.runtime.compact.kda_rounds``, in one of two round
+implementations (the model's ``gdn_round_impl``): ``kda_kernels``, the KDA round kernels
 (``harts.ops.kda_round.chunk_kda_round``) with q, k repeated to the value heads and the per-head scalar decay
-broadcast over K. This bench prices that choice on one realistic microbatch: the trajectories of the fullest
+broadcast over K; or ``fla_pieces``, fla's Gated DeltaNet pieces with our boundary-state scans
+(``harts.ops.gdn_round.chunk_gdn_round``: scalar gate, q, k at the key heads). This bench prices both on one
+realistic microbatch: the trajectories of the fullest
 planned microbatch of a synthetic step (``--workload``, ``--capacity``; GDN shapes of ``--preset``, by default
 qwen3.5-8l: 16 key / 32 value heads of 128, chunk 64), packed trajectory-wise as one sequence each. Forward +
 backward (CUDA events, warm-up first, median over ``--rounds`` interleaved rounds of ``--reps`` calls) of
@@ -15,19 +18,23 @@ backward (CUDA events, warm-up first, median over ``--rounds`` interleaved round
 - ``round_states``: the same, also emitting the boundary states a HARTS plan would request on these paths
   (the chunk of every fork position on each trajectory: where another trajectory of the microbatch leaves
   it), with an incoming gradient on each state;
+- ``round_fla_pieces`` and ``round_fla_pieces_states``: the same two calls on ``chunk_gdn_round`` (no repeat,
+  no broadcast);
 - ``rounds``: the whole ``kda_rounds`` over the real HARTS plan of the same trajectories (compact rows plus
   replay, gathers, state handoffs between rounds), against ``round`` over the same trajectories' raw rows
   (the model's trajectory-wise GDN path, ``harts.ops.gdn``, is that kernel): its speedup, next to the row
   compression that bounds it.
 
-The table gives round / fla and round_states / fla (the issue's bound: <= 1.05x on the H200), and the same
-for forwards alone (``*_fwd``). fla 0.6.0 refuses its GDN backward on Hopper with Triton >= 3.4 and < 3.7.1
+The table gives each round variant over fla (the issue's bound: <= 1.05x on the H200), and the same for
+forwards alone (``*_fwd``). fla 0.6.0 refuses its GDN backward on Hopper with Triton >= 3.4 and < 3.7.1
 unless tilelang is installed (``fla_backward_refusal``); the bench then records fla's message, times fla's
-forward against the round variants' and judges only the outputs in the numerics check. Numerics: on a
-slice of the rows (``--check-tokens``), fla's and the round kernel's outputs and input gradients are compared
-with a float64 CPU truth (``harts.ops.gdn.gated_delta_rule_reference``); the round kernel passes when its
-error is within ``--noise-factor`` x fla's (floored at the dtype's epsilon): both are then equally close to
-exact arithmetic. Writes ``gdn_round.json``.
+forward against the round variants'. Numerics: on a slice of the rows (``--check-tokens``), fla's and both
+round implementations' outputs and input gradients are compared with a float64 CPU truth
+(``harts.ops.gdn.gated_delta_rule_reference``); a round implementation passes when its error is within
+``--noise-factor`` x fla's (floored at the dtype's epsilon): both are then equally close to exact arithmetic.
+Where fla's backward is refused, the gradients are judged against the other round implementation's errors
+instead (``grad_floor_from``), so a miscompiled backward piece (fla #640, #984) still fails the check.
+Writes ``gdn_round.json``.
 
 On CPU, ``--backend reference`` runs every variant on the pure-torch paths with the same contracts (seconds
 at the debug preset's shapes: a check of the bench's plumbing, not a measurement). The Triton kernels also
@@ -145,6 +152,20 @@ def core_round(x: dict, cu: torch.Tensor, cu_cpu: torch.Tensor, chunk: int, seq=
     return o[0], states
 
 
+def core_round_fla_pieces(x: dict, cu: torch.Tensor, cu_cpu: torch.Tensor, chunk: int, seq=None, chk=None,
+                          backend: str = "fast"):
+    """chunk_gdn_round (fla's GDN pieces + our boundary-state scans; q, k at the key heads, scalar gate) on
+    packed rows as one round -> (o [T, HV, V], boundary states [M, HV, K, V] or None); ``backend="reference"``:
+    chunk_gdn_round_reference."""
+    from harts.ops import gdn_round
+
+    fn = gdn_round.chunk_gdn_round_reference if backend == "reference" else gdn_round.chunk_gdn_round
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"].to(x["q"].dtype)
+    o, _, states = fn(q[None], k[None], v[None], g[None], beta[None], cu, state_seq=seq or None,
+                      state_chunk=chk or None, use_qk_l2norm_in_kernel=True, chunk_size=chunk, cu_seqlens_cpu=cu_cpu)
+    return o[0], states
+
+
 def _errors(got: list[torch.Tensor], truth: list[torch.Tensor]) -> list[float]:
     """max |got - truth| / max |truth| per tensor (float64 on the CPU)."""
     out = []
@@ -156,8 +177,8 @@ def _errors(got: list[torch.Tensor], truth: list[torch.Tensor]) -> list[float]:
 
 def check_numerics(x: dict, lens: list[int], chunk: int, check_tokens: int, noise_factor: float, dtype,
                    backend: str = "fast") -> dict:
-    """fla and the round kernel against a float64 CPU truth on a slice of about ``check_tokens`` rows (the
-    first rows of the first four sequences): output and every input gradient, relative max errors."""
+    """fla and both round implementations against a float64 CPU truth on a slice of about ``check_tokens`` rows
+    (the first rows of the first four sequences): output and every input gradient, relative max errors."""
     from harts.ops.gdn import gated_delta_rule_reference
 
     # up to 4 sequences (varlen boundaries inside the slice), each its trajectory's first rows
@@ -181,7 +202,8 @@ def check_numerics(x: dict, lens: list[int], chunk: int, check_tokens: int, nois
     res = {"rows": T, "sequences": len(cut) - 1, "tensors": ["o"] + [f"d{k}" for k in GRAD_NAMES]}
     res["fla_grads"] = True
     for name, fn in (("fla", lambda y: core_fla(y, cu, cu_cpu, backend=backend)),
-                     ("round", lambda y: core_round(y, cu, cu_cpu, chunk, backend=backend)[0])):
+                     ("round", lambda y: core_round(y, cu, cu_cpu, chunk, backend=backend)[0]),
+                     ("round_fla_pieces", lambda y: core_round_fla_pieces(y, cu, cu_cpu, chunk, backend=backend)[0])):
         y = {k: t.clone().requires_grad_(True) for k, t in base.items()}
         o = fn(y)
         try:
@@ -194,7 +216,14 @@ def check_numerics(x: dict, lens: list[int], chunk: int, check_tokens: int, nois
     eps = float(torch.finfo(dtype).eps)
     res["floor"] = [None if e is None else max(e, eps) for e in res["fla"]]
     res["within_noise"] = [None if f is None else r <= noise_factor * f for r, f in zip(res["round"], res["floor"])]
-    res["ok"] = all(w for w in res["within_noise"] if w is not None)
+    # fla_pieces: gradients judged against fla's where it has them, else against the KDA-kernel round's
+    res["grad_floor_from"] = "fla" if res["fla_grads"] else "round"
+    floor_p = res["floor"] if res["fla_grads"] else res["floor"][:1] + [max(e, eps) for e in res["round"][1:]]
+    res["floor_fla_pieces"] = floor_p
+    res["within_noise_fla_pieces"] = [r <= noise_factor * f for r, f in zip(res["round_fla_pieces"], floor_p)]
+    res["ok_round"] = all(w for w in res["within_noise"] if w is not None)
+    res["ok_fla_pieces"] = all(res["within_noise_fla_pieces"])
+    res["ok"] = res["ok_round"] and res["ok_fla_pieces"]
     return res
 
 
@@ -259,18 +288,25 @@ def run(args) -> dict:
     fla_rep = lambda: [core_fla(x, cu, cu_cpu, repeat=True, backend=be)]  # noqa: E731
     round_none = lambda: [core_round(x, cu, cu_cpu, C, backend=be)[0]]  # noqa: E731
     round_req = lambda: list(core_round(x, cu, cu_cpu, C, seq, chk, backend=be))  # noqa: E731
+    pieces_none = lambda: [core_round_fla_pieces(x, cu, cu_cpu, C, backend=be)[0]]  # noqa: E731
+    pieces_req = lambda: list(core_round_fla_pieces(x, cu, cu_cpu, C, seq, chk, backend=be))  # noqa: E731
     variants = {
         "fla": fwd_bwd(x, fla_gva, [do]),
         "fla_rep": fwd_bwd(x, fla_rep, [do]),
         "round": fwd_bwd(x, round_none, [do]),
         "round_states": fwd_bwd(x, round_req, [do, dB]) if seq else None,
+        "round_fla_pieces": fwd_bwd(x, pieces_none, [do]),
+        "round_fla_pieces_states": fwd_bwd(x, pieces_req, [do, dB]) if seq else None,
         "rounds": fwd_bwd(xp, rounds_out, [do_P]),
         "fla_fwd": fwd_only(fla_gva),
         "round_fwd": fwd_only(round_none),
         "round_states_fwd": fwd_only(round_req) if seq else None,
+        "round_fla_pieces_fwd": fwd_only(pieces_none),
+        "round_fla_pieces_states_fwd": fwd_only(pieces_req) if seq else None,
     }
     if not seq:  # no fork on these paths: nothing to emit, the state variants are the plain round
-        variants["round_states"], variants["round_states_fwd"] = variants["round"], variants["round_fwd"]
+        for base in ("round", "round_fla_pieces"):
+            variants[f"{base}_states"], variants[f"{base}_states_fwd"] = variants[base], variants[f"{base}_fwd"]
     fla_backward = fla_backward_refusal(variants["fla"])
     if fla_backward is not None:  # time what runs: fla's forward, every round variant
         print(f"fla's backward is unavailable here, timing forwards against it only: {fla_backward}")
@@ -309,6 +345,11 @@ def run(args) -> dict:
            "round_over_fla_rep": ratio("round", "fla_rep"),
            "round_fwd_over_fla_fwd": ratio("round_fwd", "fla_fwd"),
            "round_states_fwd_over_fla_fwd": ratio("round_states_fwd", "fla_fwd"),
+           "round_fla_pieces_over_fla": ratio("round_fla_pieces", "fla"),
+           "round_fla_pieces_states_over_fla": ratio("round_fla_pieces_states", "fla"),
+           "round_fla_pieces_fwd_over_fla_fwd": ratio("round_fla_pieces_fwd", "fla_fwd"),
+           "round_fla_pieces_states_fwd_over_fla_fwd": ratio("round_fla_pieces_states_fwd", "fla_fwd"),
+           "round_fla_pieces_over_round": ratio("round_fla_pieces", "round"),
            # the model's trajectory-wise GDN path is the round kernel without states (harts.ops.gdn)
            "rounds_speedup_over_trajectory_wise": ratio("round", "rounds"),
            "rounds_speedup_over_fla": ratio("fla", "rounds"),
@@ -357,6 +398,8 @@ def _print(res: dict) -> None:
             ("fla_rep", "fla, q/k repeated to value heads", n, "fla", None),
             ("round", "chunk_kda_round, broadcast decay, no states", n, "fla", "fla_fwd"),
             ("round_states", f"the same + {m} fork states", n, "fla", "fla_fwd"),
+            ("round_fla_pieces", "chunk_gdn_round, fla's GDN pieces, no states", n, "fla", "fla_fwd"),
+            ("round_fla_pieces_states", f"the same + {m} fork states", n, "fla", "fla_fwd"),
             ("rounds", "kda_rounds over the HARTS plan", p["round_positions"], "round", None))
     print("\n| variant | what | rows | fwd+bwd ms | ratio | fwd ms | fwd ratio |\n|---|---|---|---|---|---|---|")
     for name, what, rows_n, over, over_f in rows:
@@ -371,17 +414,23 @@ def _print(res: dict) -> None:
     print(f"\nround / fla {_fmt(res['round_over_fla'])}, round_states / fla {_fmt(res['round_states_over_fla'])} "
           f"(bound 1.05); forward only: {_fmt(res['round_fwd_over_fla_fwd'])}, "
           f"{_fmt(res['round_states_fwd_over_fla_fwd'])}")
+    print(f"round_fla_pieces / fla {_fmt(res['round_fla_pieces_over_fla'])}, round_fla_pieces_states / fla "
+          f"{_fmt(res['round_fla_pieces_states_over_fla'])} (bound 1.05); forward only: "
+          f"{_fmt(res['round_fla_pieces_fwd_over_fla_fwd'])}, {_fmt(res['round_fla_pieces_states_fwd_over_fla_fwd'])}")
     print(f"HARTS rounds vs the trajectory-wise rows: {res['rounds_speedup_over_trajectory_wise']:.2f}x at "
           f"compression {p['compression']:.2f}x ({res['rounds_speedup_over_compression']:.3f} of it)")
     nm = res["numerics"]
     if nm:
         print(f"\nnumerics on {nm['rows']:,} rows ({nm['sequences']} sequences) against float64 on the CPU, "
               f"max |err| / max |truth|:")
-        print(f"{'tensor':>8} {'fla':>10} {'round':>10} {'within':>7}")
+        print(f"{'tensor':>8} {'fla':>10} {'round':>10} {'within':>7} {'fla_pieces':>10} {'within':>7}")
         for i, t in enumerate(nm["tensors"]):
-            print(f"{t:>8} {_fmt(nm['fla'][i], '10.2e'):>10} {nm['round'][i]:10.2e} {str(nm['within_noise'][i]):>7}")
-        print(f"round kernel within {'' if nm['ok'] else 'NOT '}the noise of fla"
+            print(f"{t:>8} {_fmt(nm['fla'][i], '10.2e'):>10} {nm['round'][i]:10.2e} {str(nm['within_noise'][i]):>7} "
+                  f"{nm['round_fla_pieces'][i]:10.2e} {str(nm['within_noise_fla_pieces'][i]):>7}")
+        print(f"round (KDA kernels) within {'' if nm['ok_round'] else 'NOT '}the noise of fla"
               + ("" if nm["fla_grads"] else " (outputs only: fla's backward refused; gradients not judged)"))
+        print(f"round_fla_pieces within {'' if nm['ok_fla_pieces'] else 'NOT '}the noise of "
+              + ("fla" if nm["fla_grads"] else "fla (outputs) and of the KDA-kernel round (gradients)"))
 
 
 def main(argv=None) -> int:

@@ -50,8 +50,13 @@ def check_batch(batch: CompactBatch, cfg) -> None:
 
 
 # ------------------------------------------------------------------------------------------ KDA
-def _round_fn(backend: str, device, dtype):
-    if resolve("kda", backend, device, dtype) == "fast":
+def _round_fn(backend: str, device, dtype, scalar_gate: bool = False):
+    fast = resolve("kda", backend, device, dtype) == "fast"
+    if scalar_gate:
+        from harts.ops import gdn_round
+
+        return gdn_round.chunk_gdn_round if fast else gdn_round.chunk_gdn_round_reference
+    if fast:
         from harts.ops.kda_round import chunk_kda_round
 
         return chunk_kda_round
@@ -62,15 +67,21 @@ def _round_fn(backend: str, device, dtype):
 
 def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backend: str = "auto",
                A_log=None, dt_bias=None, lower_bound: float | None = None) -> torch.Tensor:
-    """The gated delta-rule core over the planned rounds: q, k [P, H, K], v [P, H, V], g [P, H, K], beta
-    [P, H] -> o [P, H, V].
+    """The gated delta-rule core over the planned rounds: q, k [P, H, K], v [P, HV, V], g [P, HV, K] or
+    [P, HV], beta [P, HV] -> o [P, HV, V] (HV a multiple of H: grouped value heads).
 
-    Two gate forms share the rounds: with ``A_log``/``dt_bias`` (KDA), ``g`` is the raw gate input and the
-    kernel applies KDA's safe gate; without them, ``g`` is the per-channel log decay itself (e.g. Gated
-    DeltaNet's per-head scalar decay broadcast over K), applied as given."""
-    run_round = _round_fn(backend, q.device, q.dtype)
+    Three gate forms share the rounds: with ``A_log``/``dt_bias`` (KDA), ``g`` [P, HV, K] is the raw gate
+    input and the kernel applies KDA's safe gate; without them, a [P, HV, K] ``g`` is the per-channel log
+    decay itself, applied as given (``harts.ops.kda_round``), and a [P, HV] ``g`` is Gated DeltaNet's per-head
+    scalar log decay with q, k at the key heads (``harts.ops.gdn_round``)."""
+    scalar_gate = g.dim() == 2
+    if scalar_gate and A_log is not None:
+        raise TypeError("kda_rounds: a per-head scalar decay g [P, HV] takes no A_log/dt_bias (KDA's in-kernel gate "
+                        "needs g [P, HV, K])")
+    run_round = _round_fn(backend, q.device, q.dtype, scalar_gate)
     P, H, Kh = q.shape
-    states = []  # emitted boundary states, round by round, each [E_r, H, K, V] fp32+
+    HV = v.shape[1]
+    states = []  # emitted boundary states, round by round, each [E_r, HV, K, V] fp32+
     outs = []
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     in_kernel = A_log is not None
@@ -87,7 +98,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
             qr, kr, vr, gr, br = (t.index_select(0, r.gather) for t in (q, k, v, g, beta))
         init = None
         if r.has_init:
-            zero = q.new_zeros((1, H, Kh, v.shape[-1]), dtype=state_dtype)
+            zero = q.new_zeros((1, HV, Kh, v.shape[-1]), dtype=state_dtype)
             bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
             init = bank.index_select(0, r.init_source + 1)
         # Same dtype conventions as the trajectory-wise fast path (harts.ops.kda.fast): gate input and
@@ -103,7 +114,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
         o = o.squeeze(0)
         outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
-        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, H, v.shape[-1])))
+        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, HV, v.shape[-1])))
     o_PHV = torch.cat(outs, dim=0)
     if batch.kda_output_perm is not None:  # no-replay ablation: segments ran in their own order
         o_PHV = o_PHV.index_select(0, batch.kda_output_perm)

@@ -12,8 +12,10 @@ onto the HF layout unchanged (routed experts are stacked in both).
 As in harts.models.ling.blocks, a sequence mixer has one ``forward(x, batch)``: ``batch`` is ``Packed``
 trajectories or a ``harts.CompactBatch``. The GDN mixer runs its short convolution and core through
 ``harts.ops`` (packed) or over the rows' true ancestors and the planned rounds (compact:
-``tree_short_conv`` and ``harts.runtime.compact.kda_rounds`` with the precomputed per-head log decay
-broadcast over K, the same round kernels as KDA); the attention mixer runs varlen attention (packed) or
+``tree_short_conv`` and ``harts.runtime.compact.kda_rounds``; with ``gdn_round_impl="kda_kernels"`` the
+precomputed per-head log decay is broadcast over K and q, k repeated to the value heads (KDA's round kernels),
+with ``"fla_pieces"`` the scalar decay [T, HV] and key-head q, k go to fla's GDN pieces with our boundary-state
+scans; the trajectory-wise core makes the same choice); the attention mixer runs varlen attention (packed) or
 ``harts.runtime.compact.mla_tree_attention`` (each branch over its ancestors + own rows). Row-wise parts
 never look at the layout.
 """
@@ -182,17 +184,20 @@ class GatedDeltaNet(nn.Module):
                                      context=batch.conv_context, num_rows=batch.num_rows,
                                      backend=c.op_backend("conv"))
             q, k, v = self.split(qkv_TC)
-            rep = self.HV // self.Hk
-            # One round-kernel family for KDA and GDN: q, k repeated to the value heads and the scalar
-            # decay broadcast over K is the per-channel gate form with equal channels.
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-            g_THK = g_TH[..., None].expand(*g_TH.shape, self.Dk)
-            o = kda_rounds(q, k, v, g_THK, beta_TH, batch, chunk_size=c.gdn_chunk_size, backend=c.op_backend("gdn"))
+            if c.gdn_round_impl == "fla_pieces":  # the scalar gate [T, HV], q and k at the key heads
+                g = g_TH
+            else:
+                # KDA's round kernels: q, k repeated to the value heads and the scalar decay broadcast over K
+                # is the per-channel gate form with equal channels.
+                rep = self.HV // self.Hk
+                q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+                g = g_TH[..., None].expand(*g_TH.shape, self.Dk)
+            o = kda_rounds(q, k, v, g, beta_TH, batch, chunk_size=c.gdn_chunk_size, backend=c.op_backend("gdn"))
         else:
             qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"))
             q, k, v = self.split(qkv_TC)
             o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"),
-                                    chunk_size=c.gdn_chunk_size)
+                                    chunk_size=c.gdn_chunk_size, round_impl=c.gdn_round_impl)
         z = self.in_proj_z(x_TD).view(o.shape)
         return self.out_proj(self.norm(o, z).flatten(1))
 

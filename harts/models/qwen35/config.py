@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["Qwen35Config"]
 
 _BACKEND_OPS = ("attention", "gdn", "conv", "moe", "logprobs", "norm")
+GDN_ROUND_IMPLS = ("kda_kernels", "fla_pieces")
 
 
 @dataclass
@@ -59,6 +60,11 @@ class Qwen35Config:
     eos_token_id: int | None = None
     # HARTS-only knobs (written under "harts" in config.json)
     gdn_chunk_size: int = 64  # chunk grid of the GDN rounds (harts.pack plans with it)
+    # The fast GDN core, trajectory-wise and HARTS rounds alike: "kda_kernels" runs KDA's round kernels with
+    # the decay broadcast over K and q/k repeated to the value heads; "fla_pieces" runs fla's Gated DeltaNet
+    # pieces with our boundary-state scans (harts.ops.gdn_round: scalar gate, q/k at the key heads). Opt-in
+    # until its speed and its correctness on the target GPU stack are measured (python -m harts.bench.gdn_round).
+    gdn_round_impl: Literal["kda_kernels", "fla_pieces"] = "kda_kernels"
     recompute: bool = False  # full activation recomputation per block
     backend: str = "auto"  # "auto" | "reference" | "fast"; see harts.ops.backend
     attention_backend: str | None = None
@@ -119,6 +125,8 @@ class Qwen35Config:
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in [1, num_experts="
                              f"{self.num_experts}]")
+        if self.gdn_round_impl not in GDN_ROUND_IMPLS:
+            raise ValueError(f"gdn_round_impl={self.gdn_round_impl!r}: expected one of {GDN_ROUND_IMPLS}")
         for name in ("gdn_chunk_size", "linear_conv_kernel_dim", "logprobs_chunk_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -155,8 +163,8 @@ class Qwen35Config:
         return cfg.validate()
 
     # ---------------------------------------------------------------- HF config.json
-    _HARTS_ONLY = ("gdn_chunk_size", "recompute", "backend", "attention_backend", "gdn_backend", "conv_backend",
-                   "moe_backend", "logprobs_backend", "norm_backend", "logprobs_chunk_size")
+    _HARTS_ONLY = ("gdn_chunk_size", "gdn_round_impl", "recompute", "backend", "attention_backend", "gdn_backend",
+                   "conv_backend", "moe_backend", "logprobs_backend", "norm_backend", "logprobs_chunk_size")
     _NOT_HF = _HARTS_ONLY + ("full_attention_interval", "partial_rotary_factor", "rope_theta", "norm_topk_prob")
 
     def to_hf_dict(self, torch_dtype: Any = None) -> dict[str, Any]:

@@ -13,10 +13,10 @@ g [T, HV] (e.g. -exp(A_log) * softplus(a + dt_bias), a scalar per head and token
 Each sequence may start from ``initial_state[n]`` [HV, K, V] and can return its final state.
 
 Backends (``harts.ops.backend.resolve``, under the ``"kda"`` op name: both cores need the same Triton kernels
-and dtypes): ``fast`` runs the KDA round kernels with the decay broadcast over K (``gated_delta_rule_rounds``,
-harts.ops.gdn.fast says why not fla's ``chunk_gated_delta_rule``, which stays available as
-``gated_delta_rule_fla``); ``reference`` is the per-token recurrence in float32+ (exact in float64), the CPU
-path.
+and dtypes): ``fast`` runs the round kernels HARTS uses (``gated_delta_rule_rounds``; ``round_impl`` picks the
+KDA round kernels with the decay broadcast over K, or fla's GDN pieces with our boundary-state scans, see
+harts.ops.gdn.fast; fla's own ``chunk_gated_delta_rule`` stays available as ``gated_delta_rule_fla``);
+``reference`` is the per-token recurrence in float32+ (exact in float64), the CPU path.
 """
 from __future__ import annotations
 
@@ -31,14 +31,15 @@ __all__ = ["gated_delta_rule", "gated_delta_rule_reference"]
 def gated_delta_rule(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
                      beta_TH: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float | None = None,
                      initial_state_NHKV: torch.Tensor | None = None, output_final_state: bool = False,
-                     backend: str = "auto", chunk_size: int = 64):
-    """Returns (o [T, HV, V] in q's dtype, final_state [N, HV, K, V] or None). ``chunk_size``: the fast
-    path's chunk (the model's, so that trajectory-wise and HARTS runs chunk alike)."""
+                     backend: str = "auto", chunk_size: int = 64, round_impl: str = "kda_kernels"):
+    """Returns (o [T, HV, V] in q's dtype, final_state [N, HV, K, V] or None). ``chunk_size`` and
+    ``round_impl`` (``"kda_kernels"`` or ``"fla_pieces"``): the fast path's chunk and round implementation
+    (the model's, so that trajectory-wise and HARTS runs chunk and round alike)."""
     if resolve("kda", backend, q_THK.device, q_THK.dtype) == "fast":
         from harts.ops.gdn.fast import gated_delta_rule_rounds
 
         return gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale=scale,
                                        initial_state_NHKV=initial_state_NHKV, output_final_state=output_final_state,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, round_impl=round_impl)
     return gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale=scale,
                                       initial_state_NHKV=initial_state_NHKV, output_final_state=output_final_state)
