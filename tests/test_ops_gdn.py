@@ -110,11 +110,12 @@ def test_rounds_equal_packed_core_per_trajectory(B):
     assert batch.stats["replay_tokens"] > 0 and batch.stats["boundary_states"] > 0
 
 
-@pytest.mark.parametrize("impl", ["rounds", "fla"])
+@pytest.mark.parametrize("impl", ["rounds", "fla_pieces", "fla"])
 def test_fast_path_matches_reference_under_triton_interpreter(impl):
-    """The CUDA paths (here the Triton interpreter, float32) against the reference: the model's fast path
-    (``rounds``: the KDA round kernels with the broadcast decay, chunk 32) and fla's chunk_gated_delta_rule:
-    outputs, final states and input gradients, two sequences with grouped value heads."""
+    """The CUDA paths (here the Triton interpreter, float32) against the reference: the model's fast path in
+    both round implementations (``rounds``: the KDA round kernels with the broadcast decay; ``fla_pieces``:
+    fla's GDN pieces with our scans; chunk 32) and fla's chunk_gated_delta_rule: outputs, final states and
+    input gradients, two sequences with grouped value heads."""
     import os
 
     from harts.ops.gdn.fast import gated_delta_rule_fla
@@ -131,7 +132,7 @@ def test_fast_path_matches_reference_under_triton_interpreter(impl):
             o, fin = gated_delta_rule_fla(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True)
         else:
             o, fin = gated_delta_rule(*x.values(), cu, initial_state_NHKV=h0, output_final_state=True, backend=be,
-                                      chunk_size=32)
+                                      chunk_size=32, round_impl="fla_pieces" if impl == "fla_pieces" else "kda_kernels")
         w = torch.linspace(-1, 1, o.numel(), device=dev).view(o.shape)
         outs[be] = (o, fin, torch.autograd.grad((o * w).sum(), list(x.values())))
     for i, name in enumerate(("o", "final state")):
