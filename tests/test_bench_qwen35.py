@@ -125,7 +125,8 @@ def test_gdn_round_bench_reference_backend(tmp_path):
     r = json.loads((tmp_path / "gdn_round.json").read_text())
     ms = r["ms"]
     assert set(ms) == {"fla", "fla_rep", "round", "round_states", "rounds", "fla_fwd", "round_fwd",
-                       "round_states_fwd"}
+                       "round_states_fwd", "round_fla_pieces", "round_fla_pieces_states", "round_fla_pieces_fwd",
+                       "round_fla_pieces_states_fwd"}
     assert r["round_over_fla"] == ms["round"] / ms["fla"] and r["fla_backward_refused"] is None
     assert r["round_states_over_fla"] == ms["round_states"] / ms["fla"]
     assert r["rounds_speedup_over_trajectory_wise"] == ms["round"] / ms["rounds"]
