@@ -3,7 +3,8 @@ gated shared expert, and the decoder layer, on packed token streams or compact H
 
 Legend: T tokens (packed tokens or this rank's compact rows), D hidden, H attention query heads, G key/value
 heads, Dh attention head dim, R rotary dim, Hk GDN key heads, HV GDN value heads, Dk / Dv GDN head dims,
-C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width.
+C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width,
+N sequences of one decoding step.
 
 Module and parameter names are transformers' ``qwen3_5_moe`` ones (``linear_attn.in_proj_qkv``,
 ``self_attn.q_norm``, ``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate``, ...), so a state dict maps
@@ -15,7 +16,8 @@ trajectories or a ``harts.CompactBatch``. The GDN mixer runs its short convoluti
 ``tree_short_conv`` and ``harts.runtime.compact.kda_rounds`` with the precomputed per-head log decay
 broadcast over K, the same round kernels as KDA); the attention mixer runs varlen attention (packed) or
 ``harts.runtime.compact.mla_tree_attention`` (each branch over its ancestors + own rows). Row-wise parts
-never look at the layout.
+never look at the layout. For incremental decoding (harts.models.ling.generate) each mixer also has
+``empty_cache`` (the state it keeps per sequence) and ``step`` (one token per sequence, plain torch).
 """
 from __future__ import annotations
 
@@ -128,6 +130,32 @@ class GatedAttention(nn.Module):
         gate = torch.sigmoid(gate.to(_compute_dtype(gate.dtype))).to(o.dtype)
         return self.o_proj(o.flatten(1) * gate)
 
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet, kept per
+        key/value head ([t_n, G, Dh]; repeated to the query heads when attended)."""
+        from harts.models.ling.generate import LayerCache
+
+        empty = torch.zeros(0, self.G, self.Dh, dtype=dtype, device=device)
+        return LayerCache(k=[empty] * n, v=[empty] * n)
+
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
+        attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, G, Dh];
+        the new row's key and value are appended by replacing the list entries (a forked cache that shares
+        the old tensors is unaffected)."""
+        q_NHD, k_NHD, v_NHD, gate_NHD = self.project(x_ND, position_ids_N)
+        rep = self.H // self.G
+        k_NGD, v_NGD = k_NHD[:, ::rep], v_NHD[:, ::rep]  # the key/value heads (project repeats them)
+        cache.k = [torch.cat((kc, k_NGD[n:n + 1])) for n, kc in enumerate(cache.k)]
+        cache.v = [torch.cat((vc, v_NGD[n:n + 1])) for n, vc in enumerate(cache.v)]
+        lens = torch.tensor([0] + [kc.shape[0] for kc in cache.k], device=x_ND.device).cumsum(0)
+        cu_q = torch.arange(len(cache.k) + 1, device=x_ND.device)
+        o = varlen_attention(q_NHD, torch.cat(cache.k).repeat_interleave(rep, dim=1),
+                             torch.cat(cache.v).repeat_interleave(rep, dim=1), cu_q, lens, self.scale,
+                             backend=self.cfg.op_backend("attention"))
+        gate_NHD = torch.sigmoid(gate_NHD.to(_compute_dtype(gate_NHD.dtype))).to(o.dtype)
+        return self.o_proj(o.flatten(1) * gate_NHD)
+
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: q|k|v from one projection, a width-W causal depthwise convolution with SiLU over the
@@ -195,6 +223,42 @@ class GatedDeltaNet(nn.Module):
                                     chunk_size=c.gdn_chunk_size)
         z = self.in_proj_z(x_TD).view(o.shape)
         return self.out_proj(self.norm(o, z).flatten(1))
+
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): a zero window of W-1
+        pre-convolution q|k|v rows [n, W-1, C] (the packed convolution's zero padding) and a zero delta-rule
+        state [n, HV, Dk, Dv] in float32+."""
+        from harts.models.ling.generate import LayerCache
+
+        W, C = self.cfg.linear_conv_kernel_dim, self.in_proj_qkv.out_features
+        return LayerCache(conv=(torch.zeros(n, W - 1, C, dtype=dtype, device=device),),
+                          state=torch.zeros(n, self.HV, self.Dk, self.Dv, dtype=_compute_dtype(dtype), device=device))
+
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward`` in
+        float32+ torch ops (positions are not read: the recurrence carries them). ``cache.conv``: the last W-1
+        pre-convolution q|k|v rows of each sequence (one [N, W-1, C] tensor); ``cache.state``: [N, HV, Dk, Dv].
+        Both are replaced, never written in place, so a forked cache that shares them is unaffected. Per value
+        head (harts.ops.gdn, q and k of its key head, L2-normed, q scaled by Dk^-0.5):
+        S <- exp(g) S;  S <- S + beta k (v - k^T S)^T;  o = q^T S."""
+        from harts.ops.gdn.reference import l2norm
+
+        dt = _compute_dtype(x_ND.dtype)
+        win_NWC = torch.cat((cache.conv[0], self.in_proj_qkv(x_ND)[:, None]), 1)
+        conv_CW = self.conv1d.weight.squeeze(1).to(win_NWC.dtype)
+        q, k, v = self.split(F.silu(torch.einsum("nwc,cw->nc", win_NWC, conv_CW)))
+        cache.conv = (win_NWC[:, 1:],)
+        g_NH, beta_NH = self.gates(x_ND)
+        rep = self.HV // self.Hk
+        q_NHK = l2norm(q.to(dt)).repeat_interleave(rep, dim=1) * self.Dk ** -0.5
+        k_NHK = l2norm(k.to(dt)).repeat_interleave(rep, dim=1)
+        S = cache.state.to(dt) * g_NH.to(dt).exp()[..., None, None]
+        u_NHV = beta_NH.to(dt)[..., None] * (v.to(dt) - torch.einsum("nhk,nhkv->nhv", k_NHK, S))
+        S = S + k_NHK[..., None] * u_NHV[:, :, None, :]
+        cache.state = S
+        o_NHV = torch.einsum("nhk,nhkv->nhv", q_NHK, S).to(x_ND.dtype)
+        z_NHV = self.in_proj_z(x_ND).view(o_NHV.shape)
+        return self.out_proj(self.norm(o_NHV, z_NHV).flatten(1))
 
 
 class Router(nn.Module):
@@ -294,6 +358,15 @@ class DecoderLayer(nn.Module):
                 router: tuple | None = None) -> torch.Tensor:
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         return h_TD + self.mlp(self.post_attention_layernorm(h_TD), token_weight_T, router)
+
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
+        return self.attention.empty_cache(n, dtype, device)
+
+    def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
+        h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
+        return h_ND + self.mlp(self.post_attention_layernorm(h_ND))
 
 
 # ------------------------------------------------------------------------------------------ init
