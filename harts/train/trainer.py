@@ -255,8 +255,6 @@ class Trainer:
              "the compiled regions are Ling-3.0's (harts.models.ling.compile)"),
             (cfg.activation_checkpoint.mode == "selective", "activation_checkpoint.mode = 'selective'",
              "its recompute regions are Ling-3.0's; 'full' recomputes Qwen3.5 layers whole"),
-            (cfg.online.enabled, "online.enabled = true",
-             "the rollout sampler decodes incrementally with Ling-3.0's cache (harts.models.ling.generate)"),
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:
