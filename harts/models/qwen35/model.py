@@ -6,7 +6,8 @@ The user surface is LingForCausalLM's: ``forward(input_ids_T, position_ids_T, cu
 ``forward(layout=batch)`` returns the final-normed hidden states, ``logprobs(batch)`` scores a
 ``harts.CompactBatch`` (prefix-shared or trajectory-wise) without an [S, V] tensor, ``router_stats()`` /
 ``moe_counts()`` give the last forward's multiplicity-weighted router statistics, and
-``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint).
+``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint), and
+harts.models.ling.generate decodes it incrementally (each layer's ``empty_cache`` and ``step``).
 Construct on ``torch.device("meta")`` for deferred init, then ``to_empty`` + ``init_weights``.
 """
 from __future__ import annotations
