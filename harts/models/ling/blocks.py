@@ -450,6 +450,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
+    @property
+    def region_kind(self) -> tuple[str, str]:
+        """The (pre, post) region families that run this layer compiled or under selective checkpointing
+        (harts.models.ling.compile): ``pre_mla`` / ``pre_kda``, ``post_moe`` / ``post_dense``."""
+        return self.kind, ("moe" if isinstance(self.mlp, MoE) else "dense")
+
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
         """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE."""

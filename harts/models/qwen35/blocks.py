@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.models.ling import blocks as ling_blocks
-from harts.models.ling.blocks import MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, router_term
+from harts.models.ling.blocks import MLP, MoE, Packed, ShortConvWeight
 from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
@@ -116,9 +116,9 @@ class GatedAttention(nn.Module):
         rep = self.H // self.G
         return q_THD, k_TGD.repeat_interleave(rep, dim=1), v_TGD.repeat_interleave(rep, dim=1), gate_THD.flatten(1)
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
-        q, k, v, gate = self.project(x_TD, batch.local_rows(batch.position_ids))
+    def core(self, q, k, v, gate, batch):
+        """Attention over the layout (the only part that reads ``batch``): (o [T, H, Dh], the gate passed
+        through untouched for ``output``)."""
         be = self.cfg.op_backend("attention")
         if batch.prefix_sharing:
             from harts.runtime.compact import mla_tree_attention
@@ -127,8 +127,17 @@ class GatedAttention(nn.Module):
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+        return o, gate
+
+    def output(self, o_gate: tuple, x_TD: torch.Tensor) -> torch.Tensor:
+        """o * sigmoid(gate) (``core``'s pair), then ``o_proj``."""
+        o, gate = o_gate
         gate = torch.sigmoid(gate.to(_compute_dtype(gate.dtype))).to(o.dtype)
         return self.o_proj(o.flatten(1) * gate)
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        return self.output(self.core(*self.project(x_TD, batch.local_rows(batch.position_ids)), batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
         """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet, kept per
@@ -193,11 +202,16 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return q.view(T, self.Hk, self.Dk), k.view(T, self.Hk, self.Dk), v.view(T, self.HV, self.Dv)
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch``."""
-        c = self.cfg
+    def project(self, x_TD: torch.Tensor):
+        """Per-row q|k|v before the short convolution [T, C], log decay g [T, HV] and beta [T, HV] (``gates``)."""
         qkv_TC = self.in_proj_qkv(x_TD)
         g_TH, beta_TH = self.gates(x_TD)
+        return qkv_TC, g_TH, beta_TH
+
+    def core(self, qkv_TC: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor, batch) -> torch.Tensor:
+        """The short convolution and the delta rule over the layout (the only part that reads ``batch``):
+        o [T, HV, Dv]."""
+        c = self.cfg
         conv_CW = self.conv1d.weight.squeeze(1)
         if batch.prefix_sharing:
             from harts.ops.tree_conv import tree_short_conv
@@ -221,8 +235,16 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self.split(qkv_TC)
             o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"),
                                     chunk_size=c.gdn_chunk_size)
+        return o
+
+    def output(self, o: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The SiLU-gated norm per value head (gate ``in_proj_z``), then ``out_proj``."""
         z = self.in_proj_z(x_TD).view(o.shape)
         return self.out_proj(self.norm(o, z).flatten(1))
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch``."""
+        return self.output(self.core(*self.project(x_TD), batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
         """Decoding state of n empty sequences (harts.models.ling.generate): a zero window of W-1
@@ -316,11 +338,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
+        y, stats = self.compute(x_TD, token_weight_T)
+        return self.finish(y, stats, router)
+
+    # keep the statistics (outside backward) and join the router term to the output's backward, as Ling's MoE
+    finish = MoE.finish
+
+    def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        """Routing, routed experts and the gated shared expert: (y_TD, router statistics); no module state is
+        written (the part a compiled region runs; ``finish`` does the rest eagerly)."""
         c = self.cfg
         logits, probs, idx_TK, w_TK = softmax_route(x_TD, self.gate.weight, c.num_experts_per_tok, c.norm_topk_prob)
         stats = router_stats(logits, probs, idx_TK, token_weight_T)
-        if not _in_backward():
-            self.last_stats = stats
         ex, Fw = self.experts, c.moe_intermediate_size
         if self.expert_parallel is not None:
             y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
@@ -328,10 +357,7 @@ class SparseMoE(nn.Module):
             y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_up_proj[:, :Fw], ex.gate_up_proj[:, Fw:], ex.down_proj,
                             backend=c.op_backend("moe"))
         gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TD).to(_compute_dtype(x_TD.dtype))).to(x_TD.dtype)
-        y = y + gate_T1 * self.shared_expert(x_TD)
-        if router is not None:
-            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
-        return y
+        return y + gate_T1 * self.shared_expert(x_TD), stats
 
 
 class DecoderLayer(nn.Module):
@@ -353,6 +379,13 @@ class DecoderLayer(nn.Module):
     @property
     def attention(self) -> nn.Module:
         return self.linear_attn if self.kind == "gdn" else self.self_attn
+
+    @property
+    def region_kind(self) -> tuple[str, str]:
+        """The (pre, post) region families that run this layer compiled or under selective checkpointing
+        (harts.models.ling.compile): ``pre_gdn`` / ``pre_gated_attention`` (norm + the mixer's ``project``),
+        ``post_sparse_moe`` (the mixer's ``output`` + residual + norm + ``SparseMoE.compute`` + residual)."""
+        return ("gdn" if self.kind == "gdn" else "gated_attention"), "sparse_moe"
 
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
