@@ -359,8 +359,8 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
 # ------------------------------------------------------------------------------------------ AC / compile
 def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
     """Activation checkpointing policy of the decoder layers (``LingModel.checkpoint_policy``; Qwen3.5's is the
-    same): "none", "selective" (keep the mixer cores' and matrix products' outputs, recompute norms, gates, RoPE, SwiGLU,
-    routing; ``harts.models.ling.compile``) or "full" (torchtitan's 'full': recompute every layer whole).
+    same): "none", "selective" (keep the mixer cores' and matrix products' outputs, recompute norms, gates,
+    RoPE, SwiGLU, routing; ``harts.models.ling.compile``) or "full" (torchtitan's 'full': recompute every layer whole).
     Layers with collectives (TP all-reduces, EP all-to-alls, CP exchanges) recompute without early stop, or
     ranks can stop at different collectives (observed: wrong gradients with TP x PP). "selective" runs a
     layer as regions that call its submodules directly, so TP hooks and expert parallelism are refused

@@ -1,24 +1,36 @@
-"""torch.compile as the execution engine of a Ling model, applied from outside the model.
+"""torch.compile as the execution engine of a Ling-3.0 or Qwen3.5-MoE model, applied from outside the model.
 
 Legend: T rows (packed tokens or compact rows), D hidden.
 
 ``compile_model(model)`` compiles each decoder layer as two regions around its sequence mixer's core:
 
 - ``pre``:  input_layernorm + the mixer's per-row projections (``MLA.project``: low-rank q / kv, their
-  norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta).
+  norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta; Qwen3.5's ``GatedAttention.project``: q / gate /
+  k / v, q / k norms, partial RoPE; ``GatedDeltaNet.project``: q|k|v, beta, the log decay).
 - ``post``: the mixer's output (``output``: gate, gated norm, output projection) + residual +
-  post_attention_layernorm + the MLP or MoE (``MoE.compute``: routing, routed experts, shared expert,
-  combine) + residual.
+  post_attention_layernorm + the MLP or MoE (``MoE.compute`` / ``SparseMoE.compute``: routing, routed
+  experts, shared expert, combine) + residual.
+
+A layer declares its region families (``DecoderLayer.region_kind``, a (pre, post) pair of names: Ling's
+``("mla" | "kda", "moe" | "dense")``, Qwen3.5's ``("gated_attention" | "gdn", "sparse_moe")``); the regions
+are the functions ``_pre_<pre>`` / ``_post_<post>`` below, so nothing here dispatches on module types. A
+mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)``; whatever ``core`` returns reaches
+``output`` inside ``post`` (gated attention's core passes its gate on with its output).
+
+This module stays in harts.models.ling because it grew from Ling's layers and its users import it from here
+(the trainer, ``LingModel``); Qwen3.5's model already builds on harts.models.ling (blocks, generate), and a
+move would only add an import indirection.
 
 Between them the mixer's ``core`` runs eagerly on the batch description: the layout-specific parts
-(``harts.runtime.compact.kda_tree`` / ``mla_tree_attention`` on a CompactBatch, varlen attention and
-the chunked KDA on packed trajectories) read host structures (planned rounds, cu_seqlens lists,
-data-dependent gathers), so tracing through them would specialise on each microbatch's plan and
-recompile every step. Why not the whole core as one opaque custom op so that a layer is one graph: the
-core's backward is the autograd of those loops (boundary states flowing between rounds), which an op
-would have to recompute inside its own backward, and the batch description is not a tensor. The split
-runs the same modules' code in the same order, so it is exact; it leaves the layout code untouched, and
-a core can be replaced (e.g. by another attention implementation) without touching the regions.
+(``harts.runtime.compact.kda_tree`` / ``kda_rounds`` / ``mla_tree_attention`` and the tree convolution on a
+CompactBatch, varlen attention, the short convolution and the chunked KDA / GDN on packed trajectories) read
+host structures (planned rounds, cu_seqlens lists, data-dependent gathers), so tracing through them would
+specialise on each microbatch's plan and recompile every step. Why not the whole core as one opaque custom
+op so that a layer is one graph: the core's backward is the autograd of those loops (boundary states flowing
+between rounds), which an op would have to recompute inside its own backward, and the batch description is
+not a tensor. The split runs the same modules' code in the same order, so it is exact; it leaves the layout
+code untouched, and a core can be replaced (e.g. by another attention implementation) without touching the
+regions.
 
 Inside the regions everything is traceable: the norms take their torch form under tracing (Inductor
 generates the fused kernel, ``harts.ops.norm``), the grouped-GEMM MoE path is plain torch, and the MoE
@@ -32,9 +44,11 @@ row count. Layers share a region's code and enter its graphs with their paramete
 graphs are per layer *signature* (mixer kind, MLP kind, dtype, grad mode, with or without row
 multiplicities), not per layer: a Ling model with dense and MoE layers of both mixer kinds compiles at
 most 2 (pre) + 4 (post) graphs per (dtype, grad mode, multiplicities) whatever the number of layers and
-steps. Each region has its own code object per signature family, so torch's per-code recompile limit
-(8) is never reached. ``CompileReport`` counts every graph handed to the backend (``compilations``,
-per region in ``by_region``) and the seconds spent in the backend.
+steps; a Qwen3.5 model (GDN and gated attention, every layer MoE) at most 2 + 2. Each region has its own
+code object per signature family (Qwen3.5's families too, though their code is Ling's), so torch's
+per-code recompile limit (8) is never reached, even when one process compiles both families.
+``CompileReport`` counts every graph handed to the backend (``compilations``, per region in ``by_region``)
+and the seconds spent in the backend.
 
 Order with the other parallelisms (torchtitan's): TP -> activation checkpointing -> compile -> FSDP2.
 Not supported (refused with ``ValueError``): module hooks on a layer's submodules (the hand-built TP
@@ -293,8 +307,8 @@ def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
 
 def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = True,
                   fullgraph: bool = True) -> CompileReport:
-    """Compile every decoder layer of ``model`` (a ``LingForCausalLM``, whole or a pipeline stage) in
-    place, as ``pre`` / eager core / ``post`` regions (module docstring), and return the report (also
+    """Compile every decoder layer of ``model`` (a ``LingForCausalLM`` or ``Qwen35ForCausalLM``, whole or a pipeline
+    stage) in place, as ``pre`` / eager core / ``post`` regions (module docstring), and return the report (also
     kept as ``model.compile_report``). ``backend``: a torch.compile backend name ("inductor", "eager",
     "aot_eager", ...); ``dynamic``: as torch.compile's (True: row counts symbolic from the first call);
     ``fullgraph``: refuse graph breaks inside a region. Compiling twice raises."""
