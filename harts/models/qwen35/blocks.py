@@ -10,6 +10,11 @@ Module and parameter names are transformers' ``qwen3_5_moe`` ones (``linear_attn
 ``self_attn.q_norm``, ``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate``, ...), so a state dict maps
 onto the HF layout unchanged (routed experts are stacked in both).
 
+Each mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)`` and the MoE's
+``finish(*compute(x), router)``, as Ling's: ``project`` / ``output`` / ``compute`` are row-wise (the compiled
+and selectively checkpointed regions of harts.models.ling.compile, named by ``DecoderLayer.region_kind``),
+``core`` is the part that reads the layout, ``finish`` the part that writes module state.
+
 As in harts.models.ling.blocks, a sequence mixer has one ``forward(x, batch)``: ``batch`` is ``Packed``
 trajectories or a ``harts.CompactBatch``. The GDN mixer runs its short convolution and core through
 ``harts.ops`` (packed) or over the rows' true ancestors and the planned rounds (compact:
