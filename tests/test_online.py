@@ -1,7 +1,9 @@
 """Online RL end to end: the lookup task's rollout trees, HARTS vs the baseline over online steps, learning.
 
 The rollout tests check the trees against the environment replayed by hand (the task's own rules, step
-by step); the trainer tests run configs/online_cpu.toml in one process, float64, at debug size.
+by step) and the sampler's log-probs against the training forward, for Ling-3.0 and Qwen3.5-MoE; the trainer
+tests run configs/online_cpu.toml in one process, float64, at debug size (with ``ling.preset =
+"qwen3.5-debug"`` for Qwen3.5-MoE).
 """
 import math
 from pathlib import Path
@@ -11,18 +13,26 @@ import pytest
 import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
+from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 from harts.rl.rollout import rollout_trees
 from harts.rl.tasks import Environment, LookupTask, Turn
 from harts.train.config import load_config
 from harts.train.trainer import Trainer
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "online_cpu.toml")
+QWEN35 = {"ling.preset": "qwen3.5-debug", "rl.expert_bias_rate": 0.0}  # softmax routing: no expert bias
 
 
 @pytest.fixture(scope="module")
 def model():
     cfg = LingConfig.preset("ling3-tiny-debug", num_hidden_layers=4, backend="reference")
     return LingForCausalLM(cfg).init_weights(0).cast_(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def qwen35_model():
+    cfg = Qwen35Config.preset("qwen3.5-debug", num_hidden_layers=4, backend="reference")  # 3 GDN + 1 attention
+    return Qwen35ForCausalLM(cfg).init_weights(seed=0).cast_(torch.float64)
 
 
 def test_lookup_task_rules():
@@ -65,8 +75,10 @@ def test_rollout_trees_share_prefixes_and_follow_the_environment(model):
         assert (t.old_logprobs[t.loss_mask == 0] == 0).all() and (t.old_logprobs[t.loss_mask == 1] < 0).all()
 
 
-def test_rollouts_old_logprobs_are_the_policy_logprobs(model):
+@pytest.mark.parametrize("family", ["model", "qwen35_model"])
+def test_rollouts_old_logprobs_are_the_policy_logprobs(request, family):
     """The sampler's recorded log-probs equal the training forward's on the finished trajectories."""
+    model = request.getfixturevalue(family)
     r = rollout_trees(model, LookupTask(), [3, 4], (2, 2), generator=torch.Generator().manual_seed(1))
     for t in r.trajectories:
         ids = torch.as_tensor(t.tokens)
@@ -97,9 +109,11 @@ def test_custom_environment_plugs_in(model):
         assert mask[:2] == [0, 0] and 9 in t.tokens.tolist() and t.reward >= 2
 
 
-def _run(tmp_path: Path, name: str, capture=None, **over):
+def _run(tmp_path: Path, name: str, capture=None, model_type=None, **over):
     over = {"ling.dtype": "float64", "online.plot": False, "job.dump_folder": str(tmp_path / name), **over}
     tr = Trainer(load_config(CONFIG, **over))
+    if model_type is not None:
+        assert isinstance(tr.model, model_type), type(tr.model).__name__
     if capture is not None:
         sample = tr.builder.online
         tr.builder.online = lambda step: capture.append(sample(step)) or capture[-1]
@@ -109,13 +123,10 @@ def _run(tmp_path: Path, name: str, capture=None, **over):
         tr.close()
 
 
-def test_harts_and_baseline_sample_and_train_identically(tmp_path):
-    """Same seed, HARTS on and off: step by step the same rollouts (the sampler is seeded and the models
-    agree to rounding) and the same losses, over steps whose weights each depend on all earlier ones."""
-    steps = 4
+def _assert_same_online_runs(tmp_path, steps, model_type, **over):
     ra, rb = [], []
-    ha = _run(tmp_path, "harts", ra, **{"training.steps": steps, "harts.enabled": True})
-    hb = _run(tmp_path, "base", rb, **{"training.steps": steps, "harts.enabled": False})
+    ha = _run(tmp_path, "harts", ra, model_type, **{"training.steps": steps, "harts.enabled": True, **over})
+    hb = _run(tmp_path, "base", rb, model_type, **{"training.steps": steps, "harts.enabled": False, **over})
     assert len(ha) == len(hb) == steps
     for a, b in zip(ra, rb):
         assert len(a.trajectories) == len(b.trajectories)
@@ -129,6 +140,18 @@ def test_harts_and_baseline_sample_and_train_identically(tmp_path):
             assert abs(x[k] - y[k]) <= 1e-9 * max(abs(x[k]), abs(y[k]), 1e-30), (k, x[k], y[k])
         assert x["compression"] > 2 and y["compression"] == 1
         assert x["entropy"] > 0 and x["decode_tok_s"] > 0
+
+
+def test_harts_and_baseline_sample_and_train_identically(tmp_path):
+    """Same seed, HARTS on and off: step by step the same rollouts (the sampler is seeded and the models
+    agree to rounding) and the same losses, over steps whose weights each depend on all earlier ones."""
+    _assert_same_online_runs(tmp_path, 4, LingForCausalLM)
+
+
+def test_qwen35_harts_and_baseline_sample_and_train_identically(tmp_path):
+    """As above for Qwen3.5-MoE (Gated DeltaNet + gated attention): step 2's rollouts are sampled from the
+    weights step 1 trained, so HARTS and the baseline must agree through sampling, training and sampling."""
+    _assert_same_online_runs(tmp_path, 2, Qwen35ForCausalLM, **QWEN35)
 
 
 @pytest.mark.slow

@@ -50,7 +50,8 @@ class Rollouts:
 
 def rollout_trees(model, env, seeds, branching, *, sampling: Sampling = Sampling(),
                   generator: torch.Generator | None = None, max_turns: int = 16, group_offset: int = 0) -> Rollouts:
-    """One rollout tree per episode seed (module docstring). ``branching``: branches per turn, e.g. (4, 2).
+    """One rollout tree per episode seed (module docstring). ``model``: a whole causal LM (Ling-3.0 or
+    Qwen3.5-MoE; harts.models.ling.generate decodes either). ``branching``: branches per turn, e.g. (4, 2).
     Stats: mean reward, mean entropy of the policy at the sampled tokens, generated and fed tokens,
     seconds."""
     seeds = [int(s) for s in seeds]

@@ -358,9 +358,9 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
 
 # ------------------------------------------------------------------------------------------ AC / compile
 def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
-    """Activation checkpointing policy of the decoder layers (``LingModel.checkpoint_policy``): "none",
-    "selective" (keep the mixer cores' and matrix products' outputs, recompute norms, gates, RoPE, SwiGLU,
-    routing; ``harts.models.ling.compile``) or "full" (torchtitan's 'full': recompute every layer whole).
+    """Activation checkpointing policy of the decoder layers (``LingModel.checkpoint_policy``; Qwen3.5's is the
+    same): "none", "selective" (keep the mixer cores' and matrix products' outputs, recompute norms, gates,
+    RoPE, SwiGLU, routing; ``harts.models.ling.compile``) or "full" (torchtitan's 'full': recompute every layer whole).
     Layers with collectives (TP all-reduces, EP all-to-alls, CP exchanges) recompute without early stop, or
     ranks can stop at different collectives (observed: wrong gradients with TP x PP). "selective" runs a
     layer as regions that call its submodules directly, so TP hooks and expert parallelism are refused
@@ -369,20 +369,12 @@ def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
 
     if mode not in AC_POLICIES:
         raise ValueError(f"activation checkpointing: checkpoint_policy = {mode!r}; expected one of {AC_POLICIES}")
-    from harts.models.ling.model import LingModel
-
-    if not isinstance(model.model, LingModel):  # Qwen3.5-MoE: whole-layer recompute or none
-        if mode == "selective":
-            raise ValueError(f"activation checkpointing: 'selective' runs Ling-3.0's layer regions; "
-                             f"{type(model.model).__name__} supports 'none' or 'full'")
-        model.model.checkpoint_layers = mode == "full"
-    elif mode == "selective":
+    if mode == "selective":
         from harts.models.ling.compile import check_region_split
 
         for layer in model.decoder_layers():
             check_region_split(layer, "selective activation checkpointing")
-    if isinstance(model.model, LingModel):
-        model.model.checkpoint_policy = mode
+    model.model.checkpoint_policy = mode
     model.model.checkpoint_early_stop = not collectives_in_layers
 
 

@@ -240,8 +240,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_qwen35(self):
-        """Qwen3.5-MoE runs under FSDP2, expert and pipeline parallelism; the settings it has no implementation for are
-        refused here, before any mesh or weight is built, rather than failing (or doing nothing) later."""
+        """Qwen3.5-MoE runs under FSDP2, expert and pipeline parallelism, compiled and with any activation
+        checkpointing policy; the settings it has no implementation for are refused here, before any mesh or
+        weight is built, rather than failing (or doing nothing) later."""
         cfg, pc = self.cfg, self.cfg.parallelism
         unsupported = [
             (cfg.rl.expert_bias_rate != 0, f"rl.expert_bias_rate = {cfg.rl.expert_bias_rate!r}",
@@ -251,12 +252,6 @@ class Trainer:
              "tensor parallelism has a plan for Ling-3.0 layers only; shard with FSDP2 and expert parallelism"),
             (pc.context_parallel_degree > 1, f"parallelism.context_parallel_degree = {pc.context_parallel_degree}",
              "its GDN layers do not run context-parallel batches"),
-            (cfg.compile.enable, "compile.enable = true",
-             "the compiled regions are Ling-3.0's (harts.models.ling.compile)"),
-            (cfg.activation_checkpoint.mode == "selective", "activation_checkpoint.mode = 'selective'",
-             "its recompute regions are Ling-3.0's; 'full' recomputes Qwen3.5 layers whole"),
-            (cfg.online.enabled, "online.enabled = true",
-             "the rollout sampler decodes incrementally with Ling-3.0's cache (harts.models.ling.generate)"),
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:

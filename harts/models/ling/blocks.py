@@ -187,6 +187,13 @@ class MLA(nn.Module):
         proj = self.project(x_TD, batch.local_rows(batch.position_ids))
         return self.output(self.core(*proj, batch), x_TD)
 
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet."""
+        from harts.models.ling.generate import LayerCache
+
+        return LayerCache(k=[torch.zeros(0, self.H, self.Dqk, dtype=dtype, device=device)] * n,
+                          v=[torch.zeros(0, self.H, self.Dv, dtype=dtype, device=device)] * n)
+
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
         """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
         attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, H,
@@ -264,10 +271,21 @@ class KDA(nn.Module):
         """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
         return self.output(self.core(*self.project(x_TD), batch), x_TD)
 
-    def step(self, x_ND: torch.Tensor, cache) -> torch.Tensor:
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): zero convolution windows (the
+        packed convolution's zero padding) and a zero delta-rule state in float32+."""
+        from harts.models.ling.generate import LayerCache
+
+        P, W = self.H * self.Kh, self.cfg.short_conv_kernel_size
+        conv = tuple(torch.zeros(n, W - 1, P, dtype=dtype, device=device) for _ in range(3))
+        return LayerCache(conv=conv, state=torch.zeros(n, self.H, self.Kh, self.Kh, dtype=_compute_dtype(dtype),
+                                                       device=device))
+
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
         """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward``
-        in float32+ torch ops. ``cache.conv``: the last W-1 pre-convolution q, k, v rows of each sequence
-        ([N, W-1, P] each; zeros before its first token, as the packed convolution's zero padding);
+        in float32+ torch ops (positions are not read: the recurrence carries them). ``cache.conv``: the last
+        W-1 pre-convolution q, k, v rows of each sequence ([N, W-1, P] each; zeros before its first token, as
+        the packed convolution's zero padding);
         ``cache.state``: the delta-rule state [N, H, K, V]. Both are replaced, never written in place, so
         a forked cache that shares them is unaffected. Per head (harts.ops.kda):
         S <- diag(exp(g)) S;  S <- S + beta k (v - k^T S)^T;  o = q^T S."""
@@ -433,6 +451,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
+    @property
+    def region_kind(self) -> tuple[str, str]:
+        """The (pre, post) region families that run this layer compiled or under selective checkpointing
+        (harts.models.ling.compile): ``pre_mla`` / ``pre_kda``, ``post_moe`` / ``post_dense``."""
+        return self.kind, ("moe" if isinstance(self.mlp, MoE) else "dense")
+
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
         """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE."""
@@ -440,11 +464,13 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h_TD)
         return h_TD + (self.mlp(x, token_weight_T, router) if isinstance(self.mlp, MoE) else self.mlp(x))
 
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
+        return self.attention.empty_cache(n, dtype, device)
+
     def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
         """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
-        x = self.input_layernorm(h_ND)
-        h_ND = h_ND + (self.attention.step(x, cache, position_ids_N) if self.kind == "mla"
-                       else self.attention.step(x, cache))
+        h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
         x = self.post_attention_layernorm(h_ND)
         return h_ND + self.mlp(x)
 

@@ -1,24 +1,36 @@
-"""torch.compile as the execution engine of a Ling model, applied from outside the model.
+"""torch.compile as the execution engine of a Ling-3.0 or Qwen3.5-MoE model, applied from outside the model.
 
 Legend: T rows (packed tokens or compact rows), D hidden.
 
 ``compile_model(model)`` compiles each decoder layer as two regions around its sequence mixer's core:
 
 - ``pre``:  input_layernorm + the mixer's per-row projections (``MLA.project``: low-rank q / kv, their
-  norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta).
+  norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta; Qwen3.5's ``GatedAttention.project``: q / gate /
+  k / v, q / k norms, partial RoPE; ``GatedDeltaNet.project``: q|k|v, beta, the log decay).
 - ``post``: the mixer's output (``output``: gate, gated norm, output projection) + residual +
-  post_attention_layernorm + the MLP or MoE (``MoE.compute``: routing, routed experts, shared expert,
-  combine) + residual.
+  post_attention_layernorm + the MLP or MoE (``MoE.compute`` / ``SparseMoE.compute``: routing, routed
+  experts, shared expert, combine) + residual.
+
+A layer declares its region families (``DecoderLayer.region_kind``, a (pre, post) pair of names: Ling's
+``("mla" | "kda", "moe" | "dense")``, Qwen3.5's ``("gated_attention" | "gdn", "sparse_moe")``); the regions
+are the functions ``_pre_<pre>`` / ``_post_<post>`` below, so nothing here dispatches on module types. A
+mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)``; whatever ``core`` returns reaches
+``output`` inside ``post`` (gated attention's core passes its gate on with its output).
+
+This module stays in harts.models.ling because it grew from Ling's layers and its users import it from here
+(the trainer, ``LingModel``); Qwen3.5's model already builds on harts.models.ling (blocks, generate), and a
+move would only add an import indirection.
 
 Between them the mixer's ``core`` runs eagerly on the batch description: the layout-specific parts
-(``harts.runtime.compact.kda_tree`` / ``mla_tree_attention`` on a CompactBatch, varlen attention and
-the chunked KDA on packed trajectories) read host structures (planned rounds, cu_seqlens lists,
-data-dependent gathers), so tracing through them would specialise on each microbatch's plan and
-recompile every step. Why not the whole core as one opaque custom op so that a layer is one graph: the
-core's backward is the autograd of those loops (boundary states flowing between rounds), which an op
-would have to recompute inside its own backward, and the batch description is not a tensor. The split
-runs the same modules' code in the same order, so it is exact; it leaves the layout code untouched, and
-a core can be replaced (e.g. by another attention implementation) without touching the regions.
+(``harts.runtime.compact.kda_tree`` / ``kda_rounds`` / ``mla_tree_attention`` and the tree convolution on a
+CompactBatch, varlen attention, the short convolution and the chunked KDA / GDN on packed trajectories) read
+host structures (planned rounds, cu_seqlens lists, data-dependent gathers), so tracing through them would
+specialise on each microbatch's plan and recompile every step. Why not the whole core as one opaque custom
+op so that a layer is one graph: the core's backward is the autograd of those loops (boundary states flowing
+between rounds), which an op would have to recompute inside its own backward, and the batch description is
+not a tensor. The split runs the same modules' code in the same order, so it is exact; it leaves the layout
+code untouched, and a core can be replaced (e.g. by another attention implementation) without touching the
+regions.
 
 Inside the regions everything is traceable: the norms take their torch form under tracing (Inductor
 generates the fused kernel, ``harts.ops.norm``), the grouped-GEMM MoE path is plain torch, and the MoE
@@ -32,9 +44,11 @@ row count. Layers share a region's code and enter its graphs with their paramete
 graphs are per layer *signature* (mixer kind, MLP kind, dtype, grad mode, with or without row
 multiplicities), not per layer: a Ling model with dense and MoE layers of both mixer kinds compiles at
 most 2 (pre) + 4 (post) graphs per (dtype, grad mode, multiplicities) whatever the number of layers and
-steps. Each region has its own code object per signature family, so torch's per-code recompile limit
-(8) is never reached. ``CompileReport`` counts every graph handed to the backend (``compilations``,
-per region in ``by_region``) and the seconds spent in the backend.
+steps; a Qwen3.5 model (GDN and gated attention, every layer MoE) at most 2 + 2. Each region has its own
+code object per signature family (Qwen3.5's families too, though their code is Ling's), so torch's
+per-code recompile limit (8) is never reached, even when one process compiles both families.
+``CompileReport`` counts every graph handed to the backend (``compilations``, per region in ``by_region``)
+and the seconds spent in the backend.
 
 Order with the other parallelisms (torchtitan's): TP -> activation checkpointing -> compile -> FSDP2.
 Not supported (refused with ``ValueError``): module hooks on a layer's submodules (the hand-built TP
@@ -76,7 +90,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from harts.models.ling.blocks import DecoderLayer, MoE
 from harts.ops.moe import RouterStats
 
 __all__ = ["CompileReport", "compile_model", "compiled_layer_forward", "selective_layer_forward", "SAC_SAVE_OPS",
@@ -128,27 +141,41 @@ def _counting_backend(report: CompileReport, region: str, backend):
 
 # The regions. One function per (region, kind) so each has its own Dynamo code cache; the layer is an
 # argument (its parameters become graph inputs), so every layer of a kind shares the graphs.
-def _pre_mla(layer: DecoderLayer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+def _pre_mla(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
     x_TD = layer.input_layernorm(h_TD)
     return x_TD, layer.attention.project(x_TD, position_ids_T)
 
 
-def _pre_kda(layer: DecoderLayer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+def _pre_kda(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
     x_TD = layer.input_layernorm(h_TD)
     return x_TD, layer.attention.project(x_TD)
 
 
-def _post_moe(layer: DecoderLayer, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
+def _post_moe(layer: nn.Module, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
               token_weight_T: torch.Tensor | None):
     h_TD = h_TD + layer.attention.output(o, x_TD)
     y_TD, stats = layer.mlp.compute(layer.post_attention_layernorm(h_TD), token_weight_T)
     return h_TD + y_TD, stats
 
 
-def _post_dense(layer: DecoderLayer, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
+def _post_dense(layer: nn.Module, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
                 token_weight_T: torch.Tensor | None):
     h_TD = h_TD + layer.attention.output(o, x_TD)
     return h_TD + layer.mlp(layer.post_attention_layernorm(h_TD)), None
+
+
+# Qwen3.5-MoE's families (harts.models.qwen35.blocks): the same code as Ling's, each in its own code object, so a
+# process that compiles both families keeps their graphs in separate Dynamo caches (none nears the recompile limit).
+def _pre_gdn(layer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+    return _pre_kda(layer, h_TD, position_ids_T)
+
+
+def _pre_gated_attention(layer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+    return _pre_mla(layer, h_TD, position_ids_T)
+
+
+def _post_sparse_moe(layer, h_TD: torch.Tensor, x_TD: torch.Tensor, o, token_weight_T: torch.Tensor | None):
+    return _post_moe(layer, h_TD, x_TD, o, token_weight_T)
 
 
 # Selective activation checkpointing of the regions (module docstring).
@@ -202,17 +229,46 @@ def _post_dense_sac(layer, h_TD, x_TD, o, token_weight_T):
     return _sac(_post_dense, layer, h_TD, x_TD, o, token_weight_T)
 
 
-_REGIONS = {f.__name__.lstrip("_"): f for f in (_pre_mla, _pre_kda, _post_moe, _post_dense, _pre_mla_sac,
-                                                 _pre_kda_sac, _post_moe_sac, _post_dense_sac)}
+def _pre_gdn_sac(layer, h_TD, position_ids_T):
+    return _sac(_pre_kda, layer, h_TD, position_ids_T)
 
 
-def _layer_regions(layer: DecoderLayer, fns: dict, suffix: str = ""):
-    pre = fns[("pre_mla" if layer.kind == "mla" else "pre_kda") + suffix]
-    post = fns[("post_moe" if isinstance(layer.mlp, MoE) else "post_dense") + suffix]
-    return pre, post
+def _pre_gated_attention_sac(layer, h_TD, position_ids_T):
+    return _sac(_pre_mla, layer, h_TD, position_ids_T)
 
 
-def selective_layer_forward(layer: DecoderLayer):
+def _post_sparse_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
+    out_TD, fields = _sac(_post_moe_fields, layer, h_TD, x_TD, o, token_weight_T)  # a tuple: see _post_moe_sac
+    return out_TD, RouterStats(*fields)
+
+
+_REGIONS = {f.__name__[1:]: f for f in (
+    _pre_mla, _pre_kda, _post_moe, _post_dense, _pre_mla_sac, _pre_kda_sac, _post_moe_sac, _post_dense_sac,
+    _pre_gdn, _pre_gated_attention, _post_sparse_moe, _pre_gdn_sac, _pre_gated_attention_sac, _post_sparse_moe_sac)}
+
+
+def _region_names(layer: nn.Module, suffix: str = "") -> tuple[str, str]:
+    """The layer's (pre, post) region names from its declared ``region_kind`` (``DecoderLayer.region_kind`` of
+    harts.models.ling.blocks / harts.models.qwen35.blocks); an unknown family is refused, naming the layer."""
+    kind = getattr(layer, "region_kind", None)
+    if not (isinstance(kind, tuple) and len(kind) == 2 and all(isinstance(k, str) for k in kind)):
+        raise TypeError(f"{type(layer).__name__} declares no region_kind (a (pre, post) pair of family names), "
+                        f"got {kind!r}: only decoder layers with a pre / core / post split can run as regions")
+    names = f"pre_{kind[0]}{suffix}", f"post_{kind[1]}{suffix}"
+    for name in names:
+        if name not in _REGIONS:
+            known = sorted(n for n in _REGIONS if not n.endswith("_sac"))
+            raise ValueError(f"layer {getattr(layer, 'layer_idx', '?')}: region_kind {kind!r} names region "
+                             f"{name!r}, which does not exist (regions: {known})")
+    return names
+
+
+def _layer_regions(layer: nn.Module, fns: dict, suffix: str = ""):
+    pre, post = _region_names(layer, suffix)
+    return fns[pre], fns[post]
+
+
+def selective_layer_forward(layer: nn.Module):
     """The layer's forward under selective activation checkpointing (module docstring): its compiled
     selective regions if ``compile_model`` compiled it, else the eager ones."""
     fwd = layer.__dict__.get("selective_forward")
@@ -222,7 +278,7 @@ def selective_layer_forward(layer: DecoderLayer):
     return fwd
 
 
-def compiled_layer_forward(layer: DecoderLayer, pre, post):
+def compiled_layer_forward(layer: nn.Module, pre, post):
     """The layer's forward as compiled ``pre`` -> eager mixer core -> compiled ``post`` (the same
     computation as ``DecoderLayer.forward``)."""
 
@@ -238,22 +294,21 @@ def compiled_layer_forward(layer: DecoderLayer, pre, post):
 
 def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
     """Refuse (naming the layer) what running ``layer`` as pre / core / post regions would get wrong."""
-    if not isinstance(layer, DecoderLayer):
-        raise TypeError(f"{what} expects Ling decoder layers, got {type(layer).__name__}")
+    _region_names(layer)
     for name, mod in layer.named_modules():
         if name and (mod._forward_hooks or mod._forward_pre_hooks):
             raise ValueError(f"layer {layer.layer_idx}: module {name!r} has forward hooks (e.g. tensor-parallel "
                              f"regions); {what} calls its submodules' code directly and would bypass "
                              "them: apply it before attaching such hooks, or run without it")
-    if isinstance(layer.mlp, MoE) and layer.mlp.expert_parallel is not None:
+    if getattr(layer.mlp, "expert_parallel", None) is not None:
         raise ValueError(f"layer {layer.layer_idx}: expert parallelism (host-side all-to-all split sizes) is "
                          f"not supported inside a region of {what}; run without it")
 
 
 def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = True,
                   fullgraph: bool = True) -> CompileReport:
-    """Compile every decoder layer of ``model`` (a ``LingForCausalLM``, whole or a pipeline stage) in
-    place, as ``pre`` / eager core / ``post`` regions (module docstring), and return the report (also
+    """Compile every decoder layer of ``model`` (a ``LingForCausalLM`` or ``Qwen35ForCausalLM``, whole or a pipeline
+    stage) in place, as ``pre`` / eager core / ``post`` regions (module docstring), and return the report (also
     kept as ``model.compile_report``). ``backend``: a torch.compile backend name ("inductor", "eager",
     "aot_eager", ...); ``dynamic``: as torch.compile's (True: row counts symbolic from the first call);
     ``fullgraph``: refuse graph breaks inside a region. Compiling twice raises."""

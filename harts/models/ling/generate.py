@@ -1,11 +1,15 @@
-"""Incremental decoding of Ling-3.0 models: batched token steps, seeded sampling, and forkable state.
+"""Incremental decoding of HARTS causal LMs (Ling-3.0, Qwen3.5-MoE): batched token steps, seeded sampling,
+and forkable state.
 
 This is the reference path: plain torch ops on any device and dtype (float64 on CPU is exact against
 the training forward; float32 works too), one token per sequence per step, no fused decoding kernels.
 
-State per sequence (``DecodeCache``): for every KDA layer the last W-1 pre-convolution q/k/v rows (the
-short convolution's window) and the delta-rule state [H, K, Dv]; for every MLA layer its keys and
-values so far; the position (tokens fed) and the next-token logits. ``DecodeCache.fork(rows)`` copies
+State per sequence (``DecodeCache``): one ``LayerCache`` per decoder layer, of the kind its sequence mixer
+asks for (``layer.empty_cache``): a recurrent mixer (Ling's KDA, Qwen3.5's Gated DeltaNet) keeps the last
+W-1 pre-convolution rows of its convolved channels (the short convolution's window) and the delta-rule
+state [H, K, Dv]; an attention mixer (Ling's MLA, Qwen3.5's gated attention) keeps its keys and values
+so far. The cache also holds the position (tokens fed) and the next-token logits. Each layer advances its
+own state (``layer.step``); this module never looks at the layer types. ``DecodeCache.fork(rows)`` copies
 rows (a row may repeat: k branches of one sequence), so the branches of a rollout tree continue from a
 shared prefix that was computed once. Forking copies no tensor data: every step replaces state tensors
 instead of writing into them, so branches never see each other's tokens.
@@ -16,8 +20,9 @@ rounding draw the same tokens; a logit of -inf masks a token. It returns the sam
 the tempered, truncated distribution it drew from), the policy's log-probs at temperature 1 (PPO's old
 log-probs when the sampler is the policy itself: temperature 1, top_p 1) and the policy's entropy.
 
-Legend: N sequences of a cache, M rows fed in one call (a subset of N), V vocab, D hidden, H heads,
-K KDA key dim, Dv value dim, P = H * K (KDA width), W short-convolution width.
+Legend: N sequences of a cache, M rows fed in one call (a subset of N), V vocab, D hidden, H heads of a
+layer's state, K its key dim, Dv its value dim, C its convolved channels, W short-convolution width,
+t_n tokens of sequence n so far.
 """
 from __future__ import annotations
 
@@ -31,12 +36,19 @@ __all__ = ["Sampling", "LayerCache", "DecodeCache", "feed", "feed_sequences", "s
 
 @dataclass
 class LayerCache:
-    """One decoder layer's decoding state for N sequences: KDA (``conv``, ``state``) or MLA (``k``, ``v``)."""
+    """One decoder layer's decoding state for N sequences: a recurrent mixer's (``conv``, ``state``) or an
+    attention mixer's (``k``, ``v``). The mixer's ``empty_cache`` says which, and its shapes."""
 
-    conv: tuple[torch.Tensor, ...] | None = None  # 3 x [N, W-1, P]: q, k, v before the convolution
+    conv: tuple[torch.Tensor, ...] | None = None  # each [N, W-1, C]: rows before the convolution
     state: torch.Tensor | None = None  # [N, H, K, Dv] (float32+)
-    k: list[torch.Tensor] | None = None  # N x [t_n, H, Dqk]
+    k: list[torch.Tensor] | None = None  # N x [t_n, H, Dk]
     v: list[torch.Tensor] | None = None  # N x [t_n, H, Dv]
+
+    def __post_init__(self):
+        given = [f for f in ("conv", "state", "k", "v") if getattr(self, f) is not None]
+        if given not in (["conv", "state"], ["k", "v"]):
+            raise ValueError("LayerCache: give either conv and state (a recurrent mixer) or k and v (an attention "
+                             f"mixer), got {given}")
 
     def take(self, rows_M: torch.Tensor, rows: list[int]) -> "LayerCache":
         if self.k is not None:
@@ -64,23 +76,21 @@ class DecodeCache:
 
     @classmethod
     def empty(cls, model, n: int) -> "DecodeCache":
-        """N empty sequences for ``model`` (a whole ``LingForCausalLM``), on its device; state in float32+."""
+        """N empty sequences for ``model`` (a whole causal LM), on its device; each layer's cache is the one
+        its mixer asks for (``layer.empty_cache``), recurrent state in float32+."""
         _check_model(model)
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"DecodeCache.empty: n = {n!r} must be an integer >= 0")
-        cfg, w = model.config, model.lm_head.weight
-        dt, cdt = w.dtype, torch.promote_types(w.dtype, torch.float32)
-        H, K, W = cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
+        w = model.lm_head.weight
+        cdt = torch.promote_types(w.dtype, torch.float32)
         layers = []
         for layer in model.decoder_layers():
-            if layer.kind == "mla":
-                a = layer.attention
-                layers.append(LayerCache(k=[w.new_zeros(0, a.H, a.Dqk)] * n, v=[w.new_zeros(0, a.H, a.Dv)] * n))
-            else:
-                conv = tuple(w.new_zeros(n, W - 1, H * K, dtype=dt) for _ in range(3))
-                layers.append(LayerCache(conv=conv, state=w.new_zeros(n, H, K, K, dtype=cdt)))
+            lc = layer.empty_cache(n, dtype=w.dtype, device=w.device)
+            if not isinstance(lc, LayerCache):
+                raise TypeError(f"layer {layer.layer_idx}: empty_cache returned {type(lc).__name__}, not a LayerCache")
+            layers.append(lc)
         lengths = torch.zeros(n, dtype=torch.long, device=w.device)
-        logits = torch.full((n, cfg.vocab_size), float("nan"), dtype=cdt, device=w.device)
+        logits = torch.full((n, model.config.vocab_size), float("nan"), dtype=cdt, device=w.device)
         return cls(layers, lengths, logits)
 
     def __len__(self) -> int:
@@ -126,11 +136,17 @@ class DecodeCache:
         return DecodeCache(layers, torch.cat([c.lengths for c in caches]), torch.cat([c.logits for c in caches]))
 
 
+def _embeddings(model):
+    return getattr(model.model, model.model.embedding_attr, None)
+
+
 def _check_model(model) -> None:
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(model, "decoder_layers"):
-        raise TypeError(f"generation needs a LingForCausalLM, got {type(model).__name__}")
-    if inner.word_embeddings is None or inner.norm is None or getattr(model, "lm_head", None) is None:
+    from harts.models.causal_lm import CausalLM
+
+    if not isinstance(model, CausalLM):
+        raise TypeError("generation needs a causal LM (LingForCausalLM, Qwen35ForCausalLM), got "
+                        f"{type(model).__name__}")
+    if _embeddings(model) is None or model.model.norm is None or getattr(model, "lm_head", None) is None:
         raise ValueError("generation needs the whole model (embeddings, every layer, final norm and LM head), "
                          "not a pipeline stage")
 
@@ -138,7 +154,7 @@ def _check_model(model) -> None:
 @torch.no_grad()
 def _step(model, cache: DecodeCache, tokens_N: torch.Tensor) -> None:
     """Feed one token to every sequence of ``cache``."""
-    h_ND = model.model.word_embeddings(tokens_N)
+    h_ND = _embeddings(model)(tokens_N)
     pos_N = cache.lengths
     for layer, lc in zip(model.decoder_layers(), cache.layers):
         h_ND = layer.step(h_ND, lc, pos_N)

@@ -3,11 +3,17 @@ gated shared expert, and the decoder layer, on packed token streams or compact H
 
 Legend: T tokens (packed tokens or this rank's compact rows), D hidden, H attention query heads, G key/value
 heads, Dh attention head dim, R rotary dim, Hk GDN key heads, HV GDN value heads, Dk / Dv GDN head dims,
-C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width.
+C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width,
+N sequences of one decoding step.
 
 Module and parameter names are transformers' ``qwen3_5_moe`` ones (``linear_attn.in_proj_qkv``,
 ``self_attn.q_norm``, ``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate``, ...), so a state dict maps
 onto the HF layout unchanged (routed experts are stacked in both).
+
+Each mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)`` and the MoE's
+``finish(*compute(x), router)``, as Ling's: ``project`` / ``output`` / ``compute`` are row-wise (the compiled
+and selectively checkpointed regions of harts.models.ling.compile, named by ``DecoderLayer.region_kind``),
+``core`` is the part that reads the layout, ``finish`` the part that writes module state.
 
 As in harts.models.ling.blocks, a sequence mixer has one ``forward(x, batch)``: ``batch`` is ``Packed``
 trajectories or a ``harts.CompactBatch``. The GDN mixer runs its short convolution and core through
@@ -17,7 +23,8 @@ precomputed per-head log decay is broadcast over K and q, k repeated to the valu
 with ``"fla_pieces"`` the scalar decay [T, HV] and key-head q, k go to fla's GDN pieces with our boundary-state
 scans; the trajectory-wise core makes the same choice); the attention mixer runs varlen attention (packed) or
 ``harts.runtime.compact.mla_tree_attention`` (each branch over its ancestors + own rows). Row-wise parts
-never look at the layout.
+never look at the layout. For incremental decoding (harts.models.ling.generate) each mixer also has
+``empty_cache`` (the state it keeps per sequence) and ``step`` (one token per sequence, plain torch).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts.models.ling import blocks as ling_blocks
-from harts.models.ling.blocks import MLP, AddRouterLoss, Packed, ShortConvWeight, _in_backward, router_term
+from harts.models.ling.blocks import MLP, MoE, Packed, ShortConvWeight
 from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
@@ -116,9 +123,9 @@ class GatedAttention(nn.Module):
         rep = self.H // self.G
         return q_THD, k_TGD.repeat_interleave(rep, dim=1), v_TGD.repeat_interleave(rep, dim=1), gate_THD.flatten(1)
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
-        q, k, v, gate = self.project(x_TD, batch.local_rows(batch.position_ids))
+    def core(self, q, k, v, gate, batch):
+        """Attention over the layout (the only part that reads ``batch``): (o [T, H, Dh], the gate passed
+        through untouched for ``output``)."""
         be = self.cfg.op_backend("attention")
         if batch.prefix_sharing:
             from harts.runtime.compact import mla_tree_attention
@@ -127,8 +134,43 @@ class GatedAttention(nn.Module):
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+        return o, gate
+
+    def output(self, o_gate: tuple, x_TD: torch.Tensor) -> torch.Tensor:
+        """o * sigmoid(gate) (``core``'s pair), then ``o_proj``."""
+        o, gate = o_gate
         gate = torch.sigmoid(gate.to(_compute_dtype(gate.dtype))).to(o.dtype)
         return self.o_proj(o.flatten(1) * gate)
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
+        return self.output(self.core(*self.project(x_TD, batch.local_rows(batch.position_ids)), batch), x_TD)
+
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet, kept per
+        key/value head ([t_n, G, Dh]; repeated to the query heads when attended)."""
+        from harts.models.ling.generate import LayerCache
+
+        empty = torch.zeros(0, self.G, self.Dh, dtype=dtype, device=device)
+        return LayerCache(k=[empty] * n, v=[empty] * n)
+
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
+        attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, G, Dh];
+        the new row's key and value are appended by replacing the list entries (a forked cache that shares
+        the old tensors is unaffected)."""
+        q_NHD, k_NHD, v_NHD, gate_NHD = self.project(x_ND, position_ids_N)
+        rep = self.H // self.G
+        k_NGD, v_NGD = k_NHD[:, ::rep], v_NHD[:, ::rep]  # the key/value heads (project repeats them)
+        cache.k = [torch.cat((kc, k_NGD[n:n + 1])) for n, kc in enumerate(cache.k)]
+        cache.v = [torch.cat((vc, v_NGD[n:n + 1])) for n, vc in enumerate(cache.v)]
+        lens = torch.tensor([0] + [kc.shape[0] for kc in cache.k], device=x_ND.device).cumsum(0)
+        cu_q = torch.arange(len(cache.k) + 1, device=x_ND.device)
+        o = varlen_attention(q_NHD, torch.cat(cache.k).repeat_interleave(rep, dim=1),
+                             torch.cat(cache.v).repeat_interleave(rep, dim=1), cu_q, lens, self.scale,
+                             backend=self.cfg.op_backend("attention"))
+        gate_NHD = torch.sigmoid(gate_NHD.to(_compute_dtype(gate_NHD.dtype))).to(o.dtype)
+        return self.o_proj(o.flatten(1) * gate_NHD)
 
 
 class GatedDeltaNet(nn.Module):
@@ -167,11 +209,16 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return q.view(T, self.Hk, self.Dk), k.view(T, self.Hk, self.Dk), v.view(T, self.HV, self.Dv)
 
-    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
-        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch``."""
-        c = self.cfg
+    def project(self, x_TD: torch.Tensor):
+        """Per-row q|k|v before the short convolution [T, C], log decay g [T, HV] and beta [T, HV] (``gates``)."""
         qkv_TC = self.in_proj_qkv(x_TD)
         g_TH, beta_TH = self.gates(x_TD)
+        return qkv_TC, g_TH, beta_TH
+
+    def core(self, qkv_TC: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor, batch) -> torch.Tensor:
+        """The short convolution and the delta rule over the layout (the only part that reads ``batch``):
+        o [T, HV, Dv]."""
+        c = self.cfg
         conv_CW = self.conv1d.weight.squeeze(1)
         if batch.prefix_sharing:
             from harts.ops.tree_conv import tree_short_conv
@@ -198,8 +245,52 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self.split(qkv_TC)
             o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"),
                                     chunk_size=c.gdn_chunk_size, round_impl=c.gdn_round_impl)
+        return o
+
+    def output(self, o: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The SiLU-gated norm per value head (gate ``in_proj_z``), then ``out_proj``."""
         z = self.in_proj_z(x_TD).view(o.shape)
         return self.out_proj(self.norm(o, z).flatten(1))
+
+    def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
+        """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch``."""
+        return self.output(self.core(*self.project(x_TD), batch), x_TD)
+
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """Decoding state of n empty sequences (harts.models.ling.generate): a zero window of W-1
+        pre-convolution q|k|v rows [n, W-1, C] (the packed convolution's zero padding) and a zero delta-rule
+        state [n, HV, Dk, Dv] in float32+."""
+        from harts.models.ling.generate import LayerCache
+
+        W, C = self.cfg.linear_conv_kernel_dim, self.in_proj_qkv.out_features
+        return LayerCache(conv=(torch.zeros(n, W - 1, C, dtype=dtype, device=device),),
+                          state=torch.zeros(n, self.HV, self.Dk, self.Dv, dtype=_compute_dtype(dtype), device=device))
+
+    def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward`` in
+        float32+ torch ops (positions are not read: the recurrence carries them). ``cache.conv``: the last W-1
+        pre-convolution q|k|v rows of each sequence (one [N, W-1, C] tensor); ``cache.state``: [N, HV, Dk, Dv].
+        Both are replaced, never written in place, so a forked cache that shares them is unaffected. Per value
+        head (harts.ops.gdn, q and k of its key head, L2-normed, q scaled by Dk^-0.5):
+        S <- exp(g) S;  S <- S + beta k (v - k^T S)^T;  o = q^T S."""
+        from harts.ops.gdn.reference import l2norm
+
+        dt = _compute_dtype(x_ND.dtype)
+        win_NWC = torch.cat((cache.conv[0], self.in_proj_qkv(x_ND)[:, None]), 1)
+        conv_CW = self.conv1d.weight.squeeze(1).to(win_NWC.dtype)
+        q, k, v = self.split(F.silu(torch.einsum("nwc,cw->nc", win_NWC, conv_CW)))
+        cache.conv = (win_NWC[:, 1:],)
+        g_NH, beta_NH = self.gates(x_ND)
+        rep = self.HV // self.Hk
+        q_NHK = l2norm(q.to(dt)).repeat_interleave(rep, dim=1) * self.Dk ** -0.5
+        k_NHK = l2norm(k.to(dt)).repeat_interleave(rep, dim=1)
+        S = cache.state.to(dt) * g_NH.to(dt).exp()[..., None, None]
+        u_NHV = beta_NH.to(dt)[..., None] * (v.to(dt) - torch.einsum("nhk,nhkv->nhv", k_NHK, S))
+        S = S + k_NHK[..., None] * u_NHV[:, :, None, :]
+        cache.state = S
+        o_NHV = torch.einsum("nhk,nhkv->nhv", q_NHK, S).to(x_ND.dtype)
+        z_NHV = self.in_proj_z(x_ND).view(o_NHV.shape)
+        return self.out_proj(self.norm(o_NHV, z_NHV).flatten(1))
 
 
 class Router(nn.Module):
@@ -257,11 +348,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
+        y, stats = self.compute(x_TD, token_weight_T)
+        return self.finish(y, stats, router)
+
+    # keep the statistics (outside backward) and join the router term to the output's backward, as Ling's MoE
+    finish = MoE.finish
+
+    def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        """Routing, routed experts and the gated shared expert: (y_TD, router statistics); no module state is
+        written (the part a compiled region runs; ``finish`` does the rest eagerly)."""
         c = self.cfg
         logits, probs, idx_TK, w_TK = softmax_route(x_TD, self.gate.weight, c.num_experts_per_tok, c.norm_topk_prob)
         stats = router_stats(logits, probs, idx_TK, token_weight_T)
-        if not _in_backward():
-            self.last_stats = stats
         ex, Fw = self.experts, c.moe_intermediate_size
         if self.expert_parallel is not None:
             y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
@@ -269,10 +367,7 @@ class SparseMoE(nn.Module):
             y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_up_proj[:, :Fw], ex.gate_up_proj[:, Fw:], ex.down_proj,
                             backend=c.op_backend("moe"))
         gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TD).to(_compute_dtype(x_TD.dtype))).to(x_TD.dtype)
-        y = y + gate_T1 * self.shared_expert(x_TD)
-        if router is not None:
-            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
-        return y
+        return y + gate_T1 * self.shared_expert(x_TD), stats
 
 
 class DecoderLayer(nn.Module):
@@ -295,10 +390,26 @@ class DecoderLayer(nn.Module):
     def attention(self) -> nn.Module:
         return self.linear_attn if self.kind == "gdn" else self.self_attn
 
+    @property
+    def region_kind(self) -> tuple[str, str]:
+        """The (pre, post) region families that run this layer compiled or under selective checkpointing
+        (harts.models.ling.compile): ``pre_gdn`` / ``pre_gated_attention`` (norm + the mixer's ``project``),
+        ``post_sparse_moe`` (the mixer's ``output`` + residual + norm + ``SparseMoE.compute`` + residual)."""
+        return ("gdn" if self.kind == "gdn" else "gated_attention"), "sparse_moe"
+
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None) -> torch.Tensor:
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         return h_TD + self.mlp(self.post_attention_layernorm(h_TD), token_weight_T, router)
+
+    def empty_cache(self, n: int, dtype: torch.dtype, device=None):
+        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
+        return self.attention.empty_cache(n, dtype, device)
+
+    def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
+        """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
+        h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
+        return h_ND + self.mlp(self.post_attention_layernorm(h_ND))
 
 
 # ------------------------------------------------------------------------------------------ init

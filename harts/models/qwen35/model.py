@@ -6,19 +6,25 @@ The user surface is LingForCausalLM's: ``forward(input_ids_T, position_ids_T, cu
 ``forward(layout=batch)`` returns the final-normed hidden states, ``logprobs(batch)`` scores a
 ``harts.CompactBatch`` (prefix-shared or trajectory-wise) without an [S, V] tensor, ``router_stats()`` /
 ``moe_counts()`` give the last forward's multiplicity-weighted router statistics, and
-``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint).
+``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint), and
+harts.models.ling.generate decodes it incrementally (each layer's ``empty_cache`` and ``step``).
+``model.compile()`` (``harts.models.ling.compile_model``) compiles the decoder layers as Ling's are (per-row
+regions around the eager mixer cores: ``DecoderLayer.region_kind``), and ``model.model.checkpoint_policy``
+("none" | "selective" | "full") is LingModel's activation checkpointing policy over the same regions.
 Construct on ``torch.device("meta")`` for deferred init, then ``to_empty`` + ``init_weights``.
 """
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts.models.causal_lm import CausalLM
-from harts.models.ling.model import _check_packed, _check_token_ids
+from harts.models.ling.compile import compile_model, selective_layer_forward
+from harts.models.ling.model import LingModel, _check_packed, _check_token_ids
 from harts.models.qwen35.blocks import DecoderLayer, Packed, RMSNorm, SparseMoE, init_module_weights
 from harts.models.qwen35.config import Qwen35Config
 
@@ -37,21 +43,13 @@ class Qwen35Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.checkpoint_layers, self.checkpoint_early_stop = cfg.recompute, True
+        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
 
-    @property
-    def checkpoint_policy(self) -> str:
-        """Activation checkpointing as LingModel's policy names it (harts.train.parallelize.apply_ac sets it):
-        "full" recomputes every layer whole, "none" nothing; Ling's "selective" regions have no Qwen3.5 split,
-        so it is refused rather than left doing nothing."""
-        return "full" if self.checkpoint_layers else "none"
-
-    @checkpoint_policy.setter
-    def checkpoint_policy(self, policy: str) -> None:
-        if policy not in ("none", "full"):
-            raise ValueError(f"checkpoint_policy = {policy!r}: Qwen3.5 layers are checkpointed 'none' or 'full' "
-                             "(selective checkpointing has regions for Ling-3.0 layers only)")
-        self.checkpoint_layers = policy == "full"
+    # Activation checkpointing is LingModel's policy (``AC_POLICIES``, harts.train.parallelize.apply_ac sets it):
+    # "none", "selective" (the layer's pre / core / post regions under the op-level save policy of
+    # harts.models.ling.compile) or "full" (every layer recomputed whole); ``checkpoint_layers`` is "full" or not.
+    checkpoint_policy = LingModel.checkpoint_policy
+    checkpoint_layers = LingModel.checkpoint_layers
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
                 *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,12 +81,17 @@ class Qwen35Model(nn.Module):
             h_TD = hidden_PD
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
-        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
-                with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop):
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        policy = self._checkpoint_policy if torch.is_grad_enabled() else "none"
+        with (torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop) if policy != "none"
+              else nullcontext()):
+            for layer in layers:
+                if policy == "full":
                     h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
-            else:
-                h_TD = layer(h_TD, batch, token_weight_T, router)
+                elif policy == "selective":
+                    h_TD = selective_layer_forward(layer)(h_TD, batch, token_weight_T, router)
+                else:
+                    h_TD = layer(h_TD, batch, token_weight_T, router)
         return h_TD if self.norm is None else self.norm(h_TD)
 
 
@@ -100,10 +103,16 @@ class Qwen35ForCausalLM(CausalLM):
         self.config = cfg.validate()
         self.model = Qwen35Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compile_report = None  # set by harts.models.ling.compile_model
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
 
     # ------------------------------------------------------------------ setup and I/O
+    def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
+        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
+        per-row regions around the eager GDN / attention cores) and return its ``CompileReport``."""
+        return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+
     def init_weights(self, seed: int | None = None) -> "Qwen35ForCausalLM":
         """Scratch init (harts.models.qwen35.blocks.initial_value); with a seed every parameter draws from
         its own generator, so the result depends neither on module order nor on sharding."""
