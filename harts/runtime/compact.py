@@ -17,8 +17,8 @@ head run once per compact row. Only the sequence mixers see other views; the mix
   backward accumulates gradients into shared ancestors.
 - MoE: routing and experts once per row; multiplicities q_c weight the router statistics.
 
-Legend: P physical rows, D hidden, H heads, K/V head dims, T_r input positions of round r, E boundary
-states, S' nonterminal semantic positions.
+Legend: P physical rows, D hidden, H heads, G key/value heads (grouped-query attention), K/V head dims, T_r
+input positions of round r, E boundary states, S' nonterminal semantic positions.
 """
 from __future__ import annotations
 
@@ -150,8 +150,12 @@ def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg)
 
 # ------------------------------------------------------------------------------------------ MLA
 def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str = "auto") -> torch.Tensor:
-    """The MLA mixer's layout-specific part on a compact batch: per-row q, k [p, H, Dqk], v [p, H, Dv]
+    """The MLA mixer's layout-specific part on a compact batch: per-row q [p, H, Dqk], k [p, G, Dqk], v [p, G, Dv]
     -> o [p, H, Dv]; every row attends to its ancestors and itself (bottom-right causal, Eq. 22).
+
+    G = H for MLA; G < H (a divisor) is grouped-query attention: the G key/value heads cross the
+    context-parallel exchange unrepeated (so G must split over cp too, with the query heads of each rank's
+    key/value heads on the same rank) and are repeated to the query heads after it.
 
     Each sequence's view (its ancestors' keys and values, gathered) runs in one packed bottom-right causal
     varlen call with ``backend`` (harts.ops.attention.tree_attention_views: torch's varlen attention on the
@@ -161,8 +165,14 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     ling3-tiny, a 65K-row microbatch of seed 9001: views 287 ms fwd+bwd, flex 534 ms, plus 5.5 s to build the
     block mask on the device), so it is not the default."""
     cp = batch.cp
+    H, G = q.shape[1], k.shape[1]
+    if H % G or v.shape[1] != G:
+        raise ValueError(f"mla_tree_attention: q has {H} heads, k {G} and v {v.shape[1]}: k and v need the same "
+                         f"number of heads, a divisor of q's (grouped-query attention)")
     if cp is not None:  # all rows, own heads: both paths see every row after the exchange
         q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
+    if G != H:  # each key/value head serves H / G consecutive query heads (on this rank: its own ones)
+        k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
     o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
                              batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
                              max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)

@@ -71,6 +71,14 @@ class ContextParallel:
         lo, hi = self.row_range
         return t[lo:hi]
 
+    def check_heads(self, where: str, **heads: int) -> None:
+        """Refuse head counts the CP group cannot split evenly, naming each offending count (``heads``: name
+        -> count as this rank's mixer sees it, e.g. ``linear_num_key_heads=16``)."""
+        bad = [f"{name}={n}" for name, n in heads.items() if n % self.size]
+        if bad:
+            raise ValueError(f"{where}: context parallelism splits heads over cp={self.size}, but "
+                             f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {self.size}")
+
     def head_slice(self, H: int) -> slice:
         if H % self.size:
             raise ValueError(f"context parallel needs heads divisible by cp: H={H}, cp={self.size}")
@@ -80,6 +88,8 @@ class ContextParallel:
     def rows_to_heads(self, x_pHX: torch.Tensor) -> torch.Tensor:
         """[p, H, X] (own rows, all heads) -> [P, h, X] (all rows, own heads)."""
         p, H, X = x_pHX.shape
+        if H % self.size:
+            raise ValueError(f"context parallel needs heads divisible by cp: H={H}, cp={self.size}")
         h = H // self.size
         send = x_pHX.reshape(p, self.size, h, X).transpose(0, 1).contiguous()  # [cp(dest), p, h, X]
         recv = _AllToAll.apply(send.flatten(), self.group)

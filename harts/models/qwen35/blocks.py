@@ -4,7 +4,8 @@ gated shared expert, and the decoder layer, on packed token streams or compact H
 Legend: T tokens (packed tokens or this rank's compact rows), D hidden, H attention query heads, G key/value
 heads, Dh attention head dim, R rotary dim, Hk GDN key heads, HV GDN value heads, Dk / Dv GDN head dims,
 C = 2 Hk Dk + HV Dv convolved channels, W conv width, E experts, K experts per token, F expert width,
-N sequences of one decoding step.
+N sequences of one decoding step; under context parallelism (harts.runtime.cp) P all physical rows of the
+microbatch, hk = Hk / cp, hv = HV / cp one rank's GDN heads, c = C / cp their channels.
 
 Module and parameter names are transformers' ``qwen3_5_moe`` ones (``linear_attn.in_proj_qkv``,
 ``self_attn.q_norm``, ``mlp.experts.gate_up_proj``, ``mlp.shared_expert_gate``, ...), so a state dict maps
@@ -125,11 +126,21 @@ class GatedAttention(nn.Module):
 
     def core(self, q, k, v, gate, batch):
         """Attention over the layout (the only part that reads ``batch``): (o [T, H, Dh], the gate passed
-        through untouched for ``output``)."""
+        through untouched for ``output``: it is row-wise, so it stays on this rank's rows under context
+        parallelism while q, k, v are exchanged for heads)."""
         be = self.cfg.op_backend("attention")
         if batch.prefix_sharing:
             from harts.runtime.compact import mla_tree_attention
 
+            cp = batch.cp
+            if cp is not None:
+                # Rows -> heads inside mla_tree_attention. k, v cross it at lcm(G, cp) heads rather than
+                # repeated to all H (project repeats them): each rank gets the key/value heads its query heads
+                # read, and nothing more unless cp > G. Any copy of a repeated head holds the same values; its
+                # gradient lands on that copy and project's repeat sums it into the key/value head.
+                cp.check_heads("Qwen3.5 gated attention", num_attention_heads=q.shape[1])
+                stride = q.shape[1] // math.lcm(self.G, cp.size)
+                k, v = k[:, ::stride], v[:, ::stride]
             o = mla_tree_attention(q, k, v, batch, self.scale, be)
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
@@ -204,10 +215,33 @@ class GatedDeltaNet(nn.Module):
         g_TH = -self.A_log.to(dt).exp() * F.softplus(a_TH + self.dt_bias.to(dt))
         return g_TH, torch.sigmoid(self.in_proj_b(x_TD).to(dt))
 
-    def split(self, qkv_TC: torch.Tensor):
-        T = qkv_TC.shape[0]
-        q, k, v = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return q.view(T, self.Hk, self.Dk), k.view(T, self.Hk, self.Dk), v.view(T, self.HV, self.Dv)
+    def split(self, qkv_TC: torch.Tensor, cp: int = 1):
+        """q|k|v [T, C] -> q, k [T, Hk, Dk], v [T, HV, Dv]; with ``cp`` > 1 the channels of one context-parallel
+        rank's heads (``_rows_to_heads``): Hk / cp key and HV / cp value heads."""
+        T, hk, hv = qkv_TC.shape[0], self.Hk // cp, self.HV // cp
+        q, k, v = qkv_TC.split([hk * self.Dk, hk * self.Dk, hv * self.Dv], dim=-1)
+        return q.view(T, hk, self.Dk), k.view(T, hk, self.Dk), v.view(T, hv, self.Dv)
+
+    def _rows_to_heads(self, qkv_TC, conv_CW, g_TH, beta_TH, cp):
+        """Context parallelism (harts.runtime.cp): this rank's rows and all heads -> all rows and this rank's
+        heads, before the short convolution (it reads whole ancestor paths). Key heads [r hk, (r+1) hk) of rank
+        r serve value heads [r hv, (r+1) hv) (value head j reads key head j // (HV / Hk)), so the rank gets q, k
+        of its key heads and v, g, beta of its value heads, and the depthwise conv weights of those channels.
+        Three exchanges: q|k per key head, v, g|beta per value head (the gates stay in their fp32+ dtype).
+        Returns q|k|v [P, c] with c = C / cp, conv weights [c, W], g and beta [P, hv]."""
+        cp.check_heads("Qwen3.5 GDN", linear_num_key_heads=self.Hk, linear_num_value_heads=self.HV)
+        q, k, v = self.split(qkv_TC)
+        qk_PhX = cp.rows_to_heads(torch.cat((q, k), dim=-1))
+        v_PhV = cp.rows_to_heads(v)
+        gb_Ph2 = cp.rows_to_heads(torch.stack((g_TH, beta_TH), dim=-1))
+        P, hk, hv = v_PhV.shape[0], self.Hk // cp.size, self.HV // cp.size
+        qkv_Pc = torch.cat((qk_PhX[..., :self.Dk].reshape(P, -1), qk_PhX[..., self.Dk:].reshape(P, -1),
+                            v_PhV.reshape(P, -1)), dim=-1)
+        ks, vs = cp.rank * hk * self.Dk, cp.rank * hv * self.Dv
+        kd, vd = hk * self.Dk, hv * self.Dv
+        conv_cW = torch.cat((conv_CW[ks:ks + kd], conv_CW[self.key_dim + ks:self.key_dim + ks + kd],
+                             conv_CW[2 * self.key_dim + vs:2 * self.key_dim + vs + vd]), dim=0)
+        return qkv_Pc, conv_cW, gb_Ph2[..., 0], gb_Ph2[..., 1]
 
     def project(self, x_TD: torch.Tensor):
         """Per-row q|k|v before the short convolution [T, C], log decay g [T, HV] and beta [T, HV] (``gates``)."""
@@ -217,20 +251,21 @@ class GatedDeltaNet(nn.Module):
 
     def core(self, qkv_TC: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor, batch) -> torch.Tensor:
         """The short convolution and the delta rule over the layout (the only part that reads ``batch``):
-        o [T, HV, Dv]."""
+        o [T, HV, Dv]. A context-parallel CompactBatch exchanges rows for heads before the convolution
+        (``_rows_to_heads``) and back after the rounds, as Ling's KDA does (harts.runtime.compact.kda_tree)."""
         c = self.cfg
         conv_CW = self.conv1d.weight.squeeze(1)
         if batch.prefix_sharing:
             from harts.ops.tree_conv import tree_short_conv
             from harts.runtime.compact import kda_rounds
 
-            if batch.cp is not None:
-                raise ValueError("Qwen3.5 GDN layers do not support context parallelism yet (a CompactBatch sharded "
-                                 "with context_parallel); run the batch unsharded")
+            cp = batch.cp
+            if cp is not None:
+                qkv_TC, conv_CW, g_TH, beta_TH = self._rows_to_heads(qkv_TC, conv_CW, g_TH, beta_TH, cp)
             qkv_TC = tree_short_conv(qkv_TC, conv_CW, batch.conv_pred, "silu", seq_cu=batch.conv_cu_seqlens,
                                      context=batch.conv_context, num_rows=batch.num_rows,
                                      backend=c.op_backend("conv"))
-            q, k, v = self.split(qkv_TC)
+            q, k, v = self.split(qkv_TC, cp.size if cp is not None else 1)
             if c.gdn_round_impl == "fla_pieces":  # the scalar gate [T, HV], q and k at the key heads
                 g = g_TH
             else:
@@ -240,6 +275,8 @@ class GatedDeltaNet(nn.Module):
                 q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
                 g = g_TH[..., None].expand(*g_TH.shape, self.Dk)
             o = kda_rounds(q, k, v, g, beta_TH, batch, chunk_size=c.gdn_chunk_size, backend=c.op_backend("gdn"))
+            if cp is not None:
+                o = cp.heads_to_rows(o)
         else:
             qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"))
             q, k, v = self.split(qkv_TC)
