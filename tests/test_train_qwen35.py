@@ -7,12 +7,14 @@ reference ops, a truncated tiny workload.
   export is an HF folder that ``Qwen35ForCausalLM.from_pretrained`` reads back bit for bit and that
   ``ling.load_hf`` starts a run from.
 - Two gloo processes: the 8-GPU config's layout (FSDP2 + EP over all ranks), once with host init and once
-  with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, and
-  two pipeline stages (PP2, full AC), each equal the one-process run (losses, grad norms, final weights;
+  with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, two
+  pipeline stages (PP2, full AC), context parallelism (CP2 with full AC; CP2 + EP2), and on four processes
+  dp_shard 2 x CP2 x EP4, each equal the one-process run (losses, grad norms, final weights;
   ``helpers.assert_same_run``).
 - One step with the layers compiled (aot_eager) under selective activation checkpointing equals the eager,
   uncheckpointed step (loss, router loss, gradient norm; float64).
-- Settings Qwen3.5 has no implementation for (expert-bias updates, TP, CP) are refused by name.
+- Settings Qwen3.5 has no implementation for (expert-bias updates, TP) are refused by name, and so are head
+  counts that context parallelism cannot split.
 """
 import pytest
 import torch
@@ -70,19 +72,51 @@ def test_harts_equals_baseline_and_export_round_trips(runs):
         assert torch.equal(v, own[k]), k
 
 
-@pytest.mark.slow
-def test_fsdp2_ep_and_pp_on_two_processes_equal_one(runs):
+# the two-process layouts: (extra arguments, the layout every record reports)
+TWO = {"fsdp_ep": (FSDP_EP, dict(dp=2, cp=1, ep=2, pp=1)),
+       "fsdp_ep_meta_ac": ([*FSDP_EP, "--ling.init_on_meta=true", "--activation_checkpoint.mode=full"],
+                           dict(dp=2, cp=1, ep=2, pp=1)),
+       "pp_ac": (["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full"],
+                 dict(dp=1, cp=1, ep=1, pp=2)),
+       # context parallelism: cp folded into FSDP2's dimension; with EP spanning dp_shard x cp
+       "cp2_ac": (["--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"],
+                  dict(dp=1, cp=2, ep=1, pp=1)),
+       "cp2_ep2": (["--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"],
+                   dict(dp=1, cp=2, ep=2, pp=1))}
+CP = "--parallelism.context_parallel_degree=2"
+
+
+@pytest.fixture(scope="module")
+def two(runs):
     d, cfg, _ = runs
-    names = {"fsdp_ep": FSDP_EP, "fsdp_ep_meta_ac": [*FSDP_EP, "--ling.init_on_meta=true",
-                                                     "--activation_checkpoint.mode=full"],
-             "pp_ac": ["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full"]}
-    torchrun_many([(cfg, d / n, args, {}) for n, args in names.items()], nproc=2)
-    for n in names:
-        got = records(d / n)
-        layout = dict(dp=1, ep=1, pp=2) if n == "pp_ac" else dict(dp=2, ep=2, pp=1)
-        assert all(r["world"] == 2 and all(r[k] == v for k, v in layout.items()) for r in got), n
-        assert_same_run(d / "harts", d / n, rel=1e-9, wrel=1e-9)
-    assert any("mlp.experts.gate_up_proj" in k for k in weights(d / "fsdp_ep"))
+    torchrun_many([(cfg, d / n, args, {}) for n, (args, _) in TWO.items()], nproc=2)
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TWO))
+def test_two_process_layouts_equal_one(two, name):
+    """FSDP2 + EP (host init; per-rank init on meta with full AC), PP2 (full AC), CP2 (full AC) and CP2 + EP2,
+    each on two gloo processes, equal the one-process run: losses, grad norms, final weights."""
+    got = records(two / name)
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(r["world"] == 2 and all(r[k] == v for k, v in TWO[name][1].items()) for r in got), name
+    assert_same_run(two / "harts", two / name, rel=1e-9, wrel=1e-9)
+    if name.startswith("cp"):  # both CP ranks see every microbatch: the step's counts are not doubled
+        assert [r["compact_rows"] for r in got] == [r["compact_rows"] for r in records(two / "harts")]
+    if name == "fsdp_ep":
+        assert any("mlp.experts.gate_up_proj" in k for k in weights(two / name))
+
+
+@pytest.mark.slow
+def test_fsdp2_x_cp_x_ep_four_processes_equal_one(runs):
+    """dp_shard 2 x cp 2 (FSDP2 over the four ranks), EP = 4 spanning dp_shard x cp."""
+    d, cfg, _ = runs
+    args = ["--parallelism.data_parallel_shard_degree=2", CP, "--parallelism.expert_parallel_degree=4"]
+    torchrun_many([(cfg, d / "dp_cp_ep", args, {})], nproc=4)
+    got = records(d / "dp_cp_ep")
+    assert all((r["world"], r["dp"], r["cp"], r["ep"]) == (4, 2, 2, 4) for r in got)
+    assert_same_run(d / "harts", d / "dp_cp_ep", rel=1e-9, wrel=1e-9)
 
 
 def test_compiled_selective_checkpointing_step_equals_eager(runs, tmp_path):
@@ -103,7 +137,6 @@ def test_compiled_selective_checkpointing_step_equals_eager(runs, tmp_path):
 @pytest.mark.parametrize("over, named", [
     ({"rl.expert_bias_rate": 1e-3}, "rl.expert_bias_rate"),
     ({"parallelism.tensor_parallel_degree": 2}, "parallelism.tensor_parallel_degree = 2"),
-    ({"parallelism.context_parallel_degree": 2}, "parallelism.context_parallel_degree = 2"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     p = tmp_path / "base.toml"
@@ -111,6 +144,24 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     with pytest.raises(ValueError, match=r"qwen3\.5-debug.*Qwen3\.5-MoE") as e:
         Trainer(load_config(str(p), **{"job.dump_folder": str(tmp_path / "out"), **over}))
     assert named in str(e.value)
+
+
+def test_cp_head_counts_that_do_not_split_are_named():
+    """The trainer's CP check (before any mesh or weight) names each Qwen3.5 head count that tp x cp does not
+    divide: the debug model's 2 GDN key heads at cp = 4; its 2 key/value attention heads need not divide."""
+    from types import SimpleNamespace
+
+    from harts.models.qwen35 import Qwen35Config
+
+    mc = Qwen35Config.preset("qwen3.5-debug")
+    me = SimpleNamespace(dims=SimpleNamespace(tp=1, cp=4), model_cfg=mc, cfg=SimpleNamespace(harts=SimpleNamespace(
+        enabled=True)))
+    with pytest.raises(ValueError, match=r"context_parallel_degree=4: linear_num_key_heads=2 must be divisible .* 4"):
+        Trainer._check_cp(me)
+    me.dims.cp = 2  # 4 query / 2 key / 4 value heads split two ways
+    Trainer._check_cp(me)
+    me.model_cfg = Qwen35Config.preset("qwen3.5-debug", num_key_value_heads=1)
+    Trainer._check_cp(me)
 
 
 @pytest.mark.parametrize("mode, forwards", [("none", 1), ("full", 2)])

@@ -240,7 +240,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_qwen35(self):
-        """Qwen3.5-MoE runs under FSDP2, expert and pipeline parallelism, compiled and with any activation
+        """Qwen3.5-MoE runs under FSDP2, expert, context and pipeline parallelism, compiled and with any activation
         checkpointing policy; the settings it has no implementation for are refused here, before any mesh or
         weight is built, rather than failing (or doing nothing) later."""
         cfg, pc = self.cfg, self.cfg.parallelism
@@ -250,8 +250,6 @@ class Trainer:
              "and balance with rl.aux_loss_coef"),
             (pc.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {pc.tensor_parallel_degree}",
              "tensor parallelism has a plan for Ling-3.0 layers only; shard with FSDP2 and expert parallelism"),
-            (pc.context_parallel_degree > 1, f"parallelism.context_parallel_degree = {pc.context_parallel_degree}",
-             "its GDN layers do not run context-parallel batches"),
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:
@@ -259,15 +257,20 @@ class Trainer:
                              + "; ".join(bad))
 
     def _check_cp(self):
-        """Context parallelism splits the attention heads of each TP rank over the CP group (KDA and MLA
-        have num_attention_heads heads each)."""
-        d, H = self.dims, self.model_cfg.num_attention_heads
+        """Context parallelism splits the heads of each TP rank's sequence mixers over the CP group: Ling's KDA
+        and MLA have num_attention_heads heads each; Qwen3.5's GDN splits its key heads and the value heads
+        they serve, its gated attention the query heads (the key/value heads cross the exchange at
+        lcm(num_key_value_heads, cp) heads, so their count need not divide)."""
+        d, mc = self.dims, self.model_cfg
         if not self.cfg.harts.enabled:
             raise ValueError("parallelism.context_parallel_degree > 1 needs harts.enabled = true: context "
                              "parallelism is implemented for HARTS (prefix-shared) batches only")
-        if H % (d.tp * d.cp):
-            raise ValueError(f"parallelism.context_parallel_degree={d.cp}: num_attention_heads={H} must be divisible "
-                             f"by tensor_parallel_degree x context_parallel_degree = {d.tp * d.cp}")
+        names = (("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads") if is_qwen35(mc)
+                 else ("num_attention_heads",))
+        bad = [f"{n}={getattr(mc, n)}" for n in names if getattr(mc, n) % (d.tp * d.cp)]
+        if bad:
+            raise ValueError(f"parallelism.context_parallel_degree={d.cp}: {', '.join(bad)} must be divisible by "
+                             f"tensor_parallel_degree x context_parallel_degree = {d.tp * d.cp}")
 
     def _init_distributed(self):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
