@@ -110,9 +110,8 @@ def _print(res: dict) -> None:
     impls = res["impls"]
     print(f"gdn gate gradient vs float64 truth, {res['shape']}, chunk {res['chunk_size']}, {res['device']}")
     print("rel = ||err||/||true|| (dg: worst head); rel_all = ||err||/||all true input grads||")
-    head = f"{'log g':>7} {'|dg|':>8} {'|dq|':>8} " + " ".join(f"{i + ' dg rel':>16} {'rel_all':>8} {'dq,dk,dv,db rel':>16}"
-                                                          for i in impls)
-    print(head)
+    cols = " ".join(f"{i + ' dg rel':>16} {'rel_all':>8} {'dq,dk,dv,db rel':>16}" for i in impls)
+    print(f"{'log g':>7} {'|dg|':>8} {'|dq|':>8} {cols}")
     for r in res["rows"]:
         cells = []
         for i in impls:
@@ -130,7 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--HV", type=int, default=None, help="value heads (default: 32 on CUDA, 4 on CPU)")
     ap.add_argument("--K", type=int, default=None, help="key/value head dim (default: 128 on CUDA, 16 on CPU)")
     ap.add_argument("--V", type=int, default=None)
-    ap.add_argument("--chunk-size", type=int, default=None, help="round chunk size (default: 64 on CUDA, 32 on CPU; fla always uses 64)")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="round chunk size (default: 64 on CUDA, 32 on CPU; fla's kernel always uses 64)")
     ap.add_argument("--log-decays", type=float, nargs="+", default=list(DEFAULT_DECAYS))
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--seed", type=int, default=0)
