@@ -2,11 +2,11 @@
 
 The P physical rows of a microbatch are split evenly over the CP group (``pack(...,
 pad_to_multiple=cp)`` adds alignment rows, never counted as work). Token-wise ops (embeddings,
-norms, projections, MoE, LM head) run on each rank's own rows. Before the MLA and KDA cores one
-all-to-all turns the row partition into a head partition (every rank then holds all P rows for H/cp
-heads), so the HARTS views (MLA ancestor KV, KDA rounds with boundary states, tree convolution) run
-unchanged on whole sequences; the inverse all-to-all returns the outputs to their rows. Both are
-autograd-aware, so backward runs the mirror-image exchanges.
+norms, projections, MoE, LM head) run on each rank's own rows. Before the sequence-mixer cores (Ling's
+MLA and KDA, Qwen3.5's gated attention and Gated DeltaNet) one all-to-all turns the row partition into a
+head partition (every rank then holds all P rows for H/cp heads), so the HARTS views (ancestor KV, delta-rule
+rounds with boundary states, tree convolution) run unchanged on whole sequences; the inverse all-to-all
+returns the outputs to their rows. Both are autograd-aware, so backward runs the mirror-image exchanges.
 
 Gradients of parameters are partial per CP rank (own rows, own heads): sum them over the CP group
 (in the trainer, the CP ranks are part of the gradient-reduction group, as torchtitan folds cp into
