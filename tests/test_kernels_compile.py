@@ -32,12 +32,18 @@ VARIANTS = [("fwd", dict(SAVE_BOUNDARY=False, **KDA)), ("fwd", dict(SAVE_BOUNDAR
             ("bwd", dict(USE_BOUNDARY_GRADIENT=True, INJECT_AT_TOP=False, **GDN))]
 
 
+# GDN rounds' dqkwg kernel, at Qwen3.5's grouping (HV = 2 H) and block widths BK = BV = 64 and 128
+DQKWG_SIG = {"q": f"*{DT}", "k": f"*{DT}", "v_new": f"*{DT}", "g": "*fp32", "h": f"*{DT}", "do": f"*{DT}",
+             "dh": f"*{DT}", "dv": f"*{DT}", "dq": f"*{DT}", "dk": f"*{DT}", "dw": f"*{DT}", "dg": "*fp32",
+             "cu_seqlens": "*i64", "chunk_indices": "*i64", "scale": "fp32", "T": "i32"}
+
+
 @pytest.mark.parametrize("K", [64, 128])
 def test_round_scans_compile_for_sm90(K):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, __file__, str(K)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.stdout.count("compiled") == len(VARIANTS), r.stdout
+    assert r.stdout.count("compiled") == len(VARIANTS) + 1, r.stdout
 
 
 def _compile_all(K: int) -> None:
@@ -61,6 +67,15 @@ def _compile_all(K: int) -> None:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
         assert compiled.asm["cubin"]
         print("compiled", which, K, flags, flush=True)
+
+    import harts.kernels.gdn_round as kg
+
+    consts = dict(H=8, HV=16, K=K, V=128, BT=64, BK=K, BV=K)
+    sig = {**DQKWG_SIG, **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn=jit_fn(kg.gdn_round_bwd_kernel_dqkwg), signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    assert compiled.asm["cubin"]
+    print("compiled dqkwg", K, flush=True)
 
 
 def test_bf16_adamw_update_compiles_for_sm90():
