@@ -32,13 +32,13 @@ rounding (|g| x BT x 2^-24 relative). The reverse cumsum that turns this into th
 the w/u (WY) part of dg are the caller's.
 
 Every product whose transpose is needed is formed directly from its operands in the needed orientation (ds from
-do and v_n^T, ds^T from v_n and do^T, both loaded from memory in that layout): the kernel transposes no tl.dot
-result. fla issue #640 traced a Hopper miscompile of fla's gated dqkwg kernel (3.4 <= Triton < 3.7.1) to
-``tl.trans`` of an MMA result at block width BK = 64. This kernel has no such transpose, but whether it is free
-of that miscompile has not been measured on a Hopper GPU, so the launcher keeps the refusal of that
-configuration (``fla_640_affected``) until a GPU run against a float64 truth (``python -m harts.bench.gdn_round``)
-shows it is not needed. Interpreter-safe: one autotune config under TRITON_INTERPRET=1, no casts of loop
-variables.
+do and v_n^T, ds^T from v_n and do^T, both loaded from memory in that layout): the kernel has no tl.trans, of an
+MMA result or otherwise. fla issue #640 traced a Hopper miscompile of fla's gated dqkwg kernel (3.4 <= Triton <
+3.7.1) to ``tl.trans`` of an MMA result at block width BK = 64. This kernel has no such transpose, but whether it
+is free of that miscompile has not been measured on a Hopper GPU, so the launcher keeps the refusal of that
+configuration (``fla_640_affected``) until a GPU run against a float64 truth (``python -m
+harts.bench.gdn_round``) shows it is not needed. Interpreter-safe: one autotune config under TRITON_INTERPRET=1,
+no casts of loop variables.
 
 Legend: T packed tokens, N sequences, H key heads, HV value heads (each key head serves G = HV / H of them),
 K/V head dims, BT chunk size, NT total chunks, BK/BV key/value block widths, NK key blocks; tile suffixes
