@@ -1,7 +1,7 @@
 """chunk_gdn_round's gate gradient at fast decays against a float64 per-token truth (Triton interpreter, float32).
 
 At a per-token log decay of -20 the true dg is O(exp(-20)) while fla's dg identity sums O(1) terms that
-cancel exactly; chunk_gdn_round forms dg without them (harts.ops.gdn_round.chunk.chunk_gdn_bwd_kernel_dqkwg).
+cancel exactly; chunk_gdn_round forms dg without them (harts.kernels.gdn_round.gdn_round_bwd_kernel_dqkwg).
 """
 import pytest
 

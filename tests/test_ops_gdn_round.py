@@ -129,7 +129,7 @@ def test_validation_names_the_argument():
 
 def test_fla_640_guard_is_narrow():
     """The dqkwg refusal covers exactly fla #640's miscompile: Hopper, 3.4 <= Triton < 3.7.1, BK = 64."""
-    from harts.ops.gdn_round.chunk import fla_640_affected
+    from harts.kernels.gdn_round import fla_640_affected
 
     assert fla_640_affected(True, "3.6.0", 64) and fla_640_affected(True, "3.4.0", 64)
     assert not fla_640_affected(True, "3.6.0", 128)  # Hopper's tiling at K = 128

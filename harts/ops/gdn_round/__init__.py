@@ -12,7 +12,7 @@ __all__ = ["chunk_gdn_round", "chunk_gdn_round_reference", "check_gdn_round_inpu
 
 def __getattr__(name):
     # The fast path imports fla and triton; keep that cost out of reference-only users.
-    if name in ("chunk_gdn_round", "ChunkGDNRoundFunction", "chunk_bwd_dqkwg_checked"):
+    if name in ("chunk_gdn_round", "ChunkGDNRoundFunction"):
         from harts.ops.gdn_round import chunk
 
         return getattr(chunk, name)

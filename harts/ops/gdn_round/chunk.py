@@ -33,7 +33,7 @@ from fla.ops.utils import chunk_local_cumsum
 from fla.ops.utils.constant import RCP_LN2
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
-from harts.kernels.gdn_round import fla_640_affected, gdn_round_bwd_dqkwg  # noqa: F401  (fla_640_affected: re-exported)
+from harts.kernels.gdn_round import gdn_round_bwd_dqkwg
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
 from harts.ops.gdn_round.naive import check_gdn_round_inputs
 from harts.ops.kda_round.chunk import round_indices
@@ -41,10 +41,6 @@ from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
 from harts.ops.tuning import tuned
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)  # fla-core 0.6.0's GDN intra-chunk pieces; the reference takes any size
-
-
-# the name harts.ops.gdn_round exports for the dqkwg step
-chunk_bwd_dqkwg_checked = gdn_round_bwd_dqkwg
 
 
 class ChunkGDNRoundFunction(torch.autograd.Function):
