@@ -40,7 +40,7 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     from harts.bench.speedup import planned_microbatches
     from harts.runtime import pack
 
-    common = ["--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "3",
+    common = ["--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "2",
               "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path)]
     for shard in ("1/2", "0/2"):
         assert main(common + ["--shard", shard]) == 0
@@ -49,7 +49,7 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     r = json.loads((tmp_path / "speedup.json").read_text())
 
     class A:
-        preset, workload, seed, scale, capacity, microbatches = "ling3-tiny-debug", "tiny", 0, 0.2, 128, 3
+        preset, workload, seed, scale, capacity, microbatches = "ling3-tiny-debug", "tiny", 0, 0.2, 128, 2
     mbs, _, _ = planned_microbatches(A)
     assert [rec["index"] for rec in r["records"]] == list(range(len(mbs)))  # each once, none dropped
     raw = sum(len(t) for m in mbs for t in m)

@@ -20,11 +20,12 @@ def _run(model, batch):
 def test_fast_kernels_through_the_compact_runtime(fla_interpreter_patches):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B = 32  # fla's intra-chunk kernels support 32 and 64
-    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=B, num_hidden_layers=4,
-                            num_attention_heads=2, head_dim=32, hidden_size=64)
-    fast = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=B, num_hidden_layers=4,
-                             num_attention_heads=2, head_dim=32, hidden_size=64, kda_backend="fast",
-                             conv_backend="fast", logprobs_backend="fast")
+    # one KDA and one MLA layer (layer groups of 2), the second one MoE
+    shape = dict(kda_chunk_size=B, num_hidden_layers=2, layer_group_size=2, num_attention_heads=2, head_dim=32,
+                 hidden_size=64)
+    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", **shape)
+    fast = LingConfig.preset("ling3-tiny-debug", backend="reference", **shape, kda_backend="fast", conv_backend="fast",
+                             logprobs_backend="fast")
     torch.manual_seed(0)
     model = LingForCausalLM(cfg).float().to(dev)
     batch = pack(fork_tree(B, np.random.default_rng(0)), chunk_size=B).to(dev)
