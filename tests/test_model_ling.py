@@ -248,11 +248,11 @@ def test_fast_kernels_alone_equals_packed_interpreter_fp32(fla_interpreter_patch
     """fla's KDA, conv and fused norms through the whole model: a trajectory's log-probs do not depend on
     whether its call holds it alone or next to another (first or second). The one-trajectory-per-call
     baseline drifts from packed calls in bf16 on the GPU; in fp32 the two agree to rounding, so that drift is
-    bf16 call-shape numerics, not a single-sequence code path. One 3 KDA + 1 MLA group (4 layers) runs every
-    kernel of the model; the interpreter's time grows with each further layer."""
+    bf16 call-shape numerics, not a single-sequence code path. One KDA + one MLA layer (layer groups of 2)
+    run every kernel of the model; the interpreter's time grows with each further layer."""
     torch.manual_seed(0)
     cfg = LingConfig.preset("ling3-tiny-debug", kda_chunk_size=32, kda_backend="fast", conv_backend="fast",
-                            norm_backend="fast", num_hidden_layers=4)
+                            norm_backend="fast", num_hidden_layers=2, layer_group_size=2)
     model = LingForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
     a, b = (torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (45, 20))
