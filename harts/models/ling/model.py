@@ -136,6 +136,11 @@ class LingModel(nn.Module):
             raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
         else:
             h_TD = hidden_PD
+        return self.run_layers(h_TD, batch, token_weight_T, router)
+
+    def run_layers(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None, router):
+        """The decoder layers under the checkpoint policy, then the final norm (if this stage has it); shared
+        with Qwen3.5's decoder stack."""
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers

@@ -16,14 +16,12 @@ Construct on ``torch.device("meta")`` for deferred init, then ``to_empty`` + ``i
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from harts.models.causal_lm import CausalLM
-from harts.models.ling.compile import compile_model, selective_layer_forward
+from harts.models.ling.compile import compile_model
 from harts.models.ling.model import LingModel, _check_packed, _check_token_ids
 from harts.models.qwen35.blocks import DecoderLayer, Packed, RMSNorm, SparseMoE, init_module_weights
 from harts.models.qwen35.config import Qwen35Config
@@ -50,6 +48,7 @@ class Qwen35Model(nn.Module):
     # harts.models.ling.compile) or "full" (every layer recomputed whole); ``checkpoint_layers`` is "full" or not.
     checkpoint_policy = LingModel.checkpoint_policy
     checkpoint_layers = LingModel.checkpoint_layers
+    run_layers = LingModel.run_layers
 
     def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
                 *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,20 +78,7 @@ class Qwen35Model(nn.Module):
             raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
         else:
             h_TD = hidden_PD
-        if token_weight_T is not None:
-            token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
-        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
-        policy = self._checkpoint_policy if torch.is_grad_enabled() else "none"
-        with (torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint_early_stop) if policy != "none"
-              else nullcontext()):
-            for layer in layers:
-                if policy == "full":
-                    h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
-                elif policy == "selective":
-                    h_TD = selective_layer_forward(layer)(h_TD, batch, token_weight_T, router)
-                else:
-                    h_TD = layer(h_TD, batch, token_weight_T, router)
-        return h_TD if self.norm is None else self.norm(h_TD)
+        return self.run_layers(h_TD, batch, token_weight_T, router)
 
 
 class Qwen35ForCausalLM(CausalLM):
