@@ -146,3 +146,12 @@ def test_slot_gather_and_row_permute_are_exact_and_gradcheck():
     y = torch.randn(T * K, D, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.equal(_RowPermute.apply(y, inv, order), y[inv])
     assert torch.autograd.gradcheck(lambda y: _RowPermute.apply(y, inv, order), (y,))
+
+
+def test_group_score_top2_sum_equals_topk_bitwise_with_ties():
+    from harts.ops.moe.router import _top2_sum
+
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(512, 8, 16, generator=g, dtype=torch.float64),
+              torch.randint(0, 3, (512, 8, 16), generator=g).float()):  # many ties, all-equal groups
+        assert torch.equal(_top2_sum(x), x.topk(2, dim=-1).values.sum(-1))

@@ -20,8 +20,8 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
   [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
   spent in the compile backend, and the number of compilations over all steps run.
-The loss is -mean log p(next token) through ``token_logprobs`` (chunked, checkpointed): no T x V fp32
-tensor is ever materialised (at most one chunk's logits).
+The loss is -mean log p(next token) through ``token_logprobs``, the trainer's log-prob path (the fused
+``compact_logprobs`` on the fast backend): no T x V fp32 tensor is ever materialised.
 """
 from __future__ import annotations
 

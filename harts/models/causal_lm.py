@@ -47,12 +47,23 @@ class CausalLM(nn.Module):
 
     def token_logprobs(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
                        rows_S: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(targets_S[s] | row rows_S[s]) in fp32+, chunked over rows (no [S, V] fp32 tensor kept)."""
+        """log p(targets_S[s] | row rows_S[s]) in fp32+; no [S, V] fp32 tensor is kept.
+
+        The one log-prob path of the library (trainer, benchmarks, HARTS batches): the fused
+        ``harts.ops.compact_logprobs`` (blocked GEMMs with an online log-sum-exp, one log-sum-exp per
+        row) where the ``logprobs`` op backend resolves to fast, else the chunked, checkpointed torch
+        reference (``logprobs_chunk_size`` rows at a time)."""
         from harts.models.ling.logprobs import compact_logprobs_reference  # (harts.models.ling imports this module)
+        from harts.ops.backend import resolve
 
         if rows_S is None:
             rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
-        return compact_logprobs_reference(hidden_TD, self.lm_head.weight, rows_S, targets_S,
+        weight_VD = self.lm_head.weight
+        if resolve("logprobs", self.config.op_backend("logprobs"), hidden_TD.device, hidden_TD.dtype) == "fast":
+            from harts.ops.logprobs import compact_logprobs
+
+            return compact_logprobs(hidden_TD, weight_VD, rows_S, targets_S)
+        return compact_logprobs_reference(hidden_TD, weight_VD, rows_S, targets_S,
                                           chunk_size=self.config.logprobs_chunk_size)
 
     # ------------------------------------------------------------------ HARTS batches

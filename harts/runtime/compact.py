@@ -219,14 +219,6 @@ def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None,
         lo, hi = cp.row_range
         own = (rows >= lo) & (rows < hi)
         idx = own.nonzero().squeeze(1)
-        lp_own = _logprobs(model, h, rows[idx] - lo, targets[idx])
+        lp_own = model.token_logprobs(h, targets[idx], rows[idx] - lo)
         return torch.zeros(rows.shape[0], dtype=lp_own.dtype, device=lp_own.device).index_copy(0, idx, lp_own)
-    return _logprobs(model, h, rows, targets)
-
-
-def _logprobs(model, h, rows, targets):
-    if resolve("logprobs", model.config.op_backend("logprobs"), h.device, h.dtype) == "fast":
-        from harts.ops.logprobs import compact_logprobs
-
-        return compact_logprobs(h, model.lm_head.weight, rows, targets)
     return model.token_logprobs(h, targets, rows)

@@ -60,8 +60,9 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   compiled regions, whose forwards are rerun on recomputation: a whole extra forward per step.
 - ``"selective"`` runs the layer as ``pre`` / core / ``post`` (``selective_layer_forward``) with the core
   outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's
-  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``) and of the opaque
-  MoE reference op are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
+  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``), of the opaque
+  MoE reference op and of the router's expert ``topk`` (a sort kernel Inductor cannot fuse; its [T, K]
+  output is small) are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
   row gathers) is recomputed in backward. Why this split: the core is where the layout lives (host-side
   plans, Triton autograd Functions, which an op policy cannot see into: it would recompute a custom
   Function whole) and it is the expensive non-GEMM part of a layer (attention and the KDA chunk loop), so
@@ -181,7 +182,7 @@ def _post_sparse_moe(layer, h_TD: torch.Tensor, x_TD: torch.Tensor, o, token_wei
 # Selective activation checkpointing of the regions (module docstring).
 def _save_ops() -> frozenset:
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.topk.default,
            torch.ops.harts.moe_experts_reference.default}
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)

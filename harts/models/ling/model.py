@@ -8,8 +8,8 @@ positions are an explicit input (never derived inside attention) and every seque
 layers (prefix-shared or trajectory-wise), and ``logprobs(batch)`` scores it: the trainer, the
 benchmarks and library users all run this forward. A pipeline stage is this model pruned
 (``harts.train.pipeline``): absent embeddings take ``hidden_PD`` as input, an absent norm passes
-the hidden states on. The LM head is separate: ``token_logprobs`` chunks over tokens so a 64K x 157K
-fp32 logits tensor never exists. Construct on ``torch.device("meta")`` for deferred init, then
+the hidden states on. The LM head is separate: ``token_logprobs`` (fused blocked GEMMs with an online
+log-sum-exp, or the chunked reference) never builds a 64K x 157K fp32 logits tensor. Construct on ``torch.device("meta")`` for deferred init, then
 ``to_empty`` + ``init_weights``. ``model.compile()`` (``harts.models.ling.compile_model``) makes
 torch.compile the execution engine of the decoder layers, applied in place from outside the layers.
 
