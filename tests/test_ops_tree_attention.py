@@ -161,7 +161,10 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
     for name, t, a, b, c in zip(("o", "dq", "dk", "dv"), truth, got, old, auto):
         err, err_old = (a - t).abs().max().item(), (b - t).abs().max().item()
         assert err <= 2 * err_old + 1e-3 * t.abs().max().item(), f"{name}: flex error {err:.3g}, views {err_old:.3g}"
-        torch.testing.assert_close(c, b, rtol=0, atol=0, msg=lambda m: f"{name}: auto is not the view path: {m}")
+        if name == "o":  # the forward is deterministic; flash's backward accumulates dq in no fixed order
+            torch.testing.assert_close(c, b, rtol=0, atol=0, msg=lambda m: f"{name}: auto is not the view path: {m}")
+        else:
+            assert (c - b).abs().max().item() <= err_old, f"{name}: auto differs from the view path beyond its error"
 
 
 def test_model_on_flex_equals_trajectory_wise(monkeypatch):
