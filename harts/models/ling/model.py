@@ -9,9 +9,10 @@ layers (prefix-shared or trajectory-wise), and ``logprobs(batch)`` scores it: th
 benchmarks and library users all run this forward. A pipeline stage is this model pruned
 (``harts.train.pipeline``): absent embeddings take ``hidden_PD`` as input, an absent norm passes
 the hidden states on. The LM head is separate: ``token_logprobs`` (fused blocked GEMMs with an online
-log-sum-exp, or the chunked reference) never builds a 64K x 157K fp32 logits tensor. Construct on ``torch.device("meta")`` for deferred init, then
-``to_empty`` + ``init_weights``. ``model.compile()`` (``harts.models.ling.compile_model``) makes
-torch.compile the execution engine of the decoder layers, applied in place from outside the layers.
+log-sum-exp, or the chunked reference) never builds a 64K x 157K fp32 logits tensor. Construct on
+``torch.device("meta")`` for deferred init, then ``to_empty`` + ``init_weights``. ``model.compile()``
+(``harts.models.ling.compile_model``) makes torch.compile the execution engine of the decoder
+layers, applied in place from outside the layers.
 
 Activation checkpointing is a per-model policy, ``model.model.checkpoint_policy`` (``AC_POLICIES``): "none"
 keeps every activation; "full" recomputes each decoder layer in backward (a whole extra forward);
