@@ -124,12 +124,13 @@ def test_gdn_round_bench_reference_backend(tmp_path):
                            "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gdn_round.json").read_text())
     ms = r["ms"]
-    assert set(ms) == {"fla", "fla_rep", "round", "round_states", "rounds", "fla_fwd", "round_fwd",
+    assert set(ms) == {"fla", "fla_rep", "round", "round_states", "rounds", "rounds_fla_pieces", "fla_fwd", "round_fwd",
                        "round_states_fwd", "round_fla_pieces", "round_fla_pieces_states", "round_fla_pieces_fwd",
                        "round_fla_pieces_states_fwd"}
     assert r["round_over_fla"] == ms["round"] / ms["fla"] and r["fla_backward_refused"] is None
     assert r["round_states_over_fla"] == ms["round_states"] / ms["fla"]
     assert r["rounds_speedup_over_trajectory_wise"] == ms["round"] / ms["rounds"]
+    assert r["rounds_fla_pieces_speedup_over_trajectory_wise"] == ms["round_fla_pieces"] / ms["rounds_fla_pieces"]
     assert (r["key_heads"], r["value_heads"], r["key_dim"], r["chunk"]) == (2, 4, 16, 16)
     assert r["requested_states"] > 0 and r["plan"]["boundary_states"] > 0
     p = r["plan"]
@@ -142,19 +143,27 @@ def test_gdn_round_bench_reference_backend(tmp_path):
 
 
 def test_gdn_round_bench_when_fla_refuses_its_backward(tmp_path, monkeypatch):
-    """fla 0.6.0 refuses the GDN backward on Hopper with Triton < 3.7.1: the bench then times forwards against
-    fla and every round variant, judges the outputs only, and says so."""
+    """fla 0.6.0 refuses the GDN backward on Hopper with Triton < 3.7.1 (its module flag
+    ``chunk_o.TRITON_ABOVE_3_7_1`` false): the bench then times fla's forward + backward with that flag lifted,
+    judges the round variants' outputs against fla's and their gradients against each other, reports the
+    lifted fla's gradient errors without using them as a reference, and says so."""
+    from fla.ops.common import chunk_o
+
     from harts.bench import gdn_round
 
-    class Refuse(torch.autograd.Function):
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+
+    class Refuse(torch.autograd.Function):  # refuses as fla does: reads the flag when the backward runs
         @staticmethod
         def forward(ctx, o):
             return o.clone()
 
         @staticmethod
         def backward(ctx, do):
-            raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
-                               "chunk_bwd_dqkwg")
+            if not chunk_o.TRITON_ABOVE_3_7_1:
+                raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for "
+                                   "gated chunk_bwd_dqkwg")
+            return do
 
     core_fla = gdn_round.core_fla
     monkeypatch.setattr(gdn_round, "core_fla", lambda *a, **kw: Refuse.apply(core_fla(*a, **kw)))
@@ -163,11 +172,15 @@ def test_gdn_round_bench_when_fla_refuses_its_backward(tmp_path, monkeypatch):
                            "--check-tokens", "32", "--noise-factor", "100", "--device", "cpu", "--dtype", "float64",
                            "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gdn_round.json").read_text())
-    assert "chunk_bwd_dqkwg" in r["fla_backward_refused"]
-    assert "fla" not in r["ms"] and r["round_over_fla"] is None
+    assert "chunk_bwd_dqkwg" in r["fla_backward_refused"] and r["fla_backward_guard_lifted"]
+    assert chunk_o.TRITON_ABOVE_3_7_1 is False  # restored after every lifted call
+    assert r["round_over_fla"] == r["ms"]["round"] / r["ms"]["fla"]
+    assert r["round_fla_pieces_over_fla"] == r["ms"]["round_fla_pieces"] / r["ms"]["fla"]
     assert r["round_fwd_over_fla_fwd"] == r["ms"]["round_fwd"] / r["ms"]["fla_fwd"]
     nm = r["numerics"]
     assert not nm["fla_grads"] and nm["fla"][1:] == [None] * 5 and nm["within_noise"][1:] == [None] * 5
+    assert nm["grad_floor_from"] == "round" and len(nm["fla_guard_lifted"]) == 6
+    assert max(nm["fla_guard_lifted"]) < 1e-12  # the reference core under the mock: exact, reported only
     assert nm["ok"] and nm["within_noise"][0] and max(nm["round"]) < 1e-12
 
 
