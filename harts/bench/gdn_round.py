@@ -30,8 +30,8 @@ The table gives each round variant over fla (the issue's bound: <= 1.05x on the 
 forwards alone (``*_fwd``). fla 0.6.0 refuses its GDN backward on Hopper with Triton >= 3.4 and < 3.7.1
 unless tilelang is installed (``fla_backward_refusal``); the bench then records fla's message and times fla's
 forward + backward with that refusal lifted (``_guard_lifted``: the time is what the issue's ratio needs, the
-gradients are reported but never used as a reference). Numerics: on a slice of the rows (``--check-tokens``), fla's and both
-round implementations' outputs and input gradients are compared with a float64 CPU truth
+gradients are reported but never used as a reference). Numerics: on a slice of the rows (``--check-tokens``),
+fla's and both round implementations' outputs and input gradients are compared with a float64 CPU truth
 (``harts.ops.gdn.gated_delta_rule_reference``); a round implementation passes when its error is within
 ``--noise-factor`` x fla's (floored at the dtype's epsilon): both are then equally close to exact arithmetic.
 Where fla's backward is refused, the gradients are judged against the other round implementation's errors

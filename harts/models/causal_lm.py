@@ -29,6 +29,13 @@ class CausalLM(nn.Module):
             total += n
         return total
 
+    def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
+        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
+        per-row regions around the eager sequence-mixer cores) and return its ``CompileReport``."""
+        from harts.models.ling.compile import compile_model
+
+        return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,

@@ -32,7 +32,7 @@ from harts.models.causal_lm import CausalLM
 from harts.models.ling.blocks import DecoderLayer, MoE, Packed, RMSNorm, init_module_weights
 from harts.models.ling.config import LingConfig
 
-__all__ = ["LingModel", "LingForCausalLM", "AC_POLICIES"]
+__all__ = ["DecoderStack", "LingModel", "LingForCausalLM", "AC_POLICIES"]
 
 AC_POLICIES = ("none", "selective", "full")
 
@@ -71,19 +71,14 @@ def _check_token_ids(ids_T: torch.Tensor, vocab_size: int, cu_seqlens=None, wher
                      f"vocab_size={vocab_size} (valid ids are 0..{vocab_size - 1})")
 
 
-class LingModel(nn.Module):
-    embedding_attr = "word_embeddings"  # the token embedding's attribute (None on later pipeline stages)
+class DecoderStack(nn.Module):
+    """What a decoder stack does above its layers, shared by LingModel and Qwen3.5's stack: the forward over
+    packed trajectories or a CompactBatch (input checks, the embedding or a pipeline stage's input rows), the
+    layer loop under the activation checkpointing policy, and the final norm. A subclass builds ``cfg``,
+    its embedding (attribute ``embedding_attr``), ``layers`` and ``norm``, and sets ``checkpoint_policy``
+    and ``checkpoint_early_stop``."""
 
-    def __init__(self, cfg: LingConfig):
-        super().__init__()
-        self.cfg = cfg
-        # No padding_idx: the official nn.Embedding(padding_idx=<|endoftext|>) would freeze that row's grad.
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
-        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
-        # recomputation once the saved tensors are back, which layers with collectives must not do
-        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
+    embedding_attr: str  # the token embedding's attribute (None on later pipeline stages)
 
     @property
     def checkpoint_policy(self) -> str:
@@ -125,14 +120,17 @@ class LingModel(nn.Module):
             token_weight_T = layout.local_rows(layout.multiplicity)
             checked = layout.vocab_size is not None and layout.vocab_size <= self.cfg.vocab_size  # by pack
         else:
+            if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
+                raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
             _check_packed(input_ids_T, position_ids_T, cu_seqlens)
             batch, checked = Packed(position_ids_T, cu_seqlens, max_seqlen), False
-        if self.word_embeddings is not None:
+        embedding = getattr(self, self.embedding_attr)
+        if embedding is not None:
             if not checked and batch.prefix_sharing:
                 _check_token_ids(input_ids_T, self.cfg.vocab_size, where="CompactBatch.input_ids", unit="physical row")
             elif not checked:
                 _check_token_ids(input_ids_T, self.cfg.vocab_size, batch.cu_seqlens)
-            h_TD = self.word_embeddings(input_ids_T)
+            h_TD = embedding(input_ids_T)
         elif hidden_PD is None:
             raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
         else:
@@ -140,8 +138,7 @@ class LingModel(nn.Module):
         return self.run_layers(h_TD, batch, token_weight_T, router)
 
     def run_layers(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None, router):
-        """The decoder layers under the checkpoint policy, then the final norm (if this stage has it); shared
-        with Qwen3.5's decoder stack."""
+        """The decoder layers under the checkpoint policy, then the final norm (if this stage has it)."""
         if token_weight_T is not None:
             token_weight_T = token_weight_T.to(torch.promote_types(h_TD.dtype, torch.float32))
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
@@ -161,6 +158,21 @@ class LingModel(nn.Module):
         return h_TD if self.norm is None else self.norm(h_TD)
 
 
+class LingModel(DecoderStack):
+    embedding_attr = "word_embeddings"
+
+    def __init__(self, cfg: LingConfig):
+        super().__init__()
+        self.cfg = cfg
+        # No padding_idx: the official nn.Embedding(padding_idx=<|endoftext|>) would freeze that row's grad.
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
+        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
+        # recomputation once the saved tensors are back, which layers with collectives must not do
+        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
+
+
 class LingForCausalLM(CausalLM):
     def __init__(self, cfg: LingConfig):
         super().__init__()
@@ -172,13 +184,6 @@ class LingForCausalLM(CausalLM):
             self.init_weights()
 
     # ------------------------------------------------------------------ setup
-    def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
-        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
-        per-row regions around the eager sequence-mixer cores) and return its ``CompileReport``."""
-        from harts.models.ling.compile import compile_model
-
-        return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-
     def init_weights(self, seed: int | None = None) -> "LingForCausalLM":
         init_module_weights(self, self.config, seed)
         return self

@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from harts.models.causal_lm import CausalLM
-from harts.models.ling.compile import compile_model
-from harts.models.ling.model import LingModel, _check_packed, _check_token_ids
-from harts.models.qwen35.blocks import DecoderLayer, Packed, RMSNorm, SparseMoE, init_module_weights
+from harts.models.ling.model import DecoderStack
+from harts.models.qwen35.blocks import DecoderLayer, RMSNorm, SparseMoE, init_module_weights
 from harts.models.qwen35.config import Qwen35Config
 
 __all__ = ["Qwen35Model", "Qwen35ForCausalLM"]
@@ -32,8 +31,11 @@ __all__ = ["Qwen35Model", "Qwen35ForCausalLM"]
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias")
 
 
-class Qwen35Model(nn.Module):
-    embedding_attr = "embed_tokens"  # the token embedding's attribute (None on later pipeline stages)
+class Qwen35Model(DecoderStack):
+    """The decoder stack; its forward, layer loop and activation checkpointing policy ("none" | "selective" |
+    "full", over the pre / core / post regions of harts.models.ling.compile) are DecoderStack's."""
+
+    embedding_attr = "embed_tokens"
 
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
@@ -42,43 +44,6 @@ class Qwen35Model(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
-
-    # Activation checkpointing is LingModel's policy (``AC_POLICIES``, harts.train.parallelize.apply_ac sets it):
-    # "none", "selective" (the layer's pre / core / post regions under the op-level save policy of
-    # harts.models.ling.compile) or "full" (every layer recomputed whole); ``checkpoint_layers`` is "full" or not.
-    checkpoint_policy = LingModel.checkpoint_policy
-    checkpoint_layers = LingModel.checkpoint_layers
-    run_layers = LingModel.run_layers
-
-    def forward(self, input_ids_T=None, position_ids_T=None, cu_seqlens=None, token_weight_T=None, max_seqlen=None,
-                *, layout=None, router: tuple | None = None, hidden_PD: torch.Tensor | None = None) -> torch.Tensor:
-        """As LingModel.forward: a pipeline stage (harts.train.pipeline) without embeddings takes the previous
-        stage's rows ``hidden_PD``, one without the final norm passes its hidden states on."""
-        if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
-            layout, input_ids_T = input_ids_T, None
-        if layout is not None:
-            from harts.runtime.compact import check_batch
-
-            check_batch(layout, self.cfg)
-            batch, input_ids_T = layout, layout.local_rows(layout.input_ids)
-            token_weight_T = layout.local_rows(layout.multiplicity)
-            if self.embed_tokens is not None and (layout.vocab_size is None or layout.vocab_size > self.cfg.vocab_size):
-                where, unit = "CompactBatch.input_ids", ("physical row" if layout.prefix_sharing else "position")
-                _check_token_ids(input_ids_T, self.cfg.vocab_size, where=where, unit=unit)
-        else:
-            if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
-                raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
-            _check_packed(input_ids_T, position_ids_T, cu_seqlens)
-            if self.embed_tokens is not None:
-                _check_token_ids(input_ids_T, self.cfg.vocab_size, cu_seqlens)
-            batch = Packed(position_ids_T, cu_seqlens, max_seqlen)
-        if self.embed_tokens is not None:
-            h_TD = self.embed_tokens(input_ids_T)
-        elif hidden_PD is None:
-            raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
-        else:
-            h_TD = hidden_PD
-        return self.run_layers(h_TD, batch, token_weight_T, router)
 
 
 class Qwen35ForCausalLM(CausalLM):
@@ -94,11 +59,6 @@ class Qwen35ForCausalLM(CausalLM):
             self.init_weights()
 
     # ------------------------------------------------------------------ setup and I/O
-    def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
-        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
-        per-row regions around the eager GDN / attention cores) and return its ``CompileReport``."""
-        return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-
     def init_weights(self, seed: int | None = None) -> "Qwen35ForCausalLM":
         """Scratch init (harts.models.qwen35.blocks.initial_value); with a seed every parameter draws from
         its own generator, so the result depends neither on module order nor on sharding."""
