@@ -133,17 +133,44 @@ def rel_rmse(a, b):
 @pytest.mark.gpu
 def test_gdn_round_impls_fast_paths_agree_with_float64_truth():
     """The check below in a fresh process whose Triton dots on float32 inputs are IEEE float32
-    (``TRITON_F32_DEFAULT=ieee``). Why: on tensor-core GPUs a float32 ``tl.dot`` defaults to TF32 (10-bit
-    mantissa), about 1e-3 relative, far above the float32 reference's error to the float64 truth that the
-    bounds are made of; Triton reads the knob when it generates code and its in-process kernel cache is not
-    keyed by it, so kernels compiled by earlier tests would be reused in TF32."""
+    (``TRITON_F32_DEFAULT=ieee``, and fla's explicit TF32 / bf16x3 dot precisions set to IEEE:
+    ``_fla_ieee_dots``). Why: on tensor-core GPUs a float32 ``tl.dot`` defaults to TF32 (10-bit mantissa),
+    and fla's intra-chunk triangular solves ask for TF32 explicitly; that is about 1e-3 relative, far above
+    the float32 reference's error to the float64 truth that the bounds are made of (the Triton interpreter
+    on a CPU computes these dots in IEEE float32). Triton reads both when it generates code and its
+    in-process kernel cache is not keyed by them, so kernels compiled by earlier tests would be reused."""
     if os.environ.get("TRITON_F32_DEFAULT") == "ieee":
+        _fla_ieee_dots()
         return _check_gdn_round_impls()
     env = {**os.environ, "TRITON_F32_DEFAULT": "ieee"}
     code = "from tests.test_qwen35_tree import _check_gdn_round_impls as f; f()"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+
+
+def _fla_ieee_dots() -> list[str]:
+    """Set every reduced-precision dot precision that fla's loaded kernel modules declare as a module
+    constant (``tl.constexpr`` 'tf32', 'tf32x3' or 'bf16x3', e.g. ``SOLVE_TRIL_DOT_PRECISION``) to 'ieee',
+    before any kernel compiles; returns the names set. Fails if the two round implementations' intra-chunk
+    solves (fla's KDA and GDN forward) are not among them: a renamed constant must not pass silently."""
+    import triton.language as tl
+
+    import harts.ops.gdn_round  # noqa: F401  (loads the fla kernel modules both implementations call)
+    import harts.ops.kda_round  # noqa: F401
+
+    done = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.ops.") or mod is None:
+            continue
+        for attr, val in list(vars(mod).items()):
+            if isinstance(val, tl.constexpr) and val.value in ("tf32", "tf32x3", "bf16x3"):
+                setattr(mod, attr, tl.constexpr("ieee"))
+                done.append(f"{name}.{attr}")
+    need = {f"fla.ops.{m}.SOLVE_TRIL_DOT_PRECISION" for m in ("kda.chunk_intra", "gated_delta_rule.chunk_fwd")}
+    if torch.cuda.is_available() and not need <= set(done):
+        raise RuntimeError(f"fla's TF32 solve precisions not found (set: {done}); update _fla_ieee_dots")
+    return done
 
 
 def _check_gdn_round_impls():
