@@ -3,6 +3,7 @@ merged report's rows and FLOPs equal a direct count, and a run that loaded kerne
 import json
 
 import pytest
+import torch
 
 from harts.bench.speedup import main, parse_shard, timed_run
 
@@ -28,6 +29,30 @@ def test_timed_run_repeats_until_no_kernel_load():
     assert r["runs"] == 2 and not r["clean"]  # reported, never hidden
 
 
+def _small_profile() -> dict:
+    """profile_families of a HARTS-like and a baseline-like CPU workload (matrix products and elementwise ops,
+    the baseline doing 2x the work), as the bench's report records them."""
+    from harts.bench.speedup import profile_families, profile_record
+
+    a = torch.randn(96, 96, dtype=torch.float64)
+
+    def work(n):
+        for _ in range(n):
+            (a @ a).relu_().exp_()
+
+    fam = [profile_families(lambda n=n: work(n), torch.device("cpu"), _Loads(), lambda: None) for n in (2, 4)]
+    return profile_record(0, 200, 100, fam[0], fam[1])
+
+
+def test_profile_families_on_cpu():
+    p = _small_profile()
+    fams = p["families"]
+    assert fams["gemm"]["harts_s"] > 0 and fams["gemm"]["baseline_s"] > 0 and p["compression"] == 2.0
+    assert p["device_idle"] == {"harts": None, "baseline": None}  # CPU: no device timeline
+    for v in fams.values():
+        assert v["ideal_s"] == v["baseline_s"] / 2 and v["excess_s"] == v["harts_s"] - v["ideal_s"]
+
+
 def test_parse_shard_errors():
     assert parse_shard("1/2") == (1, 2)
     for bad in ("2/2", "x", "1"):
@@ -40,11 +65,17 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     from harts.bench.speedup import planned_microbatches
     from harts.runtime import pack
 
+    # no profiler here (on a CPU its event parsing of the per-token reference cores takes most of a minute):
+    # shard 0's profile is a real one of a small workload (test_profile_families_on_cpu's), carried by the merge
     common = ["--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "2",
-              "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path)]
+              "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path), "--no-profile"]
     for shard in ("1/2", "0/2"):
         assert main(common + ["--shard", shard]) == 0
     shards = [str(tmp_path / f"speedup_shard{i}of2.json") for i in (1, 0)]
+    s0 = json.loads(open(shards[1]).read())
+    assert "profile" not in s0
+    s0["profile"] = _small_profile()
+    open(shards[1], "w").write(json.dumps(s0))
     assert main(["--merge", *shards, "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "speedup.json").read_text())
 
@@ -61,6 +92,6 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     for m in mbs:
         idx = [i for sb in subbatches(m, 128) for i in sb]
         assert sorted(idx) == list(range(len(m)))
-    assert r["profile"]["families"] and r["shards"] == 2
+    assert r["profile"] == s0["profile"] and r["shards"] == 2
     with pytest.raises(SystemExit, match="every shard"):
         main(["--merge", shards[0], "--out", str(tmp_path)])

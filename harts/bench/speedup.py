@@ -81,6 +81,19 @@ def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None]:
     return dict(out), idle
 
 
+def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: tuple) -> dict:
+    """The report's ``profile``: per op family the HARTS and baseline seconds of one microbatch (``harts`` and
+    ``baseline`` are ``profile_families`` results), the ideal (baseline / the microbatch's compression) and
+    HARTS's excess over it, and the device idle time of each path."""
+    (fam_h, idle_h), (fam_b, idle_b) = harts, baseline
+    c0 = raw / compact
+    return {"index": index, "raw": raw, "compact": compact, "compression": c0,
+            "device_idle": {"harts": idle_h, "baseline": idle_b},
+            "families": {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
+                             "ideal_s": fam_b.get(f, 0.0) / c0, "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
+                         for f in sorted(set(fam_h) | set(fam_b))}}
+
+
 def planned_microbatches(args):
     """The step's fullest ``args.microbatches`` planned microbatches (trajectory lists) and the plan time."""
     from harts.planning import plan_microbatches
@@ -375,16 +388,10 @@ def main(argv=None) -> int:
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
         j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
         hb = pack(mbs[j], config=cfg)
-        c0 = hb.stats["raw_tokens"] / hb.num_rows
         (fam_h, idle_h), (fam_b, idle_b) = (profile_families(lambda: fn(mbs[j]), dev, loads, reset)
                                             for fn in (run_harts, run_baseline))
         reset()
-        profile = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "compression": c0,
-                   "device_idle": {"harts": idle_h, "baseline": idle_b},
-                   "families": {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
-                                    "ideal_s": fam_b.get(f, 0.0) / c0,
-                                    "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
-                                for f in sorted(set(fam_h) | set(fam_b))}}
+        profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, (fam_h, idle_h), (fam_b, idle_b))
 
     records: list[dict] = []
     out_name = "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}"
