@@ -49,15 +49,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from fla.utils import check_shared_mem
 from packaging.version import Version
 
 from harts.kernels.kda_round import _cols, _rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-# max shared memory per block (bytes) from which a tile cap applies: Hopper-class, A100-class, Ada-class
-_SMEM_128, _SMEM_128_HALF, _SMEM_64 = 232448, 166912, 101376
-
 
 def _configs():
     if _INTERPRET:
@@ -173,15 +170,15 @@ def fla_640_affected(is_hopper: bool, triton_version: str, BK: int) -> bool:
 
 def _tile_cap(device: torch.device, tensors) -> int:
     """Largest BK / BV: the five fp32 [BT, BK|BT] accumulators and the staged tiles must fit the device's shared
-    memory and registers; 32 off-GPU (interpreter)."""
+    memory and registers. fla's shared-memory classes (``check_shared_mem``), decided as its own dqkwg wrapper
+    decides its tiling; 32 off-GPU (interpreter)."""
     if device.type != "cuda":
         return 32
-    smem = triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
-    if smem >= _SMEM_128:
+    if check_shared_mem("hopper", device.index):
         return 128
-    if smem >= _SMEM_128_HALF:
+    if check_shared_mem("ampere", device.index):
         return 128 if all(x.element_size() == 2 for x in tensors) else 64
-    return 64 if smem >= _SMEM_64 else 32
+    return 64 if check_shared_mem("ada", device.index) else 32
 
 
 def gdn_round_bwd_dqkwg(q, k, v_new, do, h, dh, dv, g, scale, cu_seqlens, chunk_indices, chunk_size):

@@ -74,11 +74,17 @@ def _check_token_ids(ids_T: torch.Tensor, vocab_size: int, cu_seqlens=None, wher
 class DecoderStack(nn.Module):
     """What a decoder stack does above its layers, shared by LingModel and Qwen3.5's stack: the forward over
     packed trajectories or a CompactBatch (input checks, the embedding or a pipeline stage's input rows), the
-    layer loop under the activation checkpointing policy, and the final norm. A subclass builds ``cfg``,
-    its embedding (attribute ``embedding_attr``), ``layers`` and ``norm``, and sets ``checkpoint_policy``
-    and ``checkpoint_early_stop``."""
+    layer loop under the activation checkpointing policy, and the final norm. A subclass calls
+    ``super().__init__(cfg)`` and builds its embedding (attribute ``embedding_attr``), ``layers`` and ``norm``."""
 
     embedding_attr: str  # the token embedding's attribute (None on later pipeline stages)
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
+        # recomputation once the saved tensors are back, which layers with collectives must not do
+        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
 
     @property
     def checkpoint_policy(self) -> str:
@@ -162,15 +168,11 @@ class LingModel(DecoderStack):
     embedding_attr = "word_embeddings"
 
     def __init__(self, cfg: LingConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         # No padding_idx: the official nn.Embedding(padding_idx=<|endoftext|>) would freeze that row's grad.
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.op_backend("norm"))
-        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
-        # recomputation once the saved tensors are back, which layers with collectives must not do
-        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
 
 
 class LingForCausalLM(CausalLM):

@@ -38,12 +38,10 @@ class Qwen35Model(DecoderStack):
     embedding_attr = "embed_tokens"
 
     def __init__(self, cfg: Qwen35Config):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
 
 
 class Qwen35ForCausalLM(CausalLM):
