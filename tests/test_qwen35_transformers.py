@@ -20,6 +20,8 @@ import torch
 
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
+# the test extra pins transformers 5.23.0, so CI always runs this file; it skips only where an older
+# transformers is installed (the GPU image has 5.17, whose classes differ)
 transformers = pytest.importorskip("transformers", minversion="5.23.0")
 
 
