@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harts.ops.backend import resolve
+
 __all__ = ["CausalLM"]
 
 
@@ -61,7 +63,6 @@ class CausalLM(nn.Module):
         row) where the ``logprobs`` op backend resolves to fast, else the chunked, checkpointed torch
         reference (``logprobs_chunk_size`` rows at a time)."""
         from harts.models.ling.logprobs import compact_logprobs_reference  # (harts.models.ling imports this module)
-        from harts.ops.backend import resolve
 
         if rows_S is None:
             rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
