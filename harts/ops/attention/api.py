@@ -10,7 +10,9 @@ def varlen_attention(q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHDv: torch.
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float,
                      backend: str = "auto", max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None) -> torch.Tensor:
-    """Packed attention, bottom-right causal per sequence; returns [Tq, H, Dv]."""
+    """Packed attention, bottom-right causal per sequence; returns [Tq, H, Dv]. Passing the same
+    ``cu_seqlens`` tensor for queries and keys says the sequences attend over themselves (Lq == Lk): the
+    fast path may then run cuDNN's fused attention (``harts.ops.attention.fast``)."""
     which = resolve("attention", backend, q_TqHD.device, q_TqHD.dtype)
     if which == "fast":
         from harts.ops.attention.fast import varlen_attention_fast
