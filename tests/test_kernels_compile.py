@@ -101,5 +101,35 @@ def _compile_adamw() -> None:
     print("compiled adamw", flush=True)
 
 
+def test_moe_gather_sum_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, __file__, "gather_sum"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.stdout.count("compiled gather_sum") == 3, r.stdout
+
+
+def _compile_gather_sum() -> None:
+    """The MoE combine (K = 8, D = 1536 of Ling-3.0-tiny) and the slot gather (K = 1) with int64 indices,
+    and the combine with int32 indices at a width that needs the column mask; blocks from the launcher's
+    heuristic."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import harts.kernels.moe_gather_sum as kg
+
+    for K, D, idx in ((8, 1536, "*i64"), (1, 1536, "*i64"), (8, 40, "*i32")):
+        BT, BD = kg.block_sizes(D)
+        sig = {"src": f"*{DT}", "idx": idx, "out": f"*{DT}", "T": "i32", "D": "i32", "stride_src": "i32",
+               "stride_out": "i32", "K": "constexpr", "BT": "constexpr", "BD": "constexpr"}
+        src = ASTSource(fn=kg.moe_gather_sum_fwd_kernel, signature=sig, constexprs=dict(K=K, BT=BT, BD=BD))
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kg.NUM_WARPS})
+        assert compiled.asm["cubin"]
+        print("compiled gather_sum", K, D, idx, flush=True)
+
+
 if __name__ == "__main__":
-    _compile_adamw() if sys.argv[1] == "adamw" else _compile_all(int(sys.argv[1]))
+    if sys.argv[1] in ("adamw", "gather_sum"):
+        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum}[sys.argv[1]]()
+    else:
+        _compile_all(int(sys.argv[1]))

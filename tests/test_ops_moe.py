@@ -131,21 +131,97 @@ def test_grouped_mm_bf16_gpu_deterministic():
         assert e < 2 * floor + 1e-3, (name, e, floor)
 
 
-def test_slot_gather_and_row_permute_are_exact_and_gradcheck():
-    """The grouped path's row movers: forward equals plain indexing, backward passes gradcheck (float64)."""
-    from harts.ops.moe.experts import _RowPermute, _SlotGather
+def _routing_indices(T, K, E=5, seed=7):
+    """The grouped path's two index sets for a random routing: the sorted row of every (token, slot) and the
+    token of every sorted row (each the transpose of the other, as gather_sum's backward needs)."""
+    flat_M = torch.randint(0, E, (T * K,), generator=torch.Generator().manual_seed(seed))
+    order_M = torch.sort(flat_M, stable=True).indices
+    inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(T * K))
+    return inv_M.view(T, K), (order_M // K)[:, None]
 
-    g = torch.Generator().manual_seed(7)
+
+def _sequential_sum(src_MD, idx_TK):
+    """The kernel's arithmetic spelled out: fp32 adds in k order, one cast at the end."""
+    acc = src_MD[idx_TK[:, 0]].float()
+    for k in range(1, idx_TK.shape[1]):
+        acc = acc + src_MD[idx_TK[:, k]].float()
+    return acc.to(src_MD.dtype)
+
+
+def test_gather_sum_reference_is_the_row_movers_and_gradcheck():
+    """The grouped path's row movers on the reference: the slot gather is plain indexing, the combine is the
+    permutation back to (token, slot) order summed over K (bitwise); the op passes gradcheck and
+    gradgradcheck (float64), its backward being the same op with the indices swapped."""
+    from harts.ops.moe.experts import gather_sum
+
     T, K, D = 6, 3, 4
-    flat = torch.randint(0, 5, (T * K,), generator=g)
-    order = torch.sort(flat, stable=True).indices
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * K))
+    slot_TK, token_M1 = _routing_indices(T, K)
+    g = torch.Generator().manual_seed(8)
     x = torch.randn(T, D, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(_SlotGather.apply(x, order, inv, K), x[order // K])
-    assert torch.autograd.gradcheck(lambda x: _SlotGather.apply(x, order, inv, K), (x,))
     y = torch.randn(T * K, D, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(_RowPermute.apply(y, inv, order), y[inv])
-    assert torch.autograd.gradcheck(lambda y: _RowPermute.apply(y, inv, order), (y,))
+    assert torch.equal(gather_sum(x, token_M1, slot_TK), x[token_M1[:, 0]])
+    assert torch.equal(gather_sum(y, slot_TK, token_M1), y[slot_TK.reshape(-1)].view(T, K, D).sum(1))
+    y32 = y.detach().float()
+    assert torch.equal(gather_sum(y32, slot_TK, token_M1), y32[slot_TK.reshape(-1)].view(T, K, D).sum(1))
+    for fn, a in ((lambda x: gather_sum(x, token_M1, slot_TK), x), (lambda y: gather_sum(y, slot_TK, token_M1), y)):
+        assert torch.autograd.gradcheck(fn, (a,)) and torch.autograd.gradgradcheck(fn, (a,))
+
+
+@pytest.mark.parametrize("D", [40, 520])  # under one column block (masked), and two blocks (the second masked)
+def test_gather_sum_triton_kernel_interpreted_equals_reference(D):
+    """The Triton kernel (under TRITON_INTERPRET on CPU, float32) equals the reference bitwise, both ways
+    round (K = 3 combine, K = 1 gather), with int64 and int32 indices, forward and backward."""
+    from harts.ops.moe.experts import gather_sum
+
+    T, K = 5, 3
+    slot_TK, token_M1 = _routing_indices(T, K)
+    g = torch.Generator().manual_seed(9)
+    y = torch.randn(T * K, D, generator=g, requires_grad=True)
+    gy = torch.randn(T, D, generator=g)
+    out, ref = (gather_sum(y, slot_TK, token_M1, backend=b) for b in ("fast", "reference"))
+    assert torch.equal(out, ref) and torch.equal(out, _sequential_sum(y.detach(), slot_TK))
+    (g_fast,), (g_ref,) = (torch.autograd.grad(o, y, gy) for o in (out, ref))
+    assert torch.equal(g_fast, g_ref) and torch.equal(g_fast, gy[token_M1[:, 0]])
+    assert torch.equal(gather_sum(y.detach(), slot_TK.int(), token_M1.int(), backend="fast"), ref)
+    x = y.detach()[:T]
+    assert torch.equal(gather_sum(x, token_M1, slot_TK, backend="fast"), x[token_M1[:, 0]])
+
+
+def test_gather_sum_fast_refuses_float64_and_cpu_without_interpreter(monkeypatch):
+    from harts.ops.moe.experts import gather_sum
+
+    slot_TK, token_M1 = _routing_indices(2, 2)
+    with pytest.raises(RuntimeError, match="float64"):
+        gather_sum(torch.zeros(4, 3, dtype=torch.float64), slot_TK, token_M1, backend="fast")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="kernels need CUDA"):
+        gather_sum(torch.zeros(4, 3), slot_TK, token_M1, backend="fast")
+    assert torch.equal(gather_sum(torch.ones(4, 3), slot_TK, token_M1), torch.full((2, 3), 2.0))  # auto: reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [1536, 2880])  # Ling-3.0-tiny's width, and one that is no multiple of the block
+def test_gather_sum_bf16_gpu_exact_deterministic_and_compiles(D):
+    """The bf16 kernel on the GPU: inside torch.compile(fullgraph=True) (first, so that in a fresh process the
+    op registers while Dynamo traces), bitwise the fp32 sum in k order, close to the reference (torch's
+    reduction may add the K rows in another order), deterministic, and equal to eager, forward and backward."""
+    from harts.ops.moe.experts import gather_sum
+
+    T, K = 4096, 8
+    slot_TK, token_M1 = (t.cuda() for t in _routing_indices(T, K, E=128))
+    g = torch.Generator().manual_seed(10)
+    y = torch.randn(T * K, D, generator=g).cuda().bfloat16().requires_grad_()
+    gy = torch.randn(T, D, generator=g).cuda().bfloat16()
+    # a neighbour for Inductor to fuse around the op; the backward is compiled with the forward
+    out_c = torch.compile(lambda y: gather_sum(y, slot_TK, token_M1) * 2, fullgraph=True)(y)
+    (g_c,) = torch.autograd.grad(out_c, y, gy)
+    runs = [gather_sum(y, slot_TK, token_M1, backend="fast") for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], _sequential_sum(y.detach(), slot_TK))
+    assert torch.equal(gather_sum(y, slot_TK.int(), token_M1.int(), backend="fast"), runs[0])
+    torch.testing.assert_close(runs[0], gather_sum(y, slot_TK, token_M1, backend="reference"), rtol=1e-2, atol=1e-2)
+    (g_eager,) = torch.autograd.grad(runs[0], y, gy)
+    assert torch.equal(g_eager, gy[token_M1[:, 0]])
+    assert torch.equal(out_c, runs[0] * 2) and torch.equal(g_c, (gy * 2)[token_M1[:, 0]])
 
 
 def test_group_score_top2_sum_equals_topk_bitwise_with_ties():

@@ -1,9 +1,9 @@
 """Explicit, logged backend selection for the model's ops.
 
-Every op (attention, kda, conv, moe_experts, logprobs, norm) has an exact ``reference`` implementation (pure torch,
-float64-capable, runs on CPU) and a ``fast`` one (GPU kernels). ``resolve(op, requested, device, dtype)``
-turns a request into a concrete backend name and logs the choice once per (op, choice, reason), so a run's
-numerics are never changed by a silent fallback:
+Every op (attention, kda, conv, moe_experts, moe_gather_sum, logprobs, norm) has an exact ``reference``
+implementation (pure torch, float64-capable, runs on CPU) and a ``fast`` one (GPU kernels).
+``resolve(op, requested, device, dtype)`` turns a request into a concrete backend name and logs the choice
+once per (op, choice, reason), so a run's numerics are never changed by a silent fallback:
 
 - ``"reference"`` always gives the reference.
 - ``"fast"`` gives the fast path or raises with the reason it is unavailable.
@@ -22,10 +22,10 @@ __all__ = ["resolve", "attention_fast_impl", "has_fla"]
 
 log = logging.getLogger("harts.ops.backend")
 
-OPS = ("attention", "kda", "conv", "moe_experts", "logprobs", "norm")
+OPS = ("attention", "kda", "conv", "moe_experts", "moe_gather_sum", "logprobs", "norm")
 # Triton-only ops whose fast path also runs on the CPU under TRITON_INTERPRET=1 (CI tests the kernel code;
 # only when asked for explicitly with "fast": "auto" on CPU stays on the reference).
-_INTERPRETABLE = ("kda", "conv", "logprobs", "norm")
+_INTERPRETABLE = ("kda", "conv", "logprobs", "norm", "moe_gather_sum")
 _logged: set[tuple] = set()
 
 
@@ -70,11 +70,11 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, request
             return "neither flash_attn nor torch.nn.attention.varlen is available"
         if dtype not in (torch.bfloat16, torch.float16):
             return f"flash attention kernels need bf16/fp16, got {dtype}"
-    if op == "logprobs":
+    if op in ("logprobs", "moe_gather_sum"):
         if importlib.util.find_spec("triton") is None:
             return "triton not importable"
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"fused log-probs need fp32/bf16/fp16, got {dtype}"
+            return f"the {op} kernel takes fp32/bf16/fp16, got {dtype}"
     if op == "moe_experts":
         if not hasattr(torch, "_grouped_mm"):
             return "torch._grouped_mm not available"

@@ -1,11 +1,14 @@
 """Routed experts: SwiGLU per expert, weights stacked [E, F, D] (gate/up) and [E, D, F] (down).
 
-Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows.
+Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows,
+J output rows that read one source row (the transpose of K in ``gather_sum``).
 The reference loops over experts (exact in float64) and weights each slot's D-wide output; the fast
-path sorts the M rows by expert (row gathers both ways, deterministic), runs three torch._grouped_mm
-calls with unpadded group offsets (bf16 needs D and F to be multiples of 8) and weights the F-wide
-activation before the down projection. Both sum a token's K slots in a fixed order, so results are
-deterministic.
+path sorts the M rows by expert, runs three torch._grouped_mm calls with unpadded group offsets (bf16
+needs D and F to be multiples of 8) and weights the F-wide activation before the down projection. Its
+rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
+Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
+whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
+order, so results are deterministic.
 """
 from __future__ import annotations
 
@@ -63,37 +66,48 @@ def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_
     return _combine(y_sorted[torch.argsort(order_M)], topk_w_TK, T, K)  # back to (token, slot) order
 
 
-class _SlotGather(torch.autograd.Function):
-    """x_MD[i] = x_TD[order_M[i] // K]: every routed slot's token row, in expert-sorted order.
-
-    Backward: the slot gradients back in (token, slot) order by the inverse permutation, then summed over
-    the K slots in a fixed order. Gathers only: no atomic or sort-based scatter-add, so deterministic,
-    and no [T*K, D] copy of the expanded input in the forward."""
-
-    @staticmethod
-    def forward(ctx, x_TD, order_M, inv_M, K):
-        ctx.save_for_backward(inv_M)
-        ctx.T, ctx.K = x_TD.shape[0], K
-        return x_TD.index_select(0, order_M // K)
-
-    @staticmethod
-    def backward(ctx, g_MD):
-        (inv_M,) = ctx.saved_tensors
-        return g_MD.index_select(0, inv_M).view(ctx.T, ctx.K, -1).sum(1), None, None, None
+def gather_sum_reference(src_MD, idx_TK):
+    """out_TD[t] = sum_k src_MD[idx_TK[t, k]] in plain torch, accumulated in fp32 (float64 for float64) in
+    k order and cast to ``src_MD``'s dtype."""
+    T, K = idx_TK.shape
+    rows_TKD = src_MD.index_select(0, idx_TK.reshape(-1))
+    if K == 1:  # a row gather: no sum, no cast
+        return rows_TKD
+    acc = torch.promote_types(src_MD.dtype, torch.float32)
+    return rows_TKD.view(T, K, src_MD.shape[1]).sum(1, dtype=acc).to(src_MD.dtype)
 
 
-class _RowPermute(torch.autograd.Function):
-    """y[i] = x[perm[i]] for a permutation; the backward gathers by the inverse permutation."""
+class _GatherSum(torch.autograd.Function):
+    """The reference with the kernel op's gradient: the same gather-sum with the indices swapped."""
 
     @staticmethod
-    def forward(ctx, x_MD, perm_M, inv_M):
-        ctx.save_for_backward(inv_M)
-        return x_MD.index_select(0, perm_M)
+    def forward(ctx, src_MD, idx_TK, inv_MJ):
+        ctx.save_for_backward(idx_TK, inv_MJ)
+        return gather_sum_reference(src_MD, idx_TK)
 
     @staticmethod
-    def backward(ctx, g_MD):
-        (inv_M,) = ctx.saved_tensors
-        return g_MD.index_select(0, inv_M), None, None
+    def backward(ctx, grad_TD):
+        idx_TK, inv_MJ = ctx.saved_tensors
+        return _GatherSum.apply(grad_TD, inv_MJ, idx_TK), None, None
+
+
+def gather_sum(src_MD, idx_TK, inv_MJ, backend: str = "auto"):
+    """out_TD[t] = sum_{k<K} src_MD[idx_TK[t, k]], accumulated in fp32 (float64 for float64) in k order and
+    cast to ``src_MD``'s dtype; differentiable in ``src_MD``.
+
+    ``inv_MJ`` is the transpose of ``idx_TK``: row m lists the J output rows t with idx_TK[t, k] = m (each
+    pair as often as in ``idx_TK``), so the gradient is ``gather_sum(grad_TD, inv_MJ, idx_TK)``: a gather,
+    deterministic, with no scatter-add. For a permutation of the M = T*K slots (the combine), J = 1 and
+    ``inv_MJ`` is each row's token; the slot gather is the same op the other way round (K = 1, J = K).
+    Indices are int32 or int64. The fast path is the Triton op ``harts::moe_gather_sum``
+    (``harts.kernels.moe_gather_sum``), which enters torch.compile graphs without a break."""
+    if resolve("moe_gather_sum", backend, src_MD.device, src_MD.dtype) == "fast":
+        # the first import registers the op harts::moe_gather_sum (under torch.compile too: Dynamo runs
+        # imports); reference-only processes never import Triton or Inductor for it
+        from harts.kernels.moe_gather_sum import moe_gather_sum
+
+        return moe_gather_sum(src_MD, idx_TK, inv_MJ)
+    return _GatherSum.apply(src_MD, idx_TK, inv_MJ)
 
 
 def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
@@ -105,13 +119,16 @@ def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w
     # has a static shape, so the path traces under torch.compile without a host read
     offs_E = torch.searchsorted(sorted_M, torch.arange(E, device=flat_M.device), right=True).to(torch.int32)
     inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(T * K, device=order_M.device))
-    x_MD = _SlotGather.apply(x_TD, order_M, inv_M, K)
+    # Rows move between token order and expert-sorted order by gathers only, both ways (deterministic, no
+    # [T*K, D] copy of the expanded input): the sorted row of every (token, slot), and the token of every
+    # sorted row. The slot gather's backward sums a token's K slot gradients; the combine's is a gather.
+    slot_TK, token_M1 = inv_M.view(T, K), (order_M // K)[:, None]
+    x_MD = gather_sum(x_TD, token_M1, slot_TK)
     # The routing weight scales the F-wide activation before the (linear) down projection instead of the
     # D-wide output after it: same product, a third of the elementwise traffic at F = D / 3 (Ling-3.0-tiny),
     # and the combine is then a plain sum over the K slots, accumulated in fp32 without an fp32 copy.
-    y_sorted = _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, topk_w_TK.reshape(-1)[order_M])
-    y_MD = _RowPermute.apply(y_sorted, inv_M, order_M)  # back to (token, slot) order
-    return y_MD.view(T, K, -1).sum(1, dtype=torch.promote_types(y_MD.dtype, topk_w_TK.dtype)).to(y_MD.dtype)
+    y_sorted_MD = _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, topk_w_TK.reshape(-1)[order_M])
+    return gather_sum(y_sorted_MD, slot_TK, token_M1)
 
 
 # The reference loops over the experts present in the batch (a host read of the counts), which
