@@ -61,7 +61,11 @@ def _register_op():
     """The launcher as the differentiable torch op ``harts::moe_gather_sum``. A triton_op enters
     torch.compile graphs without a break: AOTAutograd decomposes it into this body, so Inductor sees the
     Triton launch as a user-defined kernel; the fake implementation is the body itself, on fake tensors."""
+    import os
+
     import torch
+
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
 
     @torch.library.triton_op("harts::moe_gather_sum", mutates_args=())
     def moe_gather_sum(src_MD: torch.Tensor, idx_TK: torch.Tensor, inv_MJ: torch.Tensor) -> torch.Tensor:
@@ -73,7 +77,9 @@ def _register_op():
         out_TD = src_MD.new_empty(T, D)
         if T > 0 and D > 0:
             BT, BD = block_sizes(int(D))
-            torch.library.wrap_triton(moe_gather_sum_fwd_kernel)[grid(T, int(D))](
+            # torch 2.11's wrap_triton refuses the interpreter's kernel objects (CPU runs only, never traced)
+            kernel = moe_gather_sum_fwd_kernel if interpreting else torch.library.wrap_triton(moe_gather_sum_fwd_kernel)
+            kernel[grid(T, int(D))](
                 src_MD, idx_TK, out_TD, T, D, src_MD.stride(0), out_TD.stride(0), K=int(K), BT=BT, BD=BD,
                 num_warps=NUM_WARPS)
         return out_TD

@@ -143,3 +143,17 @@ def test_refuses_hooked_submodules_and_double_compile():
         compile_model(model)
     with pytest.raises(TypeError, match="backend"):
         compile_model(make_model(CHUNK), backend="")
+
+
+@pytest.mark.parametrize("op", ["norm", "moe_experts", "moe_gather_sum", "logprobs", "kda", "conv"])
+def test_backend_resolution_traces_inside_compiled_regions(op):
+    """The ops that run inside compiled regions resolve their backend while Dynamo traces (for a CUDA device,
+    the branch the GPU takes): the resolver reads only constants there, no importlib call, which torch
+    2.11's Dynamo refuses. (Attention is resolved by the mixer core, which runs outside the regions.)"""
+    from harts.ops.backend import resolve
+
+    def f(x):
+        return x + (1 if resolve(op, "auto", torch.device("cuda", 0), torch.bfloat16) == "fast" else 2)
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2))

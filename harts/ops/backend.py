@@ -27,11 +27,14 @@ OPS = ("attention", "kda", "conv", "moe_experts", "moe_gather_sum", "logprobs", 
 # only when asked for explicitly with "fast": "auto" on CPU stays on the reference).
 _INTERPRETABLE = ("kda", "conv", "logprobs", "norm", "moe_gather_sum")
 _logged: set[tuple] = set()
+# Constants, not calls: resolve() runs inside torch.compile'd regions (norms, experts, the MoE gather-sum), and
+# torch 2.11's Dynamo refuses to trace importlib's find_spec (through functools.cache too).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_HAS_FLA = _HAS_TRITON and importlib.util.find_spec("fla") is not None
 
 
-@functools.cache
 def has_fla() -> bool:
-    return importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
+    return _HAS_FLA
 
 
 @functools.cache
@@ -71,7 +74,7 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, request
         if dtype not in (torch.bfloat16, torch.float16):
             return f"flash attention kernels need bf16/fp16, got {dtype}"
     if op in ("logprobs", "moe_gather_sum"):
-        if importlib.util.find_spec("triton") is None:
+        if not _HAS_TRITON:
             return "triton not importable"
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"the {op} kernel takes fp32/bf16/fp16, got {dtype}"
