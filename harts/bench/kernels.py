@@ -9,6 +9,14 @@
    chunked-CE loop a trainer without prefix sharing would run); peak extra memory of ours is
    measured over the inputs.
 
+3. ``moe_gather``: the MoE gather-sum (``harts.ops.moe.gather_sum``, T = 64K, K = 8, D = 1536, bf16): the
+   Triton kernel's combine (K = 8) and slot gather (K = 1) against the same reference compiled by Inductor
+   and run eagerly, with a device copy of the [T*K, D] rows as the bandwidth ceiling.
+4. ``attention``: packed self-attention (one cu_seqlens for queries and keys) over 65,536 rows in 7
+   trajectories of 5K-15K, fwd and fwd+bwd: cuDNN per sequence (``harts.ops.attention.fast``) against the
+   flash varlen kernel (V zero-padded to the q/k head dim), at Ling-3.0's MLA heads (16 x 192 / 128) and at
+   Qwen3.5's gated attention heads (16 x 256 / 256, key/value heads repeated).
+
 Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
 ``--device cpu`` (with ``--quick --only logprobs``) runs ``compact_logprobs`` under the Triton interpreter
 in float32 at small shapes, wall-clock timed: a smoke run that keeps the code path alive, not a
@@ -224,6 +232,54 @@ def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, re
                  limit_bytes=limit, within_limit=None if peak_extra is None else peak_extra <= limit)]
 
 
+def bench_moe_gather(T=65536, K=8, D=1536, reps=20):
+    from harts.ops.moe.experts import gather_sum, gather_sum_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M = T * K
+    src = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(M, device="cuda", generator=g)
+    slot_TK, token_M1 = perm.view(T, K), (torch.argsort(perm) // K)[:, None]
+    compiled = torch.compile(gather_sum_reference, dynamic=False)
+    dst = torch.empty_like(src)
+    rows = []
+    for what, s, idx, inv in (("combine (K=8)", src, slot_TK, token_M1), ("slot gather (K=1)", x, token_M1, slot_TK)):
+        nbytes = (idx.numel() + idx.shape[0]) * D * 2  # rows read + rows written
+        r = {"what": what, "copy_ms": _time_ms(lambda: dst.copy_(src), reps=reps),
+             "kernel_ms": _time_ms(lambda: gather_sum(s, idx, inv, backend="fast"), reps=reps),
+             "inductor_ms": _time_ms(lambda: compiled(s, idx), reps=reps),
+             "eager_ms": _time_ms(lambda: gather_sum_reference(s, idx), reps=reps)}
+        r["kernel_TBps"] = nbytes / r["kernel_ms"] / 1e9
+        r["inductor_TBps"] = nbytes / r["inductor_ms"] / 1e9
+        r["bitwise_equal"] = bool(torch.equal(gather_sum(s, idx, inv, backend="fast"), gather_sum_reference(s, idx)))
+        rows.append(r)
+    return rows
+
+
+def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), reps=10):
+    from harts.ops.attention.fast import packed_self_attention_impl, varlen_attention_fast
+
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    T = int(cu[-1])
+    rows = []
+    for name, H, D, Dv in (("MLA (Ling-3.0)", 16, 192, 128), ("gated attention (Qwen3.5)", 16, 256, 256)):
+        q, k = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        v = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16)
+        flops = sum(L * L * H * (D + Dv) for L in lens)  # causal: half of 2 * L^2 * (D + Dv) per head
+        r = {"heads": name, "H/D/Dv": f"{H}/{D}/{Dv}", "kernel": packed_self_attention_impl(q, k, v)[0]}
+        for path, cu_k in (("cudnn", cu), ("flash", cu.clone())):  # a distinct cu_seqlens tensor takes flash
+            fwd = lambda: varlen_attention_fast(q, k, v, cu, cu_k, D ** -0.5, max(lens), max(lens))  # noqa: E731
+            r[f"{path}_fwd_ms"] = _time_ms(fwd, reps=reps)
+            r[f"{path}_fwd_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), do), reps=reps)
+            r[f"{path}_fwd_TFps"] = flops / r[f"{path}_fwd_ms"] / 1e9
+        r["cudnn_over_flash_fwd"] = r["cudnn_fwd_ms"] / r["flash_fwd_ms"]
+        r["cudnn_over_flash_fwd_bwd"] = r["cudnn_fwd_bwd_ms"] / r["flash_fwd_bwd_ms"]
+        rows.append(r)
+    return rows
+
+
 def _table(rows, title):
     if not rows:
         return
@@ -251,7 +307,7 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs"], default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
@@ -274,6 +330,12 @@ def main(argv=None):
         kw = (dict(C=4096, V=32768) if cuda else dict(C=64, V=256, D=32, baseline_chunk=128, reps=1)) if a.quick else {}
         res["logprobs"] = bench_logprobs(**kw, device=a.device)
         _table(res["logprobs"], "compact_logprobs vs expand + log_softmax (bf16, fwd+bwd, ms)")
+    if a.only in (None, "moe_gather"):
+        res["moe_gather"] = bench_moe_gather(**(dict(T=4096) if a.quick else {}))
+        _table(res["moe_gather"], "MoE gather-sum: Triton kernel vs the reference under Inductor and eager (bf16, ms)")
+    if a.only in (None, "attention"):
+        res["attention"] = bench_packed_attention(**(dict(lens=(1500, 700)) if a.quick else {}))
+        _table(res["attention"], "packed self-attention: cuDNN per sequence vs flash varlen (bf16, ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels.json"), "w") as f:

@@ -125,6 +125,11 @@ def headline(name: str, raw: dict) -> dict:
             v["log-probs: speedup"] = row["speedup"]
             if row.get("peak_extra_bytes") is not None:
                 v["log-probs: peak extra GB"] = row["peak_extra_bytes"] / 1e9
+        for row in raw.get("moe_gather", []):
+            v[f"MoE {row['what']}: kernel / Inductor ms"] = f"{row['kernel_ms']:.3f} / {row['inductor_ms']:.3f}"
+            v[f"MoE {row['what']}: kernel TB/s"] = row["kernel_TBps"]
+        for row in raw.get("attention", []):
+            v[f"attention {row['heads']}: cuDNN / flash fwd+bwd"] = row["cudnn_over_flash_fwd_bwd"]
     elif name == "speedup":
         for key, label in (("microbatches_timed", "microbatches timed"), ("raw_rows", "raw rows"),
                            ("compact_rows", "compact rows"), ("compression", "row compression"),

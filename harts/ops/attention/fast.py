@@ -6,7 +6,8 @@ behind flash-attn and torch's varlen_attn need one head dim, so V is zero-padded
 PV product and of its gradient is spent on zeros; cuDNN's Hopper kernels take the two head dims as they
 are. On the H200 at Ling-3.0-tiny's MLA shape (16 heads, 65,536 packed rows in sequences of 5K-15K) the
 per-sequence cuDNN calls run forward in 0.42x and forward + backward in 0.61x the time of the padded
-varlen kernel. torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its
+varlen kernel (``python -m harts.bench.kernels --only attention`` also times Qwen3.5's 256 / 256 heads,
+which take the same path). torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its
 ragged path returns wrong dq/dk at these head dims and aligns the causal diagonal top-left), so each
 sequence is one dense [1, H, L, D] call on strided views of the packed rows. Causal top-left equals
 bottom-right there (Lq == Lk). Each sequence is padded at its end to a length bucket (``_bucket``): torch
