@@ -92,16 +92,16 @@ def test_cudnn_length_buckets_bound_padding_and_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens", [[700, 1, 300, 2049], [128, 0, 4096]])
+@pytest.mark.parametrize("lens", [[2100, 1, 300, 6000], [128, 0, 8200]])
 def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
-    """Queries and keys over the same rows (one cu_seqlens tensor) take cuDNN per sequence, padded to a
-    length bucket; the same call with a copy of cu_seqlens for the keys takes the flash varlen kernel. Both
-    against the float64 truth (brute-force causal softmax via the SDPA reference): cuDNN's output and
-    gradients are as close as flash's (within 2x, plus a bf16 rounding of the result)."""
+    """Queries and keys over the same rows (one cu_seqlens tensor, sequences long enough on average) take
+    cuDNN per sequence, padded to a length bucket; the same call with a copy of cu_seqlens for the keys takes
+    the flash varlen kernel. Both against the float64 truth (brute-force causal softmax via the SDPA
+    reference): cuDNN's output and gradients are as close as flash's (within 2x, plus a bf16 rounding)."""
     from harts.ops.attention.fast import packed_self_attention_impl
 
     q, k, v, cq, _ = _packed(lens, lens, H=4, D=192, Dv=128, dtype=torch.bfloat16, device="cuda", seed=1)
-    assert packed_self_attention_impl(q, k, v)[0] == "cudnn_sdpa"
+    assert packed_self_attention_impl(q, k, v, len(lens))[0] == "cudnn_sdpa"
     for t in (q, k, v):
         t.requires_grad_(True)
     do = torch.randn(q.shape[0], 4, 128, device="cuda", dtype=torch.bfloat16)
@@ -117,3 +117,11 @@ def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
     cudnn, flash = errors(cq), errors(cq.clone())
     for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
+
+
+def test_short_sequences_keep_the_packed_varlen_launch():
+    from harts.ops.attention.fast import CUDNN_MIN_MEAN_LEN, packed_self_attention_impl
+
+    q = torch.zeros(3 * CUDNN_MIN_MEAN_LEN - 1, 2, 8)
+    kernel, why = packed_self_attention_impl(q, q, q, num_sequences=3)
+    assert kernel != "cudnn_sdpa" and "shorter than" in why

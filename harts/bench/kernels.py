@@ -268,7 +268,7 @@ def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), re
         v = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16)
         flops = sum(L * L * H * (D + Dv) for L in lens)  # causal: half of 2 * L^2 * (D + Dv) per head
-        r = {"heads": name, "H/D/Dv": f"{H}/{D}/{Dv}", "kernel": packed_self_attention_impl(q, k, v)[0]}
+        r = {"heads": name, "H/D/Dv": f"{H}/{D}/{Dv}", "kernel": packed_self_attention_impl(q, k, v, len(lens))[0]}
         for path, cu_k in (("cudnn", cu), ("flash", cu.clone())):  # a distinct cu_seqlens tensor takes flash
             fwd = lambda: varlen_attention_fast(q, k, v, cu, cu_k, D ** -0.5, max(lens), max(lens))  # noqa: E731
             r[f"{path}_fwd_ms"] = _time_ms(fwd, reps=reps)

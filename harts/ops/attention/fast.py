@@ -59,11 +59,20 @@ def _cudnn_sdpa_available(device_index: int) -> str | None:
     return None
 
 
-def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv: torch.Tensor) -> tuple[str, str]:
-    """(kernel, reason) for attention of packed sequences over themselves: 'cudnn_sdpa' or the varlen
-    kernel of ``attention_fast_impl``."""
+# Mean rows per sequence below which the one packed flash launch is kept: cuDNN runs one launch per sequence
+# with one sequence each, which at a few hundred rows underfills the GPU (16 heads x L / 128 query tiles) and
+# costs a host launch per sequence; the measured gain is at 5K-15K rows per sequence.
+CUDNN_MIN_MEAN_LEN = 2048
+
+
+def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv: torch.Tensor,
+                               num_sequences: int = 1) -> tuple[str, str]:
+    """(kernel, reason) for attention of ``num_sequences`` packed sequences over themselves: 'cudnn_sdpa' or
+    the varlen kernel of ``attention_fast_impl``."""
     D, Dv = q_THD.shape[-1], v_THDv.shape[-1]
-    if not q_THD.is_cuda:
+    if q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
+        why = f"sequences shorter than {CUDNN_MIN_MEAN_LEN} rows on average"
+    elif not q_THD.is_cuda:
         why = "not on CUDA"
     elif q_THD.dtype not in (torch.bfloat16, torch.float16):
         why = f"dtype {q_THD.dtype}"
@@ -109,7 +118,7 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float) -> torch.Tens
 def varlen_attention_fast(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float,
                           max_q: int | None = None, max_k: int | None = None) -> torch.Tensor:
     if cu_q_N1 is cu_k_N1 and q_TqHD.shape[0] == k_TkHD.shape[0]:
-        kernel, why = packed_self_attention_impl(q_TqHD, k_TkHD, v_TkHDv)
+        kernel, why = packed_self_attention_impl(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1.numel() - 1)
         if not torch.compiler.is_compiling():
             _log_once(kernel, why)
         if kernel == "cudnn_sdpa":
