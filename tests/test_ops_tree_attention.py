@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from harts.ops.attention import varlen_attention_reference
 from harts.ops.attention.tree import tree_attention_flex, tree_attention_views, tree_mask
 from harts.runtime import pack
 from harts.runtime.compact import mla_tree_attention, mla_tree_mask
@@ -93,6 +94,39 @@ def test_flex_matches_views_values_and_grads(dtype, tol, B, block, pad):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("B,pad", [(4, 3), (3, 1)])
+def test_split_views_equal_views_float64(B, pad):
+    """The views as two pieces merged by log-sum-exp (ancestors unmasked with bucket-padded keys hidden by the
+    extra channel, own rows causal), with the math pieces: the same attention as the reference views, values
+    and q/k/v gradients to float64 rounding (the trees have forks at B-1, B, B+1, 2B+1, duplicates, a prefix
+    that ends inside a path; every view's ancestors are padded to a 128-row bucket)."""
+    from harts.ops.attention.split import split_views_attention
+
+    batch = pack(_trees(B, 11 * B), chunk_size=B, pad_to_multiple=pad)
+    H, D, Dv, scale = 2, 12, 8, 0.37
+    q, k, v = _qkv(batch.num_phys, H, D, Dv, torch.float64, seed=B)
+    qv, kv, vv = q.index_select(0, batch.mla_q_rows), k.index_select(0, batch.mla_kv_rows), v.index_select(
+        0, batch.mla_kv_rows)
+    o = split_views_attention(qv, kv, vv, batch.cu_seqlens_q, batch.cu_seqlens_k, scale, piece="math")
+    o_ref = varlen_attention_reference(qv, kv, vv, batch.cu_seqlens_q, batch.cu_seqlens_k, scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+def test_view_kernel_switch(monkeypatch):
+    from harts.ops.attention.tree import view_kernel
+
+    assert view_kernel() == "varlen"
+    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "cudnn_split")
+    assert view_kernel() == "cudnn_split"
+    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="HARTS_VIEW_ATTENTION='flash'"):
+        view_kernel()
+
+
 def test_mask_is_built_once_per_batch_and_device():
     batch = pack(_trees(4, 0), chunk_size=4, mla_block_size=8)
     assert mla_tree_mask(batch, "cpu") is mla_tree_mask(batch, torch.device("cpu"))
@@ -165,6 +199,32 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
             torch.testing.assert_close(c, b, rtol=0, atol=0, msg=lambda m: f"{name}: auto is not the view path: {m}")
         else:
             assert (c - b).abs().max().item() <= err_old, f"{name}: auto differs from the view path beyond its error"
+
+
+@pytest.mark.gpu
+def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch):
+    """bf16 views through the cuDNN split (``HARTS_VIEW_ATTENTION=cudnn_split``) against a float64 truth, next
+    to the bf16 flash view path's own error: outputs and all three gradients within 2x of it (plus 1e-3 of
+    the largest value), at Ling-3.0's MLA head dims."""
+    batch = pack(_gpu_trees(64, np.random.default_rng(1)), chunk_size=64, pad_to_multiple=8).to("cuda")
+    H, D, Dv, scale = 4, 192, 128, 192 ** -0.5
+    q, k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, H, D, Dv, torch.float64, 4))
+    do = torch.randn(batch.num_phys, H, Dv, dtype=torch.float64, device="cuda")
+
+    def run(dtype, backend):
+        x = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o = tree_attention_views(*x, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
+                                 batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
+                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
+        return [o.double()] + [g.double() for g in torch.autograd.grad((o * do.to(dtype)).sum(), x)]
+
+    truth = run(torch.float64, "reference")
+    flash = run(torch.bfloat16, "fast")
+    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "cudnn_split")
+    split = run(torch.bfloat16, "fast")
+    for name, t, a, b in zip(("o", "dq", "dk", "dv"), truth, split, flash):
+        err, err_flash = (a - t).abs().max().item(), (b - t).abs().max().item()
+        assert err <= 2 * err_flash + 1e-3 * t.abs().max().item(), f"{name}: split {err:.3g}, flash {err_flash:.3g}"
 
 
 def test_model_on_flex_equals_trajectory_wise(monkeypatch):

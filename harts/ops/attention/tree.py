@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "TreeMask", "tree_mask", "tree_attention_flex", "tree_attention_views"]
+__all__ = ["BLOCK", "TreeMask", "tree_mask", "tree_attention_flex", "tree_attention_views", "view_kernel"]
 
 BLOCK = 128  # rows per BlockMask block: FlexAttention's default, a multiple of its kernels' tiles
 log = logging.getLogger("harts.ops.attention")
@@ -58,6 +58,24 @@ def _log_once(key, msg, *args) -> None:
 
 
 # ------------------------------------------------------------------------------------------ reference
+VIEW_KERNELS = ("varlen", "cudnn_split")
+
+
+def view_kernel() -> str:
+    """The fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``varlen`` (the default: one packed
+    bottom-right causal flash call, V padded to the q/k head dim) or ``cudnn_split`` (cuDNN per view, split
+    into an ancestor piece and a causal own piece merged by log-sum-exp: ``harts.ops.attention.split``;
+    exact in float64 on the CPU with its math pieces, not yet the default: its GPU speed on real trees has to
+    be measured first, ``python -m harts.bench.tree_attention``)."""
+    import os
+
+    k = os.environ.get("HARTS_VIEW_ATTENTION", "varlen")
+    if k not in VIEW_KERNELS:
+        raise ValueError(f"HARTS_VIEW_ATTENTION={k!r}: expected one of {VIEW_KERNELS}")
+    _log_once(("view_kernel", k), "harts MLA view attention kernel: %s", k)
+    return k
+
+
 def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv_rows_Tk, cu_q, cu_k,
                          scale: float, backend: str = "reference", max_seqlen_q: int | None = None,
                          max_seqlen_k: int | None = None) -> torch.Tensor:
@@ -65,11 +83,18 @@ def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv
     bottom-right causal call (``backend`` of ``varlen_attention``); outputs scatter back to their rows
     (rows no sequence queries, i.e. padding, are zero). Returns [P, H, Dv]."""
     from harts.ops.attention.api import varlen_attention
+    from harts.ops.backend import resolve
 
     P = q_PHD.shape[0]
     q = q_PHD if q_is_identity else q_PHD.index_select(0, q_rows_C)
-    o = varlen_attention(q, k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk), cu_q, cu_k,
-                         scale, backend=backend, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
+    if view_kernel() == "cudnn_split" and resolve("attention", backend, q.device, q.dtype) == "fast":
+        from harts.ops.attention.split import split_views_attention
+
+        o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="cudnn")
+    else:
+        o = varlen_attention(q, k, v, cu_q, cu_k, scale, backend=backend, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k)
     if q_is_identity and o.shape[0] == P:
         return o
     return torch.zeros((P,) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, q_rows_C, o)

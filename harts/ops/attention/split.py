@@ -1,0 +1,197 @@
+"""Bottom-right causal attention of the HARTS views as two dense pieces per view, merged by log-sum-exp.
+
+A view's keys are its ancestors' rows (La of them) followed by its own Lq rows, which are also its queries
+(``tree_attention_views``). Bottom-right causal over [ancestors, own] is the sum of two softmax pieces over
+disjoint keys: every query over all ancestors (no mask), and the own rows over themselves (causal, Lq == Lk,
+where top-left and bottom-right agree). Each piece is one dense attention call that returns its rows'
+log-sum-exp; the output is the pieces' outputs weighted by exp(lse_piece - lse) with lse = logaddexp of the
+two. The backward of each piece, given the merged output and the merged lse instead of its own, is exactly
+that piece's share of the merged attention's gradient (it forms P = exp(S - lse) and D = rowsum(dO * O)
+from them), so the gradients are the two pieces' backward calls summed: the same identity that merges ring
+attention's blocks.
+
+Why: the flash varlen kernel behind the views needs one head dim (V zero-padded 128 -> 192 in Ling-3.0's
+MLA), and cuDNN's fused attention, which takes the two head dims as they are, aligns its causal diagonal
+top-left; the split leaves cuDNN only the masks it has. Shapes are bucketed like the packed path's
+(``harts.ops.attention.fast._bucket``) so that cuDNN builds one plan per bucket, not per view: the own
+piece is padded at its end (invisible under the causal mask); the ancestor piece has no mask, so its padded
+keys are hidden by one extra q/k channel: 1 on every query, 0 on real keys and ``-MASK_SCORE`` on padded
+keys, whose scores are then about -MASK_SCORE * scale (exp underflows to exactly 0 in fp32). The channel
+widens q/k by 8 (the head-dim multiple cuDNN needs) in that piece only.
+
+``piece`` implementations: ``cudnn`` (torch's cuDNN SDPA ops, GPU) and ``math`` (plain matmuls in the
+inputs' dtype; the CPU path of the tests, exact in float64).
+
+Legend: C view query rows (all views packed), Tk view key rows, H heads, D q/k head dim, Dv value head dim,
+L a view's own rows (Lq), A its ancestor rows (La), Lb / Ab their buckets, E = D + 8 widened q/k.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harts.ops.attention.fast import _bucket
+
+MASK_SCORE = 16384.0  # exactly representable in bf16; times a scale >= 1/16 (head dims <= 256): exp(-1024) = 0
+EXTRA = 8
+
+
+# ------------------------------------------------------------------------------------------ pieces
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+    s = torch.matmul(q_1HLD, k_1HSD.transpose(-1, -2)).to(_acc(q_1HLD)) * scale
+    if causal:
+        L = s.shape[-2]
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse_1HL = torch.logsumexp(s, -1)
+    o = torch.matmul(torch.exp(s - lse_1HL[..., None]).to(v_1HSDv.dtype), v_1HSDv)
+    return o, lse_1HL, None
+
+
+def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: bool, scale: float):
+    acc = _acc(q_1HLD)
+    s = torch.matmul(q_1HLD, k_1HSD.transpose(-1, -2)).to(acc) * scale
+    p = torch.exp(s - lse_1HL[..., None])
+    if causal:
+        L = s.shape[-2]
+        p = p.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), 0.0)
+    dt = q_1HLD.dtype
+    dv = torch.matmul(p.to(dt).transpose(-1, -2), do_1HLDv)
+    dp = torch.matmul(do_1HLDv, v_1HSDv.transpose(-1, -2)).to(acc)
+    ds = p * (dp - (do_1HLDv.to(acc) * o_1HLDv.to(acc)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds.to(dt), k_1HSD) * scale
+    dk = torch.matmul(ds.to(dt).transpose(-1, -2), q_1HLD) * scale
+    return dq, dk, dv
+
+
+def _cudnn_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q_1HLD, k_1HSD, v_1HSDv, None, True, 0.0, causal, False,
+                                                           scale=scale)
+    o, lse = r[0], r[1]
+    return o, lse.reshape(o.shape[:3]).float(), (r[6], r[7])  # lse [1, H, L(, 1)]; philox seed / offset
+
+
+def _cudnn_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: bool, scale: float):
+    seed, offset = aux
+    L, S = q_1HLD.shape[2], k_1HSD.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL[..., None].contiguous(), seed, offset, None, None, None,
+        L, S, 0.0, causal, scale=scale)
+    return dq, dk, dv
+
+
+PIECES = {"math": (_math_fwd, _math_bwd), "cudnn": (_cudnn_fwd, _cudnn_bwd)}
+
+
+# ------------------------------------------------------------------------------------------ one view
+def _heads_first(x_LHX):
+    return x_LHX.transpose(0, 1).unsqueeze(0)  # [1, H, L, X], a view
+
+
+def _pad_rows(x_LHX, n: int):
+    return x_LHX if n == 0 else F.pad(x_LHX, (0, 0, 0, 0, 0, n))
+
+
+def _widen(x_LHD, value: float, rows_real: int | None = None):
+    """x with EXTRA more channels: the first is ``value`` (on rows >= ``rows_real``, when given: padding) and
+    0 elsewhere, the rest 0."""
+    extra = x_LHD.new_zeros(x_LHD.shape[:2] + (EXTRA,))
+    if rows_real is None:
+        extra[..., 0] = value
+    else:
+        extra[rows_real:, :, 0] = value
+    return torch.cat((x_LHD, extra), -1)
+
+
+def _view_pieces(q_LHD, k_SHD, v_SHDv, La: int):
+    """The padded pieces of one view (keys = La ancestors then the L own rows): (own q, k, v) for the causal
+    piece and, when La > 0, (widened q, widened ancestor k, ancestor v) for the unmasked one."""
+    L = q_LHD.shape[0]
+    pad_q = _bucket(L) - L
+    own = tuple(_pad_rows(t, pad_q) for t in (q_LHD, k_SHD[La:], v_SHDv[La:]))
+    if La == 0:
+        return own, None
+    pad_a = _bucket(La) - La
+    anc = (_widen(own[0], 1.0), _widen(_pad_rows(k_SHD[:La], pad_a), -MASK_SCORE, La), _pad_rows(v_SHDv[:La], pad_a))
+    return own, anc
+
+
+class _SplitViews(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_CHD, k_TkHD, v_TkHDv, cq: list, ck: list, scale: float, piece: str):
+        fwd = PIECES[piece][0]
+        o_CHDv = v_TkHDv.new_empty(q_CHD.shape[0], q_CHD.shape[1], v_TkHDv.shape[-1])
+        lse_CH = torch.empty(q_CHD.shape[:2], dtype=_acc(q_CHD), device=q_CHD.device)
+        auxes = []
+        for n in range(len(cq) - 1):
+            L, La = cq[n + 1] - cq[n], (ck[n + 1] - ck[n]) - (cq[n + 1] - cq[n])
+            if L == 0:
+                auxes.append((None, None))
+                continue
+            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], La)
+            o_b, lse_b, aux_b = fwd(*(_heads_first(t) for t in own), True, scale)
+            o_b, lse_b = o_b[0, :, :L].to(lse_CH.dtype), lse_b[0, :, :L]
+            aux_a = None
+            if anc is not None:
+                o_a, lse_a, aux_a = fwd(*(_heads_first(t) for t in anc), False, scale)
+                o_a, lse_a = o_a[0, :, :L].to(lse_CH.dtype), lse_a[0, :, :L]
+                lse = torch.logaddexp(lse_a, lse_b)
+                o = o_a * torch.exp(lse_a - lse)[..., None] + o_b * torch.exp(lse_b - lse)[..., None]
+            else:
+                o, lse = o_b, lse_b
+            o_CHDv[cq[n]:cq[n + 1]] = o.transpose(0, 1).to(o_CHDv.dtype)
+            lse_CH[cq[n]:cq[n + 1]] = lse.transpose(0, 1)
+            auxes.append((aux_b, aux_a))
+        ctx.save_for_backward(q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH)
+        ctx.cq, ctx.ck, ctx.scale, ctx.piece, ctx.auxes = cq, ck, scale, piece, auxes
+        return o_CHDv
+
+    @staticmethod
+    def backward(ctx, do_CHDv):
+        q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH = ctx.saved_tensors
+        cq, ck, scale, bwd = ctx.cq, ctx.ck, ctx.scale, PIECES[ctx.piece][1]
+        D = q_CHD.shape[-1]
+        dq, dk, dv = torch.zeros_like(q_CHD), torch.zeros_like(k_TkHD), torch.zeros_like(v_TkHDv)
+        do_CHDv = do_CHDv.contiguous()
+        for n in range(len(cq) - 1):
+            L, La = cq[n + 1] - cq[n], (ck[n + 1] - ck[n]) - (cq[n + 1] - cq[n])
+            if L == 0:
+                continue
+            aux_b, aux_a = ctx.auxes[n]
+            k0 = ck[n] + La  # the view's own key rows start here
+            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], La)
+            pad_q = own[0].shape[0] - L
+            # the merged output and lse on the padded query rows; padded rows get zero output gradient
+            go, o, lse = (_pad_rows(t[cq[n]:cq[n + 1]], pad_q) for t in (do_CHDv, o_CHDv, lse_CH[..., None]))
+            go, o, lse = _heads_first(go), _heads_first(o), _heads_first(lse)[..., 0]
+            g = bwd(go, *(_heads_first(t) for t in own), o, lse, aux_b, True, scale)
+            dq[cq[n]:cq[n + 1]] += g[0][0, :, :L].transpose(0, 1)
+            dk[k0:ck[n + 1]] += g[1][0, :, :L].transpose(0, 1)
+            dv[k0:ck[n + 1]] += g[2][0, :, :L].transpose(0, 1)
+            if anc is not None:
+                g = bwd(go, *(_heads_first(t) for t in anc), o, lse, aux_a, False, scale)
+                dq[cq[n]:cq[n + 1]] += g[0][0, :, :L, :D].transpose(0, 1)
+                dk[ck[n]:k0] += g[1][0, :, :La, :D].transpose(0, 1)
+                dv[ck[n]:k0] += g[2][0, :, :La].transpose(0, 1)
+        return dq, dk, dv, None, None, None, None
+
+
+def split_views_attention(q_CHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float, piece: str = "cudnn"):
+    """Bottom-right causal attention of packed views (query rows = the last Lq of each view's keys) by the
+    two-piece split; [C, H, Dv]. ``cu_q_N1`` / ``cu_k_N1``: host lists or tensors."""
+    cq = cu_q_N1.tolist() if torch.is_tensor(cu_q_N1) else list(cu_q_N1)
+    ck = cu_k_N1.tolist() if torch.is_tensor(cu_k_N1) else list(cu_k_N1)
+    if len(cq) != len(ck) or cq[-1] != q_CHD.shape[0] or ck[-1] != k_TkHD.shape[0]:
+        raise ValueError(f"split_views_attention: cu_seqlens_q ({len(cq)} entries, ends at {cq[-1]}) and cu_seqlens_k "
+                         f"({len(ck)}, ends at {ck[-1]}) do not describe {q_CHD.shape[0]} query and "
+                         f"{k_TkHD.shape[0]} key rows")
+    for n in range(len(cq) - 1):
+        if cq[n + 1] - cq[n] > ck[n + 1] - ck[n]:
+            raise ValueError(f"split_views_attention: view {n} has {cq[n + 1] - cq[n]} queries and only "
+                             f"{ck[n + 1] - ck[n]} keys")
+    if piece not in PIECES:
+        raise ValueError(f"split_views_attention: piece {piece!r}, expected one of {sorted(PIECES)}")
+    return _SplitViews.apply(q_CHD, k_TkHD, v_TkHDv, cq, ck, scale, piece)
