@@ -66,7 +66,9 @@ def view_kernel() -> str:
     bottom-right causal flash call, V padded to the q/k head dim) or ``cudnn_split`` (cuDNN per view, split
     into an ancestor piece and a causal own piece merged by log-sum-exp: ``harts.ops.attention.split``;
     exact in float64 on the CPU with its math pieces, not yet the default: its GPU speed on real trees has to
-    be measured first, ``python -m harts.bench.tree_attention``)."""
+    be measured first, ``python -m harts.bench.tree_attention``). It applies up to q/k head dim 248 (its
+    ancestor piece adds 8 channels, cuDNN takes 256): Ling-3.0's 192; Qwen3.5's 256 / 256 heads keep the
+    varlen kernel, which pads nothing there."""
     import os
 
     k = os.environ.get("HARTS_VIEW_ATTENTION", "varlen")
@@ -88,7 +90,12 @@ def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv
     P = q_PHD.shape[0]
     q = q_PHD if q_is_identity else q_PHD.index_select(0, q_rows_C)
     k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
-    if view_kernel() == "cudnn_split" and resolve("attention", backend, q.device, q.dtype) == "fast":
+    split = view_kernel() == "cudnn_split" and resolve("attention", backend, q.device, q.dtype) == "fast"
+    if split and q.shape[-1] + 8 > 256:  # the ancestor piece's extra channel would pass cuDNN's 256
+        _log_once(("view_kernel", "wide"), "harts MLA view attention: q/k head dim %d + 8 > 256, varlen kernel",
+                  q.shape[-1])
+        split = False
+    if split:
         from harts.ops.attention.split import split_views_attention
 
         o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="cudnn")
