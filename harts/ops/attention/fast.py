@@ -10,11 +10,11 @@ varlen kernel (``python -m harts.bench.kernels --only attention`` also times Qwe
 which take the same path). torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its
 ragged path returns wrong dq/dk at these head dims and aligns the causal diagonal top-left), so each
 sequence is one dense [1, H, L, D] call on strided views of the packed rows. Causal top-left equals
-bottom-right there (Lq == Lk). Each sequence is padded at its end to a length bucket (``_bucket``): torch
-builds and caches one cuDNN execution plan per shape, and without buckets every new trajectory length
-would build a new plan (tens of ms); the padded rows come after every real row, so under the causal mask
-no real query sees them, and their outputs are cut. ``packed_self_attention_impl`` says which kernel runs
-(and why not cuDNN); ``harts.ops.backend`` logs it once.
+bottom-right there (Lq == Lk). Each sequence is padded at its end to a length bucket (``_bucket``):
+torch builds and caches one cuDNN execution plan per shape, and without buckets every new trajectory
+length would build a new plan (140-200 ms for forward + backward on the H200); the padded rows come after
+every real row, so under the causal mask no real query sees them, and their outputs are cut.
+``packed_self_attention_impl`` says which kernel runs (and why not cuDNN); ``harts.ops.backend`` logs it once.
 
 The flash path (queries a suffix of their keys, Lq != Lk: the HARTS views) is bottom-right causal
 (flash-attn >= 2.1 convention; torch's wrapper calls the same kernel with window (-1, 0)).
