@@ -125,3 +125,32 @@ def test_short_sequences_keep_the_packed_varlen_launch():
     q = torch.zeros(3 * CUDNN_MIN_MEAN_LEN - 1, 2, 8)
     kernel, why = packed_self_attention_impl(q, q, q, num_sequences=3)
     assert kernel != "cudnn_sdpa" and "shorter than" in why
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_per_sequence_attention_plumbing_float64(checkpointed):
+    """The cuDNN path's per-sequence plumbing (bucket padding, one autograd node writing each sequence's
+    gradient rows once) with SDPA's math backend on the CPU: the reference attention in float64, values and
+    q/k/v gradients, also when the call is recomputed under non-reentrant activation checkpointing (the
+    model's full-recompute policy)."""
+    from torch.nn.attention import SDPBackend
+    from torch.utils.checkpoint import checkpoint
+
+    from harts.ops.attention.fast import _cudnn_per_sequence
+
+    lens = [130, 0, 1, 300]
+    q, k, v, cq, _ = _packed(lens, lens, H=2, D=12, Dv=8, seed=3)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+
+    def f(q, k, v):
+        return _cudnn_per_sequence(q, k, v, cq, 0.3, sdpa_backend=SDPBackend.MATH) * 1.5
+
+    o = checkpoint(f, *leaves, use_reentrant=False) if checkpointed else f(*leaves)
+    o_ref = varlen_attention_reference(q, k, v, cq, cq, 0.3) * 1.5
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), leaves),
+                          torch.autograd.grad((o_ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(f(q, k, v), o_ref, rtol=1e-12, atol=1e-12)
