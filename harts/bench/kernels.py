@@ -258,7 +258,7 @@ def bench_moe_gather(T=65536, K=8, D=1536, reps=20):
 
 
 def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), reps=10):
-    from harts.ops.attention.fast import packed_self_attention_impl, varlen_attention_fast
+    from harts.ops.attention.fast import _cudnn_per_sequence, packed_self_attention_impl, varlen_attention_fast
 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     T = int(cu[-1])
@@ -268,9 +268,12 @@ def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), re
         v = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(T, H, Dv, device="cuda", dtype=torch.bfloat16)
         flops = sum(L * L * H * (D + Dv) for L in lens)  # causal: half of 2 * L^2 * (D + Dv) per head
-        r = {"heads": name, "H/D/Dv": f"{H}/{D}/{Dv}", "kernel": packed_self_attention_impl(q, k, v, len(lens))[0]}
-        for path, cu_k in (("cudnn", cu), ("flash", cu.clone())):  # a distinct cu_seqlens tensor takes flash
-            fwd = lambda: varlen_attention_fast(q, k, v, cu, cu_k, D ** -0.5, max(lens), max(lens))  # noqa: E731
+        r = {"heads": name, "H/D/Dv": f"{H}/{D}/{Dv}",
+             "dispatch": packed_self_attention_impl(q, k, v, len(lens))[0]}  # what the model runs at this shape
+        paths = {"cudnn": lambda: _cudnn_per_sequence(q, k, v, cu, D ** -0.5),
+                 # a distinct cu_seqlens tensor for the keys takes the flash varlen kernel
+                 "flash": lambda: varlen_attention_fast(q, k, v, cu, cu.clone(), D ** -0.5, max(lens), max(lens))}
+        for path, fwd in paths.items():
             r[f"{path}_fwd_ms"] = _time_ms(fwd, reps=reps)
             r[f"{path}_fwd_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), do), reps=reps)
             r[f"{path}_fwd_TFps"] = flops / r[f"{path}_fwd_ms"] / 1e9

@@ -6,15 +6,17 @@ behind flash-attn and torch's varlen_attn need one head dim, so V is zero-padded
 PV product and of its gradient is spent on zeros; cuDNN's Hopper kernels take the two head dims as they
 are. On the H200 at Ling-3.0-tiny's MLA shape (16 heads, 65,536 packed rows in sequences of 5K-15K) the
 per-sequence cuDNN calls run forward in 0.42x and forward + backward in 0.61x the time of the padded
-varlen kernel (``python -m harts.bench.kernels --only attention`` also times Qwen3.5's 256 / 256 heads,
-which take the same path). torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its
-ragged path returns wrong dq/dk at these head dims and aligns the causal diagonal top-left), so each
-sequence is one dense [1, H, L, D] call on strided views of the packed rows. Causal top-left equals
-bottom-right there (Lq == Lk). Each sequence is padded at its end to a length bucket (``_bucket``):
-torch builds and caches one cuDNN execution plan per shape, and without buckets every new trajectory
-length would build a new plan (140-200 ms for forward + backward on the H200); the padded rows come after
-every real row, so under the causal mask no real query sees them, and their outputs are cut.
-``packed_self_attention_impl`` says which kernel runs (and why not cuDNN); ``harts.ops.backend`` logs it once.
+varlen kernel. Where the head dims are equal (Qwen3.5's 256 / 256) flash pads nothing, and cuDNN is not
+measured there yet, so those keep flash (``python -m harts.bench.kernels --only attention`` times both).
+
+torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its ragged path
+returns wrong dq/dk at these head dims and aligns the causal diagonal top-left), so each sequence is one
+dense [1, H, L, D] call on strided views of the packed rows, where causal top-left equals bottom-right
+(Lq == Lk). Each sequence is padded at its end to a length bucket (``_bucket``): torch builds and caches
+one cuDNN execution plan per shape, and without buckets every new trajectory length would build a new
+plan (140-200 ms for forward + backward on the H200); the padded rows come after every real row, so under
+the causal mask no real query sees them, and their outputs are cut. ``packed_self_attention_impl`` says
+which kernel runs (and why not cuDNN); ``harts.ops.backend`` logs it once.
 
 The flash path (queries a suffix of their keys, Lq != Lk: the HARTS views) is bottom-right causal
 (flash-attn >= 2.1 convention; torch's wrapper calls the same kernel with window (-1, 0)).
@@ -80,6 +82,8 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
         why = "grouped key/value heads"
     elif max(D, Dv) > 256 or D % 8 or Dv % 8:
         why = f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most 256)"
+    elif Dv >= D:  # measured where flash pads V (MLA's 192 / 128); equal head dims are not measured yet
+        why = f"head dims {D}/{Dv}: flash pads nothing"
     else:
         why = _cudnn_sdpa_available(q_THD.device.index or 0)
     if why is None:
