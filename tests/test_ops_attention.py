@@ -154,4 +154,3 @@ def test_per_sequence_attention_plumbing_float64(checkpointed):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(f(q, k, v), o_ref, rtol=1e-12, atol=1e-12)
-
