@@ -91,7 +91,8 @@ class CausalLM(nn.Module):
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
     def moe_layers(self) -> list[nn.Module]:
-        raise NotImplementedError
+        """The MoE blocks of this module's layers, in layer order: each model family defines which they are."""
+        raise NotImplementedError(f"{type(self).__name__} does not define moe_layers()")
 
     def router_stats(self) -> list:
         """Statistics of the last forward, one entry per MoE layer (in layer order)."""

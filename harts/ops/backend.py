@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-__all__ = ["resolve", "attention_fast_impl", "has_fla"]
+__all__ = ["resolve", "attention_fast_impl", "has_fla", "log_once"]
 
 log = logging.getLogger("harts.ops.backend")
 
@@ -86,6 +86,15 @@ def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, request
     return None
 
 
+def log_once(key: tuple, msg: str, *args) -> None:
+    """``log.info(msg, *args)`` the first time ``key`` is seen, and only in eager code: under torch.compile
+    the choice is a trace-time constant, and reading the set there would guard the graph on it (a
+    recompilation whenever another op logs)."""
+    if not torch.compiler.is_compiling() and key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
 def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -> str:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
@@ -106,10 +115,5 @@ def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -
         choice_name = f"fast:{attention_fast_impl()}"
     else:
         choice_name = choice
-    key = (op, choice_name, why)
-    # Under torch.compile the choice is a trace-time constant; reading the log set there would guard the
-    # graph on it (a recompilation whenever another op logs), so only eager calls log.
-    if not torch.compiler.is_compiling() and key not in _logged:
-        _logged.add(key)
-        log.info("harts backend %s -> %s (%s)", op, choice_name, why)
+    log_once((op, choice_name, why), "harts backend %s -> %s (%s)", op, choice_name, why)
     return choice

@@ -28,15 +28,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 
 import torch
 import torch.nn.functional as F
 
-from harts.ops.backend import attention_fast_impl
-
-log = logging.getLogger("harts.ops.backend")
-_logged: set = set()
+from harts.ops.backend import attention_fast_impl, log_once
 
 
 def _max_len(cu: torch.Tensor) -> int:
@@ -91,12 +87,6 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
     return attention_fast_impl(), f"cuDNN not used: {why}"
 
 
-def _log_once(kernel: str, why: str) -> None:
-    if (kernel, why) not in _logged:
-        _logged.add((kernel, why))
-        log.info("harts attention kernel -> %s (%s)", kernel, why)
-
-
 def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=None) -> torch.Tensor:
     """``sdpa_backend``: cuDNN (the fast path), or another SDPA backend for the CPU tests of the plumbing.
 
@@ -130,8 +120,7 @@ def varlen_attention_fast(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: floa
                           max_q: int | None = None, max_k: int | None = None) -> torch.Tensor:
     if cu_q_N1 is cu_k_N1 and q_TqHD.shape[0] == k_TkHD.shape[0]:
         kernel, why = packed_self_attention_impl(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1.numel() - 1)
-        if not torch.compiler.is_compiling():
-            _log_once(kernel, why)
+        log_once(("attention kernel", kernel, why), "harts attention kernel -> %s (%s)", kernel, why)
         if kernel == "cudnn_sdpa":
             return _cudnn_per_sequence(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, scale)
     D, Dv = q_TqHD.shape[-1], v_TkHDv.shape[-1]

@@ -34,6 +34,7 @@ from harts.ops.attention.fast import _bucket
 
 MASK_SCORE = 16384.0  # exactly representable in bf16; times a scale >= 1/16 (head dims <= 256): exp(-1024) = 0
 EXTRA = 8
+MAX_HEAD_DIM = 256 - EXTRA  # the widened q/k of the ancestor piece stays within cuDNN's 256
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -41,11 +42,17 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+def _scores(q_1HLD, k_1HSD, causal: bool, scale: float):
+    """Scaled scores in the accumulation dtype, -inf above the diagonal when causal (L == S)."""
     s = torch.matmul(q_1HLD, k_1HSD.transpose(-1, -2)).to(_acc(q_1HLD)) * scale
     if causal:
         L = s.shape[-2]
         s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+    s = _scores(q_1HLD, k_1HSD, causal, scale)
     lse_1HL = torch.logsumexp(s, -1)
     o = torch.matmul(torch.exp(s - lse_1HL[..., None]).to(v_1HSDv.dtype), v_1HSDv)
     return o, lse_1HL, None
@@ -53,11 +60,7 @@ def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
 
 def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: bool, scale: float):
     acc = _acc(q_1HLD)
-    s = torch.matmul(q_1HLD, k_1HSD.transpose(-1, -2)).to(acc) * scale
-    p = torch.exp(s - lse_1HL[..., None])
-    if causal:
-        L = s.shape[-2]
-        p = p.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), 0.0)
+    p = torch.exp(_scores(q_1HLD, k_1HSD, causal, scale) - lse_1HL[..., None])  # exp(-inf) = 0 where masked
     dt = q_1HLD.dtype
     dv = torch.matmul(p.to(dt).transpose(-1, -2), do_1HLDv)
     dp = torch.matmul(do_1HLDv, v_1HSDv.transpose(-1, -2)).to(acc)

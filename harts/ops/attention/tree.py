@@ -91,13 +91,14 @@ def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv
     q = q_PHD if q_is_identity else q_PHD.index_select(0, q_rows_C)
     k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
     split = view_kernel() == "cudnn_split" and resolve("attention", backend, q.device, q.dtype) == "fast"
-    if split and q.shape[-1] + 8 > 256:  # the ancestor piece's extra channel would pass cuDNN's 256
-        _log_once(("view_kernel", "wide"), "harts MLA view attention: q/k head dim %d + 8 > 256, varlen kernel",
-                  q.shape[-1])
-        split = False
     if split:
-        from harts.ops.attention.split import split_views_attention
+        from harts.ops.attention.split import MAX_HEAD_DIM, split_views_attention
 
+        if q.shape[-1] > MAX_HEAD_DIM:
+            _log_once(("view_kernel", "wide"), "harts MLA view attention: q/k head dim %d > %d, varlen kernel",
+                      q.shape[-1], MAX_HEAD_DIM)
+            split = False
+    if split:
         o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="cudnn")
     else:
         o = varlen_attention(q, k, v, cu_q, cu_k, scale, backend=backend, max_seqlen_q=max_seqlen_q,
