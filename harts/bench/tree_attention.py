@@ -5,7 +5,7 @@ heads and head dims) runs fwd+bwd through
 1. ``views``: the per-sequence materialised KV views (index_select over ``mla_kv_rows``, V padded to the q/k
    head dim for the flash varlen kernel, index_add backward): the path the flex path replaces;
 2. ``split``: the same views, each as two dense cuDNN calls merged by log-sum-exp (its ancestors unmasked, its
-   own rows causal; ``harts.ops.attention.split``, ``HARTS_VIEW_ATTENTION=cudnn_split``): no V padding; the
+   own rows causal; ``harts.ops.attention.split``, the default view kernel): no V padding; the
    math pieces on a CPU;
 3. ``flex``: FlexAttention over all compact rows with the ancestry block mask (keys and values in place);
 4. ``baseline``: the trajectory-wise packed varlen attention of the same trajectories (sub-batches of
@@ -90,7 +90,7 @@ def run(args) -> dict:
     def views(q, k, v):
         return tree_attention_views(q, k, v, hb.mla_q_rows, hb.mla_q_is_identity, hb.mla_kv_rows, hb.cu_seqlens_q,
                                     hb.cu_seqlens_k, scale, backend=views_backend, max_seqlen_q=hb.max_seqlen_q,
-                                    max_seqlen_k=hb.max_seqlen_k)
+                                    max_seqlen_k=hb.max_seqlen_k, kernel="varlen")
 
     def split(q, k, v):
         from harts.ops.attention.split import split_views_attention

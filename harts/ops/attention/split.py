@@ -78,6 +78,12 @@ def _cudnn_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
 
 
 def _cudnn_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: bool, scale: float):
+    """torch <= 2.11 caches cuDNN's backward graphs by the q/k/v shapes and strides only, with the strides of o,
+    dO and lse baked in: a graph built by ``F.scaled_dot_product_attention`` for the same q/k/v (the packed path
+    builds them for the same buckets) is reused here and reads dO with its strides. So dO comes contiguous
+    heads-first (what SDPA's autograd hands its backward after a slice), o and lse in the layouts the forward
+    returns (measured on the H200: after packed-path calls, dO in o's layout gave a dq error of 0.67 of its largest
+    value)."""
     seed, offset = aux
     L, S = q_1HLD.shape[2], k_1HSD.shape[2]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -169,7 +175,9 @@ class _SplitViews(torch.autograd.Function):
             pad_q = own[0].shape[0] - L
             # the merged output and lse on the padded query rows; padded rows get zero output gradient
             go, o, lse = (_pad_rows(t[cq[n]:cq[n + 1]], pad_q) for t in (do_CHDv, o_CHDv, lse_CH[..., None]))
-            go, o, lse = _heads_first(go), _heads_first(o), _heads_first(lse)[..., 0]
+            # dO heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
+            # passes (see _cudnn_bwd)
+            go, o, lse = _heads_first(go).contiguous(), _heads_first(o), _heads_first(lse)[..., 0]
             g = bwd(go, *(_heads_first(t) for t in own), o, lse, aux_b, True, scale)
             dq[cq[n]:cq[n + 1]] += g[0][0, :, :L].transpose(0, 1)
             dk[k0:ck[n + 1]] += g[1][0, :, :L].transpose(0, 1)

@@ -62,43 +62,65 @@ VIEW_KERNELS = ("varlen", "cudnn_split")
 
 
 def view_kernel() -> str:
-    """The fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``varlen`` (the default: one packed
-    bottom-right causal flash call, V padded to the q/k head dim) or ``cudnn_split`` (cuDNN per view, split
-    into an ancestor piece and a causal own piece merged by log-sum-exp: ``harts.ops.attention.split``;
-    exact in float64 on the CPU with its math pieces, not yet the default: its GPU speed on real trees has to
-    be measured first, ``python -m harts.bench.tree_attention``). It applies up to q/k head dim 248 (its
-    ancestor piece adds 8 channels, cuDNN takes 256): Ling-3.0's 192; Qwen3.5's 256 / 256 heads keep the
-    varlen kernel, which pads nothing there."""
+    """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
+    per view, split into an ancestor piece and a causal own piece merged by log-sum-exp,
+    ``harts.ops.attention.split``; no V padding, 1.53x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
+    real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed bottom-right
+    causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split applies."""
     import os
 
-    k = os.environ.get("HARTS_VIEW_ATTENTION", "varlen")
+    k = os.environ.get("HARTS_VIEW_ATTENTION", "cudnn_split")
     if k not in VIEW_KERNELS:
         raise ValueError(f"HARTS_VIEW_ATTENTION={k!r}: expected one of {VIEW_KERNELS}")
-    _log_once(("view_kernel", k), "harts MLA view attention kernel: %s", k)
     return k
+
+
+def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str | None = None) -> tuple[str, str]:
+    """(kernel, reason) of the fast view path: ``cudnn_split`` where cuDNN takes the widened ancestor piece
+    (q/k head dim <= 248: Ling-3.0's 192; Qwen3.5's 256 keeps ``varlen``, which pads nothing there), bf16/fp16
+    on sm90+; else ``varlen``. ``kernel``: the requested one, ``view_kernel()`` when None."""
+    from harts.ops.attention.fast import _cudnn_sdpa_available
+    from harts.ops.attention.split import MAX_HEAD_DIM
+
+    kernel = view_kernel() if kernel is None else kernel
+    if kernel not in VIEW_KERNELS:
+        raise ValueError(f"view kernel {kernel!r}: expected one of {VIEW_KERNELS}")
+    if kernel == "varlen":
+        return "varlen", "requested"
+    D, Dv = q_CHD.shape[-1], v_TkHDv.shape[-1]
+    if max(D, Dv) > MAX_HEAD_DIM or D % 8 or Dv % 8:
+        why = f"head dims {D}/{Dv} (the split: multiples of 8, at most {MAX_HEAD_DIM})"
+    elif not q_CHD.is_cuda:
+        why = "not on CUDA"
+    elif q_CHD.dtype not in (torch.bfloat16, torch.float16):
+        why = f"dtype {q_CHD.dtype}"
+    else:
+        why = _cudnn_sdpa_available(q_CHD.device.index or 0)
+    if why is None:
+        return "cudnn_split", "ancestor and own pieces per view on cuDNN, merged by log-sum-exp"
+    return "varlen", f"cuDNN split not used: {why}"
 
 
 def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv_rows_Tk, cu_q, cu_k,
                          scale: float, backend: str = "reference", max_seqlen_q: int | None = None,
-                         max_seqlen_k: int | None = None) -> torch.Tensor:
+                         max_seqlen_k: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """Per-sequence materialised views: Q = ``q[q_rows]``, K/V = ``k[kv_rows]``, ``v[kv_rows]``, one packed
-    bottom-right causal call (``backend`` of ``varlen_attention``); outputs scatter back to their rows
-    (rows no sequence queries, i.e. padding, are zero). Returns [P, H, Dv]."""
+    bottom-right causal call (``backend`` of ``varlen_attention``) or, on the fast backend, the cuDNN split
+    (``kernel``, see ``view_attention_impl``); outputs scatter back to their rows (rows no sequence queries,
+    i.e. padding, are zero). Returns [P, H, Dv]."""
     from harts.ops.attention.api import varlen_attention
     from harts.ops.backend import resolve
 
     P = q_PHD.shape[0]
     q = q_PHD if q_is_identity else q_PHD.index_select(0, q_rows_C)
     k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
-    split = view_kernel() == "cudnn_split" and resolve("attention", backend, q.device, q.dtype) == "fast"
-    if split:
-        from harts.ops.attention.split import MAX_HEAD_DIM, split_views_attention
+    requested, kernel = kernel, "varlen"
+    if resolve("attention", backend, q.device, q.dtype) == "fast":
+        kernel, why = view_attention_impl(q, v, requested)
+        _log_once(("view_kernel", kernel, why), "harts MLA view attention kernel -> %s (%s)", kernel, why)
+    if kernel == "cudnn_split":
+        from harts.ops.attention.split import split_views_attention
 
-        if q.shape[-1] > MAX_HEAD_DIM:
-            _log_once(("view_kernel", "wide"), "harts MLA view attention: q/k head dim %d > %d, varlen kernel",
-                      q.shape[-1], MAX_HEAD_DIM)
-            split = False
-    if split:
         o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="cudnn")
     else:
         o = varlen_attention(q, k, v, cu_q, cu_k, scale, backend=backend, max_seqlen_q=max_seqlen_q,
