@@ -154,3 +154,18 @@ def test_per_sequence_attention_plumbing_float64(checkpointed):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(f(q, k, v), o_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_cudnn_shapes_are_reported_once():
+    """Benchmarks tell plan-building runs from steady-state ones by the cuDNN shapes met for the first time."""
+    from harts.ops.attention import fast
+
+    a, b = ("causal", 128, 128, 4, 192, 128, "test-a"), ("full", 128, 256, 4, 200, 128, "test-b")
+    seen = []
+    fast.CUDNN_SHAPE_HOOKS.append(seen.append)
+    try:
+        for key in (a, a, b, a):
+            fast.note_cudnn_shape(*key)
+    finally:
+        fast.CUDNN_SHAPE_HOOKS.remove(seen.append)
+    assert seen == [a, b]

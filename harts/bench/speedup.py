@@ -145,14 +145,22 @@ def flops_only(args) -> int:
 
 
 class KernelLoads:
-    """Counts Triton kernel loads in this process: a compile, an autotuning sweep or a disk-cache load, each the
-    first launch of a new specialisation (Triton specialises integer arguments by divisibility, so a new
-    sequence length can need one). A timed run during which the count grows included one-time work and is
-    timed again (otherwise a microbatch can time 2-5x slower per raw row than the rest while the Triton
-    cache grows)."""
+    """Counts one-time kernel work in this process: Triton kernel loads (a compile, an autotuning sweep or a
+    disk-cache load, each the first launch of a new specialisation; Triton specialises integer arguments by
+    divisibility, so a new sequence length can need one) and cuDNN attention shapes met for the first time
+    (each builds execution plans). A timed run during which the count grows included one-time work and is
+    timed again (otherwise a microbatch can time 2-5x slower per raw row than the rest while the caches grow)."""
 
     def __init__(self):
+        from harts.ops.attention.fast import CUDNN_SHAPE_HOOKS
+
         self.n, self.available, self.names, self.seconds = 0, False, [], 0.0
+
+        def cudnn_shape(key):
+            self.n += 1
+            self.names.append("cudnn attention plan")
+
+        CUDNN_SHAPE_HOOKS.append(cudnn_shape)
         try:
             from triton import knobs
         except ImportError:
@@ -381,7 +389,8 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs),
             "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
             "peak_tflops": args.peak_tflops,
-            "kernel_load_detection": "triton jit_post_compile_hook" if loads.available else "unavailable"}
+            "kernel_load_detection": ("triton jit_post_compile_hook" if loads.available else "triton: unavailable")
+            + ", cuDNN attention shapes"}
     profile = None
     if shard == 0 and args.profile:
         # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,

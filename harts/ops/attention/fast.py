@@ -57,6 +57,22 @@ def _cudnn_sdpa_available(device_index: int) -> str | None:
     return None
 
 
+# cuDNN builds an execution plan per attention shape on first use (140-200 ms fwd+bwd on the H200, then cached
+# for the process). The shapes met so far, and callbacks on a new one: a benchmark then tells a run that built
+# plans from a steady-state run, as it does for Triton compiles.
+_CUDNN_SHAPES: set[tuple] = set()
+CUDNN_SHAPE_HOOKS: list = []
+
+
+def note_cudnn_shape(*key) -> None:
+    """Record one cuDNN attention call's shape (eager calls only: compiled code is timed by its own warm-up)."""
+    if torch.compiler.is_compiling() or key in _CUDNN_SHAPES:
+        return
+    _CUDNN_SHAPES.add(key)
+    for hook in CUDNN_SHAPE_HOOKS:
+        hook(key)
+
+
 # Mean rows per sequence below which the one packed flash launch is kept: cuDNN runs one launch per sequence
 # with one sequence each, which at a few hundred rows underfills the GPU (16 heads x L / 128 query tiles) and
 # costs a host launch per sequence; the measured gain is at 5K-15K rows per sequence.
@@ -108,6 +124,7 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
                 continue
             pad = _bucket(L) - L
             seq = [t if pad == 0 else F.pad(t, (0, 0, 0, 0, 0, pad)) for t in seq]
+            note_cudnn_shape("causal", L + pad, L + pad, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype)
             o_1HLDv = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in seq),
                                                      is_causal=True, scale=scale)
             outs.append(o_1HLDv[0, :, :L].transpose(0, 1))
