@@ -41,38 +41,15 @@ def test_fla_causal_conv1d_interpreted():
     torch.testing.assert_close(short_conv_fast(x, w, cu), short_conv_reference(x, w, cu), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lens,C,W,act", [([5, 11, 3], 16, 4, "silu"), ([1, 2, 70, 1, 64, 3], 80, 4, None),
-                                          ([130, 2], 8, 3, "silu"), ([7, 1], 4, 2, "silu")])
-def test_fast_backward_interpreted_matches_float64_reference(lens, C, W, act):
-    """The one-pass backward kernel (under the interpreter, float32) against autograd through the float64
-    reference: dx and dw, with sequences shorter than the taps, row tiles (64) that straddle sequence ends,
-    more channels than one program's block, narrower kernels (zero-padded taps) and no activation."""
-    if torch.cuda.is_available():
-        pytest.skip("interpreter test; the GPU test covers the compiled kernel")
-    from harts.ops.conv.fast import short_conv_fast
-
-    x, w, cu = _inputs(lens, C=C, W=W)
-    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    dx_ref, dw_ref = torch.autograd.grad((short_conv_reference(xr, wr, cu, act) * gy).sum(), (xr, wr))
-    xf, wf = x.float().requires_grad_(True), w.float().requires_grad_(True)
-    dx, dw = torch.autograd.grad((short_conv_fast(xf, wf, cu, act) * gy.float()).sum(), (xf, wf))
-    # float32 against float64: a few ulps of the largest term per sum (4 taps; dw sums T rows)
-    torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-5, atol=1e-5 * dx_ref.abs().max().item())
-    torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-5, atol=1e-5 * dw_ref.abs().max().item())
-
-
 @pytest.mark.gpu
 def test_fast_matches_reference_gpu():
     x, w, cu = _inputs([300, 1, 77, 1000], C=256, dtype=torch.bfloat16, device="cuda")
     x.requires_grad_(True)
-    w.requires_grad_(True)
     y = short_conv(x, w, cu, backend="fast")
     gy = torch.randn_like(y)
-    gx, gw = torch.autograd.grad((y * gy).sum(), (x, w))
-    xf, wf = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
-    y_ref = short_conv_reference(xf, wf, cu)
-    gx_ref, gw_ref = torch.autograd.grad((y_ref * gy.float()).sum(), (xf, wf))
+    (gx,) = torch.autograd.grad((y * gy).sum(), x)
+    xf = x.detach().float().requires_grad_(True)
+    y_ref = short_conv_reference(xf, w.float(), cu)
+    (gx_ref,) = torch.autograd.grad((y_ref * gy.float()).sum(), xf)
     torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(gx.float(), gx_ref, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(gw.float(), gw_ref, rtol=3e-2, atol=3e-2 * gw_ref.abs().max().item())

@@ -288,38 +288,6 @@ def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), re
     return rows
 
 
-def bench_conv(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), C=2048, reps=20):
-    """Backward of the packed short convolution (width 4, SiLU): fla's causal_conv1d_bwd (forward recompute,
-    its backward kernel, the sum of its per-chunk weight gradients) against harts.kernels.short_conv,
-    with a device copy of x (the floor for reading x and dy and writing dx is about three of them)."""
-    from fla.modules.causal_conv1d import causal_conv1d_bwd
-
-    from harts.kernels.short_conv import short_conv_bwd
-
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.long)
-    T = int(cu[-1])
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x, dy = (torch.randn(T, C, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    w = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16, generator=g)
-    dst = torch.empty_like(x)
-
-    def fla():
-        dx, dw, *_ = causal_conv1d_bwd(x=x[None], dy=dy[None], dht=None, weight=w, activation="silu", cu_seqlens=cu)
-        return dx[0], dw
-
-    def ours():
-        return short_conv_bwd(x, w, dy, cu, True)
-
-    (dx_f, dw_f), (dx_o, dw_o) = fla(), ours()
-    r = {"T": T, "C": C, "copy_ms": _time_ms(lambda: dst.copy_(x), reps=reps), "fla_ms": _time_ms(fla, reps=reps),
-         "kernel_ms": _time_ms(ours, reps=reps)}
-    r["fla_over_kernel"] = r["fla_ms"] / r["kernel_ms"]
-    # the two compute the same gradients in different roundings (fla keeps the pre-activation in bf16)
-    r["dx_max_diff_rel"] = ((dx_o.float() - dx_f.float()).abs().max() / dx_f.float().abs().max()).item()
-    r["dw_max_diff_rel"] = ((dw_o.float() - dw_f.float()).abs().max() / dw_f.float().abs().max()).item()
-    return [r]
-
-
 def _table(rows, title):
     if not rows:
         return
@@ -347,7 +315,7 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "conv"], default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
@@ -376,9 +344,6 @@ def main(argv=None):
     if a.only in (None, "attention"):
         res["attention"] = bench_packed_attention(**(dict(lens=(1500, 700)) if a.quick else {}))
         _table(res["attention"], "packed self-attention: cuDNN per sequence vs flash varlen (bf16, ms)")
-    if a.only in (None, "conv"):
-        res["conv"] = bench_conv(**(dict(lens=(1500, 700)) if a.quick else {}))
-        _table(res["conv"], "short convolution backward (width 4, SiLU, bf16): fla vs harts.kernels.short_conv (ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels.json"), "w") as f:
