@@ -157,13 +157,14 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     context-parallel exchange unrepeated (so G must split over cp too, with the query heads of each rank's
     key/value heads on the same rank) and are repeated to the query heads after it.
 
-    Each sequence's view (its ancestors' keys and values, gathered) runs in one packed bottom-right causal
-    varlen call with ``backend`` (harts.ops.attention.tree_attention_views: torch's varlen attention on the
-    fast path, the exact reference otherwise). The alternative that reads shared keys and values in place,
+    Each sequence's view (its ancestors' keys and values, gathered) runs with ``backend``
+    (harts.ops.attention.tree_attention_views): on the fast path as two cuDNN calls per view merged by
+    log-sum-exp (the split, ``view_attention_impl`` says where it applies) or one packed bottom-right causal
+    varlen call; the exact reference otherwise. The alternative that reads shared keys and values in place,
     one FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
     ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
-    ling3-tiny, a 65K-row microbatch of seed 9001: views 287 ms fwd+bwd, flex 534 ms, plus 5.5 s to build the
-    block mask on the device), so it is not the default."""
+    ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 187 ms, varlen views 289 ms, flex 534 ms plus
+    3.7 s to build the block mask on the device), so it is not the default."""
     cp = batch.cp
     H, G = q.shape[1], k.shape[1]
     if H % G or v.shape[1] != G:
