@@ -263,3 +263,16 @@ def test_model_on_flex_equals_trajectory_wise(monkeypatch):
         scale = max(g_b[name].abs().max().item(), 1e-12)
         torch.testing.assert_close(g_h[name], g_b[name], rtol=1e-9, atol=1e-9 * scale,
                                    msg=lambda m: f"grad {name}: {m}")
+
+
+def test_tree_attention_bench_counts_the_pairs_of_the_bottom_right_mask():
+    """The bench's attention work per path: pairs counted from the lengths equal the visible entries of the
+    bottom-right causal masks, built one by one."""
+    from harts.bench.tree_attention import causal_pairs
+
+    cu_q, cu_k = [0, 3, 3, 10, 11], [0, 5, 9, 16, 20]
+    brute = 0
+    for n in range(len(cu_q) - 1):
+        lq, lk = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        brute += int((torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]).sum())
+    assert causal_pairs(cu_q, cu_k) == brute
