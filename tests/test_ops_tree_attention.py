@@ -276,3 +276,17 @@ def test_tree_attention_bench_counts_the_pairs_of_the_bottom_right_mask():
         lq, lk = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
         brute += int((torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]).sum())
     assert causal_pairs(cu_q, cu_k) == brute
+
+
+def test_view_attention_impl_names_why_the_split_does_not_apply(monkeypatch):
+    from harts.ops.attention.tree import view_attention_impl
+
+    q, v = torch.zeros(4, 2, 192, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    assert view_attention_impl(q, v) == ("varlen", "cuDNN split not used: not on CUDA")
+    wide = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
+    assert view_attention_impl(wide, wide)[1].startswith("cuDNN split not used: head dims 256/256")
+    assert view_attention_impl(q, v, "varlen") == ("varlen", "requested")
+    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
+    assert view_attention_impl(q, v) == ("varlen", "requested")
+    with pytest.raises(ValueError, match="view kernel 'flash'"):
+        view_attention_impl(q, v, "flash")

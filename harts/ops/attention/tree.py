@@ -64,7 +64,7 @@ VIEW_KERNELS = ("varlen", "cudnn_split")
 def view_kernel() -> str:
     """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
     per view, split into an ancestor piece and a causal own piece merged by log-sum-exp,
-    ``harts.ops.attention.split``; no V padding, 1.53x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
+    ``harts.ops.attention.split``; no V padding, 1.54x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
     real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed bottom-right
     causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split applies."""
     import os
@@ -88,8 +88,8 @@ def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str 
     if kernel == "varlen":
         return "varlen", "requested"
     D, Dv = q_CHD.shape[-1], v_TkHDv.shape[-1]
-    if max(D, Dv) > MAX_HEAD_DIM or D % 8 or Dv % 8:
-        why = f"head dims {D}/{Dv} (the split: multiples of 8, at most {MAX_HEAD_DIM})"
+    if D > MAX_HEAD_DIM or Dv > 256 or D % 8 or Dv % 8:
+        why = f"head dims {D}/{Dv} (the split: multiples of 8, q/k at most {MAX_HEAD_DIM}, v at most 256)"
     elif not q_CHD.is_cuda:
         why = "not on CUDA"
     elif q_CHD.dtype not in (torch.bfloat16, torch.float16):
