@@ -119,6 +119,32 @@ def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
 
 
+@pytest.mark.gpu
+def test_cudnn_per_sequence_at_equal_head_dims_within_flash_error_gpu():
+    """cuDNN per sequence at Qwen3.5's gated-attention head dims (256 / 256, which the dispatcher still sends to
+    flash): output and gradients against the float64 truth, within 2x of the flash varlen kernel's error."""
+    from harts.ops.attention.fast import _cudnn_per_sequence
+
+    lens = [2100, 1, 300, 6000]
+    q, k, v, cq, _ = _packed(lens, lens, H=4, D=256, Dv=256, dtype=torch.bfloat16, device="cuda", seed=2)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    do = torch.randn(q.shape[0], 4, 256, device="cuda", dtype=torch.bfloat16)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o_ref = varlen_attention_reference(qd, kd, vd, cq, cq, 256 ** -0.5)
+    truth = [o_ref, *torch.autograd.grad((o_ref * do.double()).sum(), (qd, kd, vd))]
+
+    def errors(attend):
+        o = attend()
+        got = [o, *torch.autograd.grad((o * do).sum(), (q, k, v))]
+        return [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, truth)]
+
+    cudnn = errors(lambda: _cudnn_per_sequence(q, k, v, cq, 256 ** -0.5))
+    flash = errors(lambda: varlen_attention(q, k, v, cq, cq.clone(), 256 ** -0.5, backend="fast"))
+    for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
+        assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
+
+
 def test_short_sequences_keep_the_packed_varlen_launch():
     from harts.ops.attention.fast import CUDNN_MIN_MEAN_LEN, packed_self_attention_impl
 
