@@ -22,8 +22,13 @@ def test_toml_and_cli_precedence(tmp_path):
 
 
 def test_config_errors_name_the_setting(tmp_path):
-    with pytest.raises(ValueError, match=r"training.seq_len = 128 is a torchtitan setting"):
+    with pytest.raises(ValueError, match=r"unknown option --training.seq_len.*a torchtitan setting the HARTS trainer "
+                                         r"does not use"):
         config.parse_args(["--training.seq_len=128"])
+    p = tmp_path / "tt.toml"
+    p.write_text("[training]\nseq_len = 128\n")
+    with pytest.raises(ValueError, match=r"unknown key 'seq_len' of \[training\].*a torchtitan setting"):
+        config.parse_args([f"--config={p}"])
     with pytest.raises(ValueError, match=r"rl.objective = 'dpo'"):
         config.parse_args(["--rl.objective=dpo"])
     with pytest.raises(ValueError, match=r"data.source = 'jsonl' needs data.path"):

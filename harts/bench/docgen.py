@@ -90,7 +90,7 @@ def _esc(text: str) -> str:
 
 
 def trainer_section() -> list[str]:
-    from harts.train.config import HartsJobConfig, is_harts_section, torchtitan_fields
+    from harts.train.config import HartsJobConfig
 
     out = ["## Trainer (`train.py --config FILE.toml [--section.key=value ...]`)", "",
            "A TOML file has one table per section; any field can be overridden on the command line as",
@@ -98,24 +98,20 @@ def trainer_section() -> list[str]:
            "--help`",
            "lists the same). A field with a fixed set of values names them in its type; any other value is an "
            "error. Sections",
-           "`ling`, `harts`, `data`, `rl`, `online` and `profile` are HARTS's; the others are torchtitan 0.2.2's, "
-           "of which only",
-           "the fields listed here are read. Setting any other torchtitan field is an error at load, so a config "
-           "never silently",
-           "does nothing.", ""]
+           "`job` to `comm` carry torchtitan 0.2.2's names, defaults and meanings for the settings the trainer "
+           "reads (plus HARTS's",
+           "additions); `ling`, `harts`, `data`, `rl`, `online` and `profile` are HARTS's. Every key listed is "
+           "read; any other",
+           "key is an error at load, so a config never silently does nothing.", ""]
     hints = typing.get_type_hints(HartsJobConfig)
     for sec in dataclasses.fields(HartsJobConfig):
         cls = hints[sec.name]
         docs = field_docs(cls)
         field_hints = typing.get_type_hints(cls, include_extras=True)
-        ours = is_harts_section(sec.name)
-        _, unread = torchtitan_fields(sec.name)
-        rows = [f for f in dataclasses.fields(cls) if f.name not in unread]
+        rows = dataclasses.fields(cls)
         if not rows:
             continue
-        origin = "HARTS" if ours else "torchtitan" + (", extended by HARTS" if cls.__module__.startswith(
-            "harts") else "")
-        out += [f"### `[{sec.name}]` ({origin})", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"### `[{sec.name}]`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in rows:
             out.append(f"| `{f.name}` | {_type(f, field_hints[f.name])} | {_cell(_default(f))} | "
                        f"{_esc(docs.get(f.name, ''))} |")

@@ -1,13 +1,15 @@
-"""Trainer configuration: HARTS's sections beside the torchtitan 0.2.2 sections the trainer reads.
+"""Trainer configuration: the sections of the settings the trainer reads, HARTS's and torchtitan 0.2.2's.
 
 Like torchtitan's ``JobConfig`` this is a tree of dataclasses parsed by tyro from a TOML file and
-``--section.key value`` command-line overrides (precedence: command line, TOML, defaults). The torchtitan
-sections the trainer reads are torchtitan's own classes (``job``, ``training``, ``optimizer``,
-``lr_scheduler``, ``parallelism``, ``checkpoint``, ``activation_checkpoint``, ``compile``, ``metrics``,
-``debug``, ``comm``), some extended with HARTS fields, so torchtitan's components take them as they are; HARTS
-adds ``ling`` (the model), ``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``, ``online``
-(rollouts sampled from the policy) and ``profile``. torchtitan sections the trainer does not read (model,
-float8, validation, fault tolerance, ...) are not part of the config, so tyro rejects them as unknown.
+``--section.key value`` command-line overrides (precedence: command line, TOML, defaults). Sections ``job``,
+``training``, ``optimizer``, ``lr_scheduler``, ``parallelism``, ``checkpoint``, ``activation_checkpoint``,
+``compile``, ``metrics``, ``debug`` and ``comm`` carry torchtitan's names, defaults (read from torchtitan's
+classes) and meanings for the settings the trainer reads, plus HARTS's additions; the three that a torchtitan
+component takes (optimizer, lr_scheduler, checkpoint) convert to torchtitan's class with ``to_torchtitan()``.
+HARTS adds ``ling`` (the model), ``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``,
+``online`` (rollouts sampled from the policy) and ``profile``. Every key is read, so ``--help`` lists exactly
+what has an effect; any other key is an error naming it (and saying when it is a torchtitan setting the
+trainer does not use).
 
 Types carry the checks that need no context: a field with a fixed set of values is a ``Literal`` (tyro
 rejects another value and ``--help`` lists the allowed ones; TOML values get the same check), and every
@@ -216,21 +218,85 @@ class Profile:
             raise ValueError(f"config: profile.steps = {self.steps}: steps are 1-based (each >= 1)")
 
 
+def _tt_default(cls, name: str):
+    """torchtitan's default for one of its fields: sections below keep torchtitan's defaults and meaning."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else f.default
+
+
+class _ToTorchtitan:
+    """Sections that a torchtitan component takes (optimizer, lr_scheduler, checkpoint) convert to torchtitan's
+    class: its fields that the section has get the section's values, the rest keep torchtitan's defaults."""
+
+    torchtitan_class: typing.ClassVar[type]
+
+    def to_torchtitan(self):
+        names = {f.name for f in dataclasses.fields(self)}
+        return self.torchtitan_class(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.torchtitan_class)
+                                        if f.name in names})
+
+
 @dataclass
-class Job(tt.Job):
+class Job:
     config_file: Annotated[str | None, tyro.conf.arg(aliases=("--config",))] = None
     """TOML file to read the config from (``--config FILE`` for short); command-line values override it."""
+    dump_folder: str = _tt_default(tt.Job, "dump_folder")
+    """Run folder: checkpoints, metrics.jsonl, traces and the HF export go below it."""
+    description: str = _tt_default(tt.Job, "description")
+    """Free text naming the run, logged at start."""
+    print_config: bool = _tt_default(tt.Job, "print_config")
+    """Print the whole resolved config at start."""
 
 
 @dataclass
-class Training(tt.Training):
+class Training:
+    steps: int = _tt_default(tt.Training, "steps")
+    """Optimizer steps to run (the run resumes to this count from its latest checkpoint)."""
+    max_norm: float = _tt_default(tt.Training, "max_norm")
+    """Gradient clipping: gradients are scaled down so that their total norm is at most this (> 0)."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = _tt_default(tt.Training, "mixed_precision_param")
+    """With FSDP2 and float32 parameters: the dtype parameters are gathered and computed in."""
+    mixed_precision_reduce: Literal["float32"] = _tt_default(tt.Training, "mixed_precision_reduce")
+    """With FSDP2: the dtype gradients are reduced in."""
+
     def validate(self) -> None:
         if self.steps < 1:
             raise ValueError(f"config: training.steps = {self.steps} must be >= 1")
+        if not self.max_norm > 0:
+            raise ValueError(f"config: training.max_norm = {self.max_norm} must be > 0 (the clipping bound)")
 
 
 @dataclass
-class Checkpoint(tt.Checkpoint):
+class Checkpoint(_ToTorchtitan):
+    torchtitan_class: typing.ClassVar[type] = tt.Checkpoint
+    enable: bool = _tt_default(tt.Checkpoint, "enable")
+    """Save checkpoints (torchtitan's CheckpointManager, DCP format) and resume from the latest one."""
+    folder: str = _tt_default(tt.Checkpoint, "folder")
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = _tt_default(tt.Checkpoint, "interval")
+    """Save every this many steps (and after the last one)."""
+    keep_latest_k: int = _tt_default(tt.Checkpoint, "keep_latest_k")
+    """Keep this many of the latest checkpoints, delete older ones (0 = keep all)."""
+    load_step: int = _tt_default(tt.Checkpoint, "load_step")
+    """Resume from this step's checkpoint (-1 = the latest)."""
+    last_save_model_only: bool = _tt_default(tt.Checkpoint, "last_save_model_only")
+    """The checkpoint after the last step holds the model only (no optimizer, scheduler or train state)."""
+    export_dtype: Literal["float16", "bfloat16", "float32"] = _tt_default(tt.Checkpoint, "export_dtype")
+    """Dtype of the model-only last checkpoint."""
+    initial_load_path: str | None = _tt_default(tt.Checkpoint, "initial_load_path")
+    """A DCP checkpoint to start from when the run folder has none."""
+    initial_load_model_only: bool = _tt_default(tt.Checkpoint, "initial_load_model_only")
+    """From initial_load_path, load the model only."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _tt_default(tt.Checkpoint, "async_mode")
+    """Save in the background ('async', 'async_with_pinned_mem') or block ('disabled')."""
+    exclude_from_loading: list[str] = _tt_default(tt.Checkpoint, "exclude_from_loading")
+    """State keys not to load when resuming (e.g. 'optimizer,lr_scheduler')."""
+    enable_first_step_checkpoint: bool = _tt_default(tt.Checkpoint, "enable_first_step_checkpoint")
+    """Also save before the first step."""
+    load_only: bool = _tt_default(tt.Checkpoint, "load_only")
+    """Load checkpoints but never save."""
+    enable_ft_dataloader_checkpoints: bool = _tt_default(tt.Checkpoint, "enable_ft_dataloader_checkpoints")
+    """torchtitan's setting for fault-tolerant data loader state (the HARTS loader keeps none; leave it)."""
     export_hf: bool = False
     """After the last step, write the model in the official HF safetensors layout to <folder>/hf."""
     overwrite: bool = False
@@ -244,10 +310,30 @@ class Checkpoint(tt.Checkpoint):
 
 
 @dataclass
-class Parallelism(tt.Parallelism):
+class Parallelism:
+    data_parallel_replicate_degree: int = _tt_default(tt.Parallelism, "data_parallel_replicate_degree")
+    """Data-parallel replicas (HSDP's outer, replicated dimension)."""
+    data_parallel_shard_degree: int = _tt_default(tt.Parallelism, "data_parallel_shard_degree")
+    """FSDP2 shards per replica (-1: the ranks the other degrees leave)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = _tt_default(
+        tt.Parallelism, "fsdp_reshard_after_forward")
+    """Free gathered parameters after each forward ('always'), keep them for the backward ('never'), or
+    torchtitan's choice per pipeline schedule ('default')."""
+    tensor_parallel_degree: int = _tt_default(tt.Parallelism, "tensor_parallel_degree")
+    """Tensor-parallel ranks (DTensor parallel styles on each mixer and FFN)."""
     enable_sequence_parallel: bool = False
     """With TP: shard the rows (compact rows or tokens) over the TP group outside the TP regions (norms,
     residual stream, pipeline activations); all-gather into and reduce-scatter out of each region."""
+    pipeline_parallel_degree: int = _tt_default(tt.Parallelism, "pipeline_parallel_degree")
+    """Pipeline stages (the decoder layers split evenly)."""
+    pipeline_parallel_schedule: str = _tt_default(tt.Parallelism, "pipeline_parallel_schedule")
+    """torch.distributed.pipelining schedule name, e.g. '1F1B' or 'GPipe'."""
+    context_parallel_degree: int = _tt_default(tt.Parallelism, "context_parallel_degree")
+    """Context-parallel ranks (HARTS batches only: heads split across ranks, rows exchanged by all-to-all)."""
+    expert_parallel_degree: int = _tt_default(tt.Parallelism, "expert_parallel_degree")
+    """Expert-parallel ranks (experts split, tokens dispatched by all-to-all)."""
+    expert_tensor_parallel_degree: int = _tt_default(tt.Parallelism, "expert_tensor_parallel_degree")
+    """Tensor parallelism inside the experts (1: none)."""
 
     def validate(self) -> None:
         for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
@@ -260,14 +346,38 @@ class Parallelism(tt.Parallelism):
 
 
 @dataclass
-class ActivationCheckpoint(tt.ActivationCheckpoint):
+class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
     """'none'; 'full' (recompute each decoder layer in backward; the plan and layout are reused); 'selective'
     (save matrix products and the mixer cores, recompute norms, gates and casts: harts.models.ling.compile)."""
 
 
 @dataclass
-class Debug(tt.Debug):
+class Compile:
+    enable: bool = _tt_default(tt.Compile, "enable")
+    """torch.compile the decoder layers' regions (harts.models.ling.compile_model; the loss stays eager)."""
+    backend: str = _tt_default(tt.Compile, "backend")
+    """torch.compile backend."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _tt_default(tt.Metrics, "log_freq")
+    """Log a step's metrics every this many steps (metrics.jsonl gets every step)."""
+    enable_tensorboard: bool = _tt_default(tt.Metrics, "enable_tensorboard")
+    """Also write TensorBoard event files."""
+    save_tb_folder: str = _tt_default(tt.Metrics, "save_tb_folder")
+    """TensorBoard folder, relative to job.dump_folder."""
+    disable_color_printing: bool = _tt_default(tt.Metrics, "disable_color_printing")
+    """Plain log lines (no terminal colours)."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = _tt_default(tt.Debug, "seed")
+    """torch.manual_seed at start (None: 0); the data has its own seed (data.seed)."""
+    deterministic: bool = _tt_default(tt.Debug, "deterministic")
+    """torch.use_deterministic_algorithms(True)."""
     check_finite: bool = True
     """After each microbatch's backward, check loss and gradients for NaN/Inf (one host sync each)."""
     exit_after_step: int = 0
@@ -289,7 +399,28 @@ class Debug(tt.Debug):
 
 
 @dataclass
-class Optimizer(tt.Optimizer):
+class Comm:
+    init_timeout_seconds: int = _tt_default(tt.Comm, "init_timeout_seconds")
+    """Timeout of the process group's collectives (torch.distributed.init_process_group)."""
+
+
+@dataclass
+class Optimizer(_ToTorchtitan):
+    torchtitan_class: typing.ClassVar[type] = tt.Optimizer
+    name: str = _tt_default(tt.Optimizer, "name")
+    """torch.optim class name (torchtitan's build_optimizers): 'AdamW' or 'Adam'."""
+    lr: float = _tt_default(tt.Optimizer, "lr")
+    """Peak learning rate (the lr_scheduler shapes it)."""
+    beta1: float = _tt_default(tt.Optimizer, "beta1")
+    """Adam's first-moment decay."""
+    beta2: float = _tt_default(tt.Optimizer, "beta2")
+    """Adam's second-moment decay."""
+    eps: float = _tt_default(tt.Optimizer, "eps")
+    """Adam's denominator epsilon."""
+    weight_decay: float = _tt_default(tt.Optimizer, "weight_decay")
+    """Decoupled weight decay (AdamW), applied to every parameter."""
+    implementation: Literal["for-loop", "foreach", "fused"] = _tt_default(tt.Optimizer, "implementation")
+    """torch's optimizer implementation ('fused' falls back where a layout refuses it, logged)."""
     bf16_update: Literal["fp32_master", "plain"] = "fp32_master"
     """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
     an fp32 master weight held as the bf16 weight plus its 16 low bits) or 'plain' (torch's AdamW on the
@@ -306,65 +437,43 @@ class Optimizer(tt.Optimizer):
 
 
 @dataclass
+class LRScheduler(_ToTorchtitan):
+    torchtitan_class: typing.ClassVar[type] = tt.LRScheduler
+    warmup_steps: int = _tt_default(tt.LRScheduler, "warmup_steps")
+    """Linear warm-up steps from near 0 to optimizer.lr."""
+    decay_ratio: float | None = _tt_default(tt.LRScheduler, "decay_ratio")
+    """Decay only over this last share of the steps, constant before (warmup-stable-decay); None: decay right
+    after the warm-up."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = _tt_default(tt.LRScheduler, "decay_type")
+    """Shape of the decay."""
+    min_lr_factor: float = _tt_default(tt.LRScheduler, "min_lr_factor")
+    """The decay ends at optimizer.lr times this factor."""
+    total_steps: int | None = _tt_default(tt.LRScheduler, "total_steps")
+    """Steps the schedule spans (None: training.steps)."""
+
+
+@dataclass
 class HartsJobConfig:
-    """The trainer's config: torchtitan's sections that the trainer reads, then HARTS's."""
+    """The trainer's config. Sections job ... comm carry torchtitan's names, defaults and meanings for the
+    fields the trainer reads (and HARTS's additions); ling ... profile are HARTS's."""
 
     job: Job = field(default_factory=Job)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: tt.LRScheduler = field(default_factory=tt.LRScheduler)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    compile: tt.Compile = field(default_factory=tt.Compile)
-    metrics: tt.Metrics = field(default_factory=tt.Metrics)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
     debug: Debug = field(default_factory=Debug)
-    comm: tt.Comm = field(default_factory=tt.Comm)
+    comm: Comm = field(default_factory=Comm)
     ling: Ling = field(default_factory=Ling)
     harts: Harts = field(default_factory=Harts)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
     online: Online = field(default_factory=Online)
     profile: Profile = field(default_factory=Profile)
-
-
-# The torchtitan fields the trainer reads, per section. The other fields of these sections exist because
-# torchtitan's components take torchtitan's section classes, so tyro parses them like any field; this list is
-# what tells a field the trainer implements from one it would silently ignore, which no type can say.
-# Fields HARTS declares itself (in the subclasses above) are not listed.
-_TORCHTITAN_READ = {
-    "job": {"dump_folder", "description", "print_config"},
-    "training": {"steps", "max_norm", "mixed_precision_param", "mixed_precision_reduce", "gc_freq"},
-    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
-    "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
-    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-                    "expert_parallel_degree", "expert_tensor_parallel_degree", "context_parallel_degree"},
-    "checkpoint": {"enable", "folder", "interval", "keep_latest_k", "load_step", "last_save_model_only",
-                   "export_dtype", "initial_load_path", "initial_load_model_only", "async_mode",
-                   "exclude_from_loading", "enable_first_step_checkpoint", "load_only",
-                   "enable_ft_dataloader_checkpoints"},
-    "activation_checkpoint": set(),
-    "compile": {"enable", "components", "backend"},
-    "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "disable_color_printing"},
-    "debug": {"seed", "deterministic"},
-    "comm": {"init_timeout_seconds", "train_timeout_seconds"},
-}
-
-
-def torchtitan_fields(section: str) -> tuple[list[str], list[str]]:
-    """(read, not read): the fields of a section that come from torchtitan's class, split by whether the
-    trainer reads them; fields HARTS declares are in neither."""
-    cls = typing.get_type_hints(HartsJobConfig)[section]
-    ours = {name for klass in cls.__mro__ if klass.__module__ == __name__
-            for name in getattr(klass, "__annotations__", {})}
-    theirs = [f.name for f in dataclasses.fields(cls) if f.name not in ours]
-    read = _TORCHTITAN_READ.get(section, set())
-    return [n for n in theirs if n in read], [n for n in theirs if n not in read]
-
-
-def is_harts_section(section: str) -> bool:
-    return typing.get_type_hints(HartsJobConfig)[section].__mro__[-2].__module__ == __name__
 
 
 # ------------------------------------------------------------------ parsing
@@ -425,6 +534,18 @@ def _read_toml(path: str) -> dict:
         raise ValueError(f"config: {path} is not valid TOML ({e})") from None
 
 
+def _torchtitan_hint(section: str | None, key: str) -> str:
+    """' (a torchtitan setting ...)' when an unknown section or key is one of torchtitan's JobConfig: the
+    trainer reads only the torchtitan settings its sections declare."""
+    if section is None:
+        known = {f.name for f in dataclasses.fields(tt.JobConfig)}
+        return " (a torchtitan section the HARTS trainer does not use)" if key in known else ""
+    cls = typing.get_type_hints(tt.JobConfig).get(section)
+    if cls is not None and dataclasses.is_dataclass(cls) and key in {f.name for f in dataclasses.fields(cls)}:
+        return " (a torchtitan setting the HARTS trainer does not use)"
+    return ""
+
+
 def _from_toml(cls, data: dict, path: str, section: str | None = None):
     """TOML tables -> the dataclasses, naming an unknown section or key with the nearest known one."""
     hints = typing.get_type_hints(cls)
@@ -433,8 +554,7 @@ def _from_toml(cls, data: dict, path: str, section: str | None = None):
     for key, value in data.items():
         if key not in known:
             where = f"key '{key}' of [{section}]" if section else f"section [{key}]"
-            extra = (" (a torchtitan section the HARTS trainer does not use)"
-                     if section is None and key in {f.name for f in dataclasses.fields(tt.JobConfig)} else "")
+            extra = _torchtitan_hint(section, key)
             raise ValueError(f"config: unknown {where}{did_you_mean(key, known)}{extra} in {path}; "
                              "`python train.py --help` lists every key")
         sub = hints[key]
@@ -450,12 +570,11 @@ def _unknown_option(token: str) -> str:
     sec, _, name = key[2:].partition(".")
     sections = {f.name: typing.get_type_hints(HartsJobConfig)[f.name] for f in dataclasses.fields(HartsJobConfig)}
     if sec not in sections:
-        extra = (" (a torchtitan section the HARTS trainer does not use)"
-                 if sec in {f.name for f in dataclasses.fields(tt.JobConfig)} else "")
-        return f"config: unknown option {key}: no section [{sec}]{did_you_mean(sec, sections)}{extra}"
+        hint = _torchtitan_hint(None, sec)
+        return f"config: unknown option {key}: no section [{sec}]{did_you_mean(sec, sections)}{hint}"
     dotted = [f"--{sec}.{f.name}" for f in dataclasses.fields(sections[sec])]
-    return (f"config: unknown option {key}{did_you_mean(f'--{sec}.' + name.replace('-', '_'), dotted)}; "
-            "`python train.py --help` lists every option")
+    return (f"config: unknown option {key}{did_you_mean(f'--{sec}.' + name.replace('-', '_'), dotted)}"
+            f"{_torchtitan_hint(sec, name.replace('-', '_'))}; `python train.py --help` lists every option")
 
 
 def _given(argv: list[str], key: str) -> str | None:
@@ -519,18 +638,12 @@ def _check_values(section: str, obj) -> None:
 
 
 def validate(cfg: HartsJobConfig) -> HartsJobConfig:
-    """Every section's values and ``validate()``, then the checks that span sections: torchtitan fields the
-    trainer does not read stay at their defaults; context parallelism needs HARTS batches; online mode
-    excludes rollout files, replaced rewards, data advantages and the KL term."""
-    default = HartsJobConfig()
+    """Every section's values and ``validate()``, then the checks that span sections: context parallelism
+    needs HARTS batches; online mode excludes rollout files, replaced rewards, data advantages and the KL
+    term."""
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
         _check_values(sec.name, obj)
-        _, unread = torchtitan_fields(sec.name)
-        for name in unread:
-            if getattr(obj, name) != getattr(getattr(default, sec.name), name):
-                raise ValueError(f"config: {sec.name}.{name} = {getattr(obj, name)!r} is a torchtitan setting "
-                                 "the HARTS trainer does not use; remove it")
         if hasattr(obj, "validate"):
             obj.validate()
     if cfg.parallelism.context_parallel_degree > 1 and not cfg.harts.enabled:

@@ -140,8 +140,8 @@ class Trainer:
         if self.bf16_opt:
             self.optimizers = self._build_bf16_optimizer(ocfg)
         else:
-            self.optimizers = build_optimizers([self.model], ocfg, self.dims)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+            self.optimizers = build_optimizers([self.model], ocfg.to_torchtitan(), self.dims)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler.to_torchtitan(), cfg.training.steps)
 
         rl = cfg.rl
         self.loss_cfg = LossConfig(objective=rl.objective, clip_eps=rl.clip_eps,
@@ -182,7 +182,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             dataloader=self.loader, model_parts=[self.model], optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers, states={"train_state": self.state},
-            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=self.dump)
+            checkpoint_config=cfg.checkpoint.to_torchtitan(), sd_adapter=None, base_folder=self.dump)
         if lc.load_hf:
             self._load_hf(lc.load_hf)
         self.metrics = MetricsLogger(self.dump, rank=self.rank, enable_tensorboard=cfg.metrics.enable_tensorboard,
@@ -197,6 +197,7 @@ class Trainer:
             self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device))
         self.history: list[dict] = []
         if self.rank == 0:
+            log.info("job: %s", cfg.job.description)
             log.info("HARTS trainer: world %d (dp %d, tp %d, pp %d, cp %d, ep %d), device %s, dtype %s, "
                      "harts.enabled=%s, model %s (%d layers, %.2fM params%s)", self.world_size, self.dp_degree,
                      d.tp, d.pp, d.cp, d.ep, self.device, lc.dtype, cfg.harts.enabled, lc.preset,
