@@ -91,6 +91,27 @@ def test_cudnn_length_buckets_bound_padding_and_shapes():
     assert len({_bucket(L) for L in range(8193, 16385)}) == 16
 
 
+def _errors_vs_flash(lens, D, Dv, seed, attend):
+    """Max errors relative to the largest value (o, dq, dk, dv) of ``attend(q, k, v, cu, scale)`` and of the
+    flash varlen kernel (reached with a copy of cu_seqlens for the keys) against the float64 truth
+    (brute-force causal softmax via the SDPA reference); bf16 on CUDA, 4 heads."""
+    q, k, v, cq, _ = _packed(lens, lens, H=4, D=D, Dv=Dv, dtype=torch.bfloat16, device="cuda", seed=seed)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    do = torch.randn(q.shape[0], 4, Dv, device="cuda", dtype=torch.bfloat16)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o_ref = varlen_attention_reference(qd, kd, vd, cq, cq, D ** -0.5)
+    truth = [o_ref, *torch.autograd.grad((o_ref * do.double()).sum(), (qd, kd, vd))]
+
+    def errors(run):
+        o = run()
+        got = [o, *torch.autograd.grad((o * do).sum(), (q, k, v))]
+        return [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, truth)]
+
+    return (errors(lambda: attend(q, k, v, cq, D ** -0.5)),
+            errors(lambda: varlen_attention(q, k, v, cq, cq.clone(), D ** -0.5, backend="fast")))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[2100, 1, 300, 6000], [128, 0, 8200]])
 def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
@@ -100,21 +121,10 @@ def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
     reference): cuDNN's output and gradients are as close as flash's (within 2x, plus a bf16 rounding)."""
     from harts.ops.attention.fast import packed_self_attention_impl
 
-    q, k, v, cq, _ = _packed(lens, lens, H=4, D=192, Dv=128, dtype=torch.bfloat16, device="cuda", seed=1)
+    q, k, v, _, _ = _packed(lens, lens, H=4, D=192, Dv=128, dtype=torch.bfloat16, device="cuda", seed=1)
     assert packed_self_attention_impl(q, k, v, len(lens))[0] == "cudnn_sdpa"
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    do = torch.randn(q.shape[0], 4, 128, device="cuda", dtype=torch.bfloat16)
-    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o_ref = varlen_attention_reference(qd, kd, vd, cq, cq, 192 ** -0.5)
-    truth = [o_ref, *torch.autograd.grad((o_ref * do.double()).sum(), (qd, kd, vd))]
-
-    def errors(cu_k):
-        o = varlen_attention(q, k, v, cq, cu_k, 192 ** -0.5, backend="fast")
-        got = [o, *torch.autograd.grad((o * do).sum(), (q, k, v))]
-        return [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, truth)]
-
-    cudnn, flash = errors(cq), errors(cq.clone())
+    cudnn, flash = _errors_vs_flash(lens, 192, 128, 1, lambda q, k, v, cu, scale: varlen_attention(
+        q, k, v, cu, cu, scale, backend="fast"))
     for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
 
@@ -125,22 +135,7 @@ def test_cudnn_per_sequence_at_equal_head_dims_within_flash_error_gpu():
     flash): output and gradients against the float64 truth, within 2x of the flash varlen kernel's error."""
     from harts.ops.attention.fast import _cudnn_per_sequence
 
-    lens = [2100, 1, 300, 6000]
-    q, k, v, cq, _ = _packed(lens, lens, H=4, D=256, Dv=256, dtype=torch.bfloat16, device="cuda", seed=2)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    do = torch.randn(q.shape[0], 4, 256, device="cuda", dtype=torch.bfloat16)
-    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o_ref = varlen_attention_reference(qd, kd, vd, cq, cq, 256 ** -0.5)
-    truth = [o_ref, *torch.autograd.grad((o_ref * do.double()).sum(), (qd, kd, vd))]
-
-    def errors(attend):
-        o = attend()
-        got = [o, *torch.autograd.grad((o * do).sum(), (q, k, v))]
-        return [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, truth)]
-
-    cudnn = errors(lambda: _cudnn_per_sequence(q, k, v, cq, 256 ** -0.5))
-    flash = errors(lambda: varlen_attention(q, k, v, cq, cq.clone(), 256 ** -0.5, backend="fast"))
+    cudnn, flash = _errors_vs_flash([2100, 1, 300, 6000], 256, 256, 2, _cudnn_per_sequence)
     for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
 

@@ -218,45 +218,49 @@ class Profile:
             raise ValueError(f"config: profile.steps = {self.steps}: steps are 1-based (each >= 1)")
 
 
-def _tt_default(cls, name: str):
-    """torchtitan's default for one of its fields: sections below keep torchtitan's defaults and meaning."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else f.default
-
-
-class _ToTorchtitan:
-    """Sections that a torchtitan component takes (optimizer, lr_scheduler, checkpoint) convert to torchtitan's
-    class: its fields that the section has get the section's values, the rest keep torchtitan's defaults."""
-
-    torchtitan_class: typing.ClassVar[type]
+def _torchtitan_section(tt_cls):
+    """A section with torchtitan's names, defaults and meanings: its fields named like ``tt_cls``'s and declared
+    without a value take torchtitan's default, and ``to_torchtitan()`` gives the ``tt_cls`` instance a torchtitan
+    component takes (its fields the section has get the section's values, the rest torchtitan's defaults)."""
+    tt_fields = {f.name: f for f in dataclasses.fields(tt_cls)}
 
     def to_torchtitan(self):
-        names = {f.name for f in dataclasses.fields(self)}
-        return self.torchtitan_class(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.torchtitan_class)
-                                        if f.name in names})
+        ours = {f.name for f in dataclasses.fields(self)}
+        return tt_cls(**{name: getattr(self, name) for name in tt_fields if name in ours})
+
+    def wrap(cls):
+        for name in cls.__dict__.get("__annotations__", {}):
+            f = tt_fields.get(name)
+            if f is not None and name not in cls.__dict__:
+                setattr(cls, name, f.default if f.default is not dataclasses.MISSING
+                        else field(default_factory=f.default_factory))
+        cls.to_torchtitan = to_torchtitan
+        return dataclass(cls)
+
+    return wrap
 
 
-@dataclass
+@_torchtitan_section(tt.Job)
 class Job:
     config_file: Annotated[str | None, tyro.conf.arg(aliases=("--config",))] = None
     """TOML file to read the config from (``--config FILE`` for short); command-line values override it."""
-    dump_folder: str = _tt_default(tt.Job, "dump_folder")
+    dump_folder: str
     """Run folder: checkpoints, metrics.jsonl, traces and the HF export go below it."""
-    description: str = _tt_default(tt.Job, "description")
+    description: str
     """Free text naming the run, logged at start."""
-    print_config: bool = _tt_default(tt.Job, "print_config")
+    print_config: bool
     """Print the whole resolved config at start."""
 
 
-@dataclass
+@_torchtitan_section(tt.Training)
 class Training:
-    steps: int = _tt_default(tt.Training, "steps")
+    steps: int
     """Optimizer steps to run (the run resumes to this count from its latest checkpoint)."""
-    max_norm: float = _tt_default(tt.Training, "max_norm")
+    max_norm: float
     """Gradient clipping: gradients are scaled down so that their total norm is at most this (> 0)."""
-    mixed_precision_param: Literal["bfloat16", "float32"] = _tt_default(tt.Training, "mixed_precision_param")
+    mixed_precision_param: Literal["bfloat16", "float32"]
     """With FSDP2 and float32 parameters: the dtype parameters are gathered and computed in."""
-    mixed_precision_reduce: Literal["float32"] = _tt_default(tt.Training, "mixed_precision_reduce")
+    mixed_precision_reduce: Literal["float32"]
     """With FSDP2: the dtype gradients are reduced in."""
 
     def validate(self) -> None:
@@ -266,36 +270,35 @@ class Training:
             raise ValueError(f"config: training.max_norm = {self.max_norm} must be > 0 (the clipping bound)")
 
 
-@dataclass
-class Checkpoint(_ToTorchtitan):
-    torchtitan_class: typing.ClassVar[type] = tt.Checkpoint
-    enable: bool = _tt_default(tt.Checkpoint, "enable")
+@_torchtitan_section(tt.Checkpoint)
+class Checkpoint:
+    enable: bool
     """Save checkpoints (torchtitan's CheckpointManager, DCP format) and resume from the latest one."""
-    folder: str = _tt_default(tt.Checkpoint, "folder")
+    folder: str
     """Checkpoint folder, relative to job.dump_folder."""
-    interval: int = _tt_default(tt.Checkpoint, "interval")
+    interval: int
     """Save every this many steps (and after the last one)."""
-    keep_latest_k: int = _tt_default(tt.Checkpoint, "keep_latest_k")
+    keep_latest_k: int
     """Keep this many of the latest checkpoints, delete older ones (0 = keep all)."""
-    load_step: int = _tt_default(tt.Checkpoint, "load_step")
+    load_step: int
     """Resume from this step's checkpoint (-1 = the latest)."""
-    last_save_model_only: bool = _tt_default(tt.Checkpoint, "last_save_model_only")
+    last_save_model_only: bool
     """The checkpoint after the last step holds the model only (no optimizer, scheduler or train state)."""
-    export_dtype: Literal["float16", "bfloat16", "float32"] = _tt_default(tt.Checkpoint, "export_dtype")
+    export_dtype: Literal["float16", "bfloat16", "float32"]
     """Dtype of the model-only last checkpoint."""
-    initial_load_path: str | None = _tt_default(tt.Checkpoint, "initial_load_path")
+    initial_load_path: str | None
     """A DCP checkpoint to start from when the run folder has none."""
-    initial_load_model_only: bool = _tt_default(tt.Checkpoint, "initial_load_model_only")
+    initial_load_model_only: bool
     """From initial_load_path, load the model only."""
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _tt_default(tt.Checkpoint, "async_mode")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"]
     """Save in the background ('async', 'async_with_pinned_mem') or block ('disabled')."""
-    exclude_from_loading: list[str] = _tt_default(tt.Checkpoint, "exclude_from_loading")
+    exclude_from_loading: list[str]
     """State keys not to load when resuming (e.g. 'optimizer,lr_scheduler')."""
-    enable_first_step_checkpoint: bool = _tt_default(tt.Checkpoint, "enable_first_step_checkpoint")
+    enable_first_step_checkpoint: bool
     """Also save before the first step."""
-    load_only: bool = _tt_default(tt.Checkpoint, "load_only")
+    load_only: bool
     """Load checkpoints but never save."""
-    enable_ft_dataloader_checkpoints: bool = _tt_default(tt.Checkpoint, "enable_ft_dataloader_checkpoints")
+    enable_ft_dataloader_checkpoints: bool
     """torchtitan's setting for fault-tolerant data loader state (the HARTS loader keeps none; leave it)."""
     export_hf: bool = False
     """After the last step, write the model in the official HF safetensors layout to <folder>/hf."""
@@ -309,30 +312,29 @@ class Checkpoint(_ToTorchtitan):
             raise ValueError(f"config: checkpoint.interval = {self.interval} must be >= 1")
 
 
-@dataclass
+@_torchtitan_section(tt.Parallelism)
 class Parallelism:
-    data_parallel_replicate_degree: int = _tt_default(tt.Parallelism, "data_parallel_replicate_degree")
+    data_parallel_replicate_degree: int
     """Data-parallel replicas (HSDP's outer, replicated dimension)."""
-    data_parallel_shard_degree: int = _tt_default(tt.Parallelism, "data_parallel_shard_degree")
+    data_parallel_shard_degree: int
     """FSDP2 shards per replica (-1: the ranks the other degrees leave)."""
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = _tt_default(
-        tt.Parallelism, "fsdp_reshard_after_forward")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"]
     """Free gathered parameters after each forward ('always'), keep them for the backward ('never'), or
     torchtitan's choice per pipeline schedule ('default')."""
-    tensor_parallel_degree: int = _tt_default(tt.Parallelism, "tensor_parallel_degree")
+    tensor_parallel_degree: int
     """Tensor-parallel ranks (DTensor parallel styles on each mixer and FFN)."""
     enable_sequence_parallel: bool = False
     """With TP: shard the rows (compact rows or tokens) over the TP group outside the TP regions (norms,
     residual stream, pipeline activations); all-gather into and reduce-scatter out of each region."""
-    pipeline_parallel_degree: int = _tt_default(tt.Parallelism, "pipeline_parallel_degree")
+    pipeline_parallel_degree: int
     """Pipeline stages (the decoder layers split evenly)."""
-    pipeline_parallel_schedule: str = _tt_default(tt.Parallelism, "pipeline_parallel_schedule")
+    pipeline_parallel_schedule: str
     """torch.distributed.pipelining schedule name, e.g. '1F1B' or 'GPipe'."""
-    context_parallel_degree: int = _tt_default(tt.Parallelism, "context_parallel_degree")
+    context_parallel_degree: int
     """Context-parallel ranks (HARTS batches only: heads split across ranks, rows exchanged by all-to-all)."""
-    expert_parallel_degree: int = _tt_default(tt.Parallelism, "expert_parallel_degree")
+    expert_parallel_degree: int
     """Expert-parallel ranks (experts split, tokens dispatched by all-to-all)."""
-    expert_tensor_parallel_degree: int = _tt_default(tt.Parallelism, "expert_tensor_parallel_degree")
+    expert_tensor_parallel_degree: int
     """Tensor parallelism inside the experts (1: none)."""
 
     def validate(self) -> None:
@@ -352,31 +354,31 @@ class ActivationCheckpoint:
     (save matrix products and the mixer cores, recompute norms, gates and casts: harts.models.ling.compile)."""
 
 
-@dataclass
+@_torchtitan_section(tt.Compile)
 class Compile:
-    enable: bool = _tt_default(tt.Compile, "enable")
+    enable: bool
     """torch.compile the decoder layers' regions (harts.models.ling.compile_model; the loss stays eager)."""
-    backend: str = _tt_default(tt.Compile, "backend")
+    backend: str
     """torch.compile backend."""
 
 
-@dataclass
+@_torchtitan_section(tt.Metrics)
 class Metrics:
-    log_freq: int = _tt_default(tt.Metrics, "log_freq")
+    log_freq: int
     """Log a step's metrics every this many steps (metrics.jsonl gets every step)."""
-    enable_tensorboard: bool = _tt_default(tt.Metrics, "enable_tensorboard")
+    enable_tensorboard: bool
     """Also write TensorBoard event files."""
-    save_tb_folder: str = _tt_default(tt.Metrics, "save_tb_folder")
+    save_tb_folder: str
     """TensorBoard folder, relative to job.dump_folder."""
-    disable_color_printing: bool = _tt_default(tt.Metrics, "disable_color_printing")
+    disable_color_printing: bool
     """Plain log lines (no terminal colours)."""
 
 
-@dataclass
+@_torchtitan_section(tt.Debug)
 class Debug:
-    seed: int | None = _tt_default(tt.Debug, "seed")
+    seed: int | None
     """torch.manual_seed at start (None: 0); the data has its own seed (data.seed)."""
-    deterministic: bool = _tt_default(tt.Debug, "deterministic")
+    deterministic: bool
     """torch.use_deterministic_algorithms(True)."""
     check_finite: bool = True
     """After each microbatch's backward, check loss and gradients for NaN/Inf (one host sync each)."""
@@ -398,28 +400,27 @@ class Debug:
             raise ValueError(f"config: debug.exit_after_step = {self.exit_after_step} must be >= 0 (0 = off)")
 
 
-@dataclass
+@_torchtitan_section(tt.Comm)
 class Comm:
-    init_timeout_seconds: int = _tt_default(tt.Comm, "init_timeout_seconds")
+    init_timeout_seconds: int
     """Timeout of the process group's collectives (torch.distributed.init_process_group)."""
 
 
-@dataclass
-class Optimizer(_ToTorchtitan):
-    torchtitan_class: typing.ClassVar[type] = tt.Optimizer
-    name: str = _tt_default(tt.Optimizer, "name")
+@_torchtitan_section(tt.Optimizer)
+class Optimizer:
+    name: str
     """torch.optim class name (torchtitan's build_optimizers): 'AdamW' or 'Adam'."""
-    lr: float = _tt_default(tt.Optimizer, "lr")
+    lr: float
     """Peak learning rate (the lr_scheduler shapes it)."""
-    beta1: float = _tt_default(tt.Optimizer, "beta1")
+    beta1: float
     """Adam's first-moment decay."""
-    beta2: float = _tt_default(tt.Optimizer, "beta2")
+    beta2: float
     """Adam's second-moment decay."""
-    eps: float = _tt_default(tt.Optimizer, "eps")
+    eps: float
     """Adam's denominator epsilon."""
-    weight_decay: float = _tt_default(tt.Optimizer, "weight_decay")
+    weight_decay: float
     """Decoupled weight decay (AdamW), applied to every parameter."""
-    implementation: Literal["for-loop", "foreach", "fused"] = _tt_default(tt.Optimizer, "implementation")
+    implementation: Literal["for-loop", "foreach", "fused"]
     """torch's optimizer implementation ('fused' falls back where a layout refuses it, logged)."""
     bf16_update: Literal["fp32_master", "plain"] = "fp32_master"
     """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
@@ -436,19 +437,18 @@ class Optimizer(_ToTorchtitan):
             raise ValueError(f"config: optimizer.lr = {self.lr} must be >= 0")
 
 
-@dataclass
-class LRScheduler(_ToTorchtitan):
-    torchtitan_class: typing.ClassVar[type] = tt.LRScheduler
-    warmup_steps: int = _tt_default(tt.LRScheduler, "warmup_steps")
+@_torchtitan_section(tt.LRScheduler)
+class LRScheduler:
+    warmup_steps: int
     """Linear warm-up steps from near 0 to optimizer.lr."""
-    decay_ratio: float | None = _tt_default(tt.LRScheduler, "decay_ratio")
+    decay_ratio: float | None
     """Decay only over this last share of the steps, constant before (warmup-stable-decay); None: decay right
     after the warm-up."""
-    decay_type: Literal["linear", "sqrt", "cosine"] = _tt_default(tt.LRScheduler, "decay_type")
+    decay_type: Literal["linear", "sqrt", "cosine"]
     """Shape of the decay."""
-    min_lr_factor: float = _tt_default(tt.LRScheduler, "min_lr_factor")
+    min_lr_factor: float
     """The decay ends at optimizer.lr times this factor."""
-    total_steps: int | None = _tt_default(tt.LRScheduler, "total_steps")
+    total_steps: int | None
     """Steps the schedule spans (None: training.steps)."""
 
 

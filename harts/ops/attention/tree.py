@@ -38,23 +38,16 @@ head dim, nb = Pp / block row blocks, C queries of the views, Tk keys of the vie
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from harts.ops.backend import log_once
+
 __all__ = ["BLOCK", "TreeMask", "tree_mask", "tree_attention_flex", "tree_attention_views", "view_kernel"]
 
 BLOCK = 128  # rows per BlockMask block: FlexAttention's default, a multiple of its kernels' tiles
-log = logging.getLogger("harts.ops.attention")
-_logged: set = set()
-
-
-def _log_once(key, msg, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.info(msg, *args)
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -117,7 +110,7 @@ def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv
     requested, kernel = kernel, "varlen"
     if resolve("attention", backend, q.device, q.dtype) == "fast":
         kernel, why = view_attention_impl(q, v, requested)
-        _log_once(("view_kernel", kernel, why), "harts MLA view attention kernel -> %s (%s)", kernel, why)
+        log_once(("view_kernel", kernel, why), "harts MLA view attention kernel -> %s (%s)", kernel, why)
     if kernel == "cudnn_split":
         from harts.ops.attention.split import split_views_attention
 
@@ -282,6 +275,6 @@ def tree_attention_flex(q_PHD: torch.Tensor, k_PHD: torch.Tensor, v_PHDv: torch.
         return x_PHX.transpose(0, 1).unsqueeze(0)  # [1, H, Pp, X], a view: flex takes the strides
 
     o_1HPDv = _flex(heads_first(q_PHD), heads_first(k_PHD), heads_first(v_PHDv), mask, scale)
-    _log_once(("flex", q_PHD.device.type), "harts MLA tree attention -> flex (%s, %s)",
-              "compiled" if q_PHD.device.type == "cuda" else "eager math", q_PHD.device.type)
+    log_once(("flex", q_PHD.device.type), "harts MLA tree attention -> flex (%s, %s)",
+             "compiled" if q_PHD.device.type == "cuda" else "eager math", q_PHD.device.type)
     return o_1HPDv[0, :, : mask.num_rows].transpose(0, 1)
