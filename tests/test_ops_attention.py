@@ -131,11 +131,15 @@ def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
 
 @pytest.mark.gpu
 def test_cudnn_per_sequence_at_equal_head_dims_within_flash_error_gpu():
-    """cuDNN per sequence at Qwen3.5's gated-attention head dims (256 / 256, which the dispatcher still sends to
-    flash): output and gradients against the float64 truth, within 2x of the flash varlen kernel's error."""
-    from harts.ops.attention.fast import _cudnn_per_sequence
+    """cuDNN per sequence at Qwen3.5's gated-attention head dims (256 / 256), as the dispatcher sends them:
+    output and gradients against the float64 truth, within 2x of the flash varlen kernel's error."""
+    from harts.ops.attention.fast import packed_self_attention_impl
 
-    cudnn, flash = _errors_vs_flash([2100, 1, 300, 6000], 256, 256, 2, _cudnn_per_sequence)
+    lens = [2100, 1, 300, 6000]
+    q, k, v, _, _ = _packed(lens, lens, H=4, D=256, Dv=256, dtype=torch.bfloat16, device="cuda", seed=2)
+    assert packed_self_attention_impl(q, k, v, len(lens))[0] == "cudnn_sdpa"
+    cudnn, flash = _errors_vs_flash(lens, 256, 256, 2, lambda q, k, v, cu, scale: varlen_attention(
+        q, k, v, cu, cu, scale, backend="fast"))
     for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
 

@@ -6,9 +6,10 @@ behind flash-attn and torch's varlen_attn need one head dim, so V is zero-padded
 PV product and of its gradient is spent on zeros; cuDNN's Hopper kernels take the two head dims as they
 are. On the H200 at Ling-3.0-tiny's MLA shape (16 heads, 65,536 packed rows in sequences of 5K-15K) the
 per-sequence cuDNN calls run forward in 0.42x and forward + backward in 0.61x the time of the padded
-varlen kernel. Where the head dims are equal (Qwen3.5's 256 / 256) flash pads nothing; cuDNN measured
-0.735x flash's forward + backward there (``python -m harts.bench.kernels --only attention``), but its
-accuracy at those head dims has not yet been checked on a GPU, so those keep flash.
+varlen kernel. Where the head dims are equal (Qwen3.5's 256 / 256) flash pads nothing, and cuDNN is still
+faster: 0.735x flash's forward + backward (``python -m harts.bench.kernels --only attention``), with output
+and gradients as close to the float64 truth as flash's (GPU test). A value head wider than q/k (never in
+the supported models) keeps flash: cuDNN's accuracy there is unchecked.
 
 torch 2.11's own varlen entry into cuDNN is not usable (switched off in varlen_attn; its ragged path
 returns wrong dq/dk at these head dims and aligns the causal diagonal top-left), so each sequence is one
@@ -95,8 +96,8 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
         why = "grouped key/value heads"
     elif max(D, Dv) > 256 or D % 8 or Dv % 8:
         why = f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most 256)"
-    elif Dv >= D:  # checked where flash pads V (MLA's 192 / 128); equal head dims: accuracy not yet checked
-        why = f"head dims {D}/{Dv}: flash pads nothing"
+    elif Dv > D:  # accuracy checked on the GPU at Dv < D (MLA's 192 / 128) and Dv == D (Qwen3.5's 256 / 256)
+        why = f"head dims {D}/{Dv}: cuDNN checked for value heads up to the q/k head dim"
     else:
         why = _cudnn_sdpa_available(q_THD.device.index or 0)
     if why is None:
