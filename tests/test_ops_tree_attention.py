@@ -96,10 +96,10 @@ def test_flex_matches_views_values_and_grads(dtype, tol, B, block, pad):
 
 @pytest.mark.parametrize("B,pad", [(4, 3), (3, 1)])
 def test_split_views_equal_views_float64(B, pad):
-    """The views as two pieces merged by log-sum-exp (ancestors unmasked with bucket-padded keys hidden by the
-    extra channel, own rows causal), with the math pieces: the same attention as the reference views, values
-    and q/k/v gradients to float64 rounding (the trees have forks at B-1, B, B+1, 2B+1, duplicates, a prefix
-    that ends inside a path; every view's ancestors are padded to a 128-row bucket)."""
+    """The views as two pieces merged by log-sum-exp, with the math pieces: the same attention as the reference
+    views, values and q/k/v gradients to float64 rounding (the trees have forks at B-1, B, B+1, 2B+1,
+    duplicates, a prefix that ends inside a path; every view has fewer than 128 ancestors, so all of them go to
+    the causal piece; ``test_split_views_ancestor_piece_float64`` covers the ancestor piece)."""
     from harts.ops.attention.split import split_views_attention
 
     batch = pack(_trees(B, 11 * B), chunk_size=B, pad_to_multiple=pad)
@@ -111,6 +111,31 @@ def test_split_views_equal_views_float64(B, pad):
     o_ref = varlen_attention_reference(qv, kv, vv, batch.cu_seqlens_q, batch.cu_seqlens_k, scale)
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("La,L", [(0, 7), (5, 1), (128, 3), (128, 130), (300, 1), (300, 40), (1100, 9)])
+def test_split_views_ancestor_piece_float64(La, L):
+    """Views with enough ancestors for the ancestor piece: it takes exactly the largest length bucket <= La
+    (128, 256 or 1024 here) and the causal piece the other La - A (0 at 128, 44 at 300, 76 at 1100) behind
+    dropped query rows. Two views (the second with L + 2 queries and La + 1 ancestors, so the plans differ),
+    against brute-force bottom-right causal attention in float64: values and q/k/v gradients."""
+    from harts.ops.attention.split import _bucket_floor, split_views_attention
+
+    assert _bucket_floor(128) == 128 and _bucket_floor(300) == 256 and _bucket_floor(1100) == 1024
+    H, D, Dv, scale = 2, 16, 8, 0.3
+    lq, lk = [L, L + 2], [La + L, La + 1 + L + 2]
+    cu_q, cu_k = torch.tensor([0, lq[0], sum(lq)]), torch.tensor([0, lk[0], sum(lk)])
+    g = torch.Generator().manual_seed(La + L)
+    q = torch.randn(sum(lq), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(lk), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lk), H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="math")
+    o_ref = varlen_attention_reference(q, k, v, cu_q, cu_k, scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
     for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
                           torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
@@ -203,15 +228,20 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
 
 
 @pytest.mark.gpu
-def test_split_views_cudnn_bf16_within_flash_views_error_gpu():
+@pytest.mark.parametrize("D,Dv", [(192, 128), (256, 256)])  # Ling-3.0's MLA, Qwen3.5's gated attention
+def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
     """bf16 views through the cuDNN split (the default view kernel) against a float64 truth, next
     to the bf16 flash view path's own error: outputs and all three gradients within 2x of it (plus 1e-3 of
-    the largest value), at Ling-3.0's MLA head dims. The packed path's cuDNN calls run first at the same
-    buckets: torch <= 2.11 shares cuDNN backward graphs between calls with equal q/k/v layouts."""
+    the largest value). The trees' views have 0 to over 256 ancestors, so both pieces run, with and without
+    ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
+    shares cuDNN backward graphs between calls with equal q/k/v layouts."""
     from harts.ops.attention.fast import _cudnn_per_sequence
+    from harts.ops.attention.tree import view_attention_impl
 
     batch = pack(_gpu_trees(64, np.random.default_rng(1)), chunk_size=64, pad_to_multiple=8).to("cuda")
-    H, D, Dv, scale = 4, 192, 128, 192 ** -0.5
+    H, scale = 4, D ** -0.5
+    La = (batch.cu_seqlens_k.diff() - batch.cu_seqlens_q.diff()).tolist()
+    assert min(La) < 128 and max(La) > 256, (min(La), max(La))
     q, k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, H, D, Dv, torch.float64, 4))
     do = torch.randn(batch.num_phys, H, Dv, dtype=torch.float64, device="cuda")
 
@@ -227,6 +257,7 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu():
     cu = batch.cu_seqlens_q.long()
     x = [t.to(torch.bfloat16).requires_grad_(True) for t in (q[:cu[-1]], k[:cu[-1]], v[:cu[-1]])]
     _cudnn_per_sequence(*x, cu, scale).float().square().sum().backward()
+    assert view_attention_impl(x[0], x[2])[0] == "cudnn_split"
     split = run(torch.bfloat16, "fast")
     for name, t, a, b in zip(("o", "dq", "dk", "dv"), truth, split, flash):
         err, err_flash = (a - t).abs().max().item(), (b - t).abs().max().item()
@@ -283,8 +314,8 @@ def test_view_attention_impl_names_why_the_split_does_not_apply(monkeypatch):
 
     q, v = torch.zeros(4, 2, 192, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     assert view_attention_impl(q, v) == ("varlen", "cuDNN split not used: not on CUDA")
-    wide = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
-    assert view_attention_impl(wide, wide)[1].startswith("cuDNN split not used: head dims 256/256")
+    wide = torch.zeros(4, 2, 264, dtype=torch.bfloat16)
+    assert view_attention_impl(wide, wide)[1].startswith("cuDNN split not used: head dims 264/264")
     assert view_attention_impl(q, v, "varlen") == ("varlen", "requested")
     monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
     assert view_attention_impl(q, v) == ("varlen", "requested")

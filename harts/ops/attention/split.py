@@ -2,8 +2,9 @@
 
 A view's keys are its ancestors' rows (La of them) followed by its own Lq rows, which are also its queries
 (``tree_attention_views``). Bottom-right causal over [ancestors, own] is the sum of two softmax pieces over
-disjoint keys: every query over all ancestors (no mask), and the own rows over themselves (causal, Lq == Lk,
-where top-left and bottom-right agree). Each piece is one dense attention call that returns its rows'
+disjoint keys: every query over the first A ancestors (no mask), and the queries over the remaining La - A
+ancestors and the own rows (causal, with La - A dropped query rows in front so that the piece is square and
+top-left equals bottom-right). Each piece is one dense attention call that returns its rows'
 log-sum-exp; the output is the pieces' outputs weighted by exp(lse_piece - lse) with lse = logaddexp of the
 two. The backward of each piece, given the merged output and the merged lse instead of its own, is exactly
 that piece's share of the merged attention's gradient (it forms P = exp(S - lse) and D = rowsum(dO * O)
@@ -13,28 +14,28 @@ attention's blocks.
 Why: the flash varlen kernel behind the views needs one head dim (V zero-padded 128 -> 192 in Ling-3.0's
 MLA), and cuDNN's fused attention, which takes the two head dims as they are, aligns its causal diagonal
 top-left; the split leaves cuDNN only the masks it has. Shapes are bucketed like the packed path's
-(``harts.ops.attention.fast._bucket``) so that cuDNN builds one plan per bucket, not per view: the own
-piece is padded at its end (invisible under the causal mask); the ancestor piece has no mask, so its padded
-keys are hidden by one extra q/k channel: 1 on every query, 0 on real keys and ``-MASK_SCORE`` on padded
-keys, whose scores are then about -MASK_SCORE * scale (exp underflows to exactly 0 in fp32). The channel
-widens q/k by 8 (the head-dim multiple cuDNN needs) in that piece only.
+(``harts.ops.attention.fast._bucket``) so that cuDNN builds one plan per bucket, not per view: the causal
+piece is padded at its end (invisible under the causal mask); the ancestor piece has no mask, so it takes
+exactly a bucket's number of keys, A = the largest bucket <= La, and the other La - A < max(128, La / 16)
+ancestors go to the causal piece. Nothing is padded where a mask would be needed to hide it, so the head
+dims are cuDNN's own limits (q/k and v up to 256: Ling-3.0's 192 / 128 and Qwen3.5's 256 / 256).
 
 ``piece`` implementations: ``cudnn`` (torch's cuDNN SDPA ops, GPU) and ``math`` (plain matmuls in the
 inputs' dtype; the CPU path of the tests, exact in float64).
 
 Legend: C view query rows (all views packed), Tk view key rows, H heads, D q/k head dim, Dv value head dim,
-L a view's own rows (Lq), A its ancestor rows (La), Lb / Ab their buckets, E = D + 8 widened q/k.
+L a view's own rows (Lq), La its ancestor rows, A of them in the ancestor piece, R = La - A.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from harts.ops.attention.fast import _bucket, note_cudnn_shape
 
-MASK_SCORE = 16384.0  # exactly representable in bf16; times a scale >= 1/16 (head dims <= 256): exp(-1024) = 0
-EXTRA = 8
-MAX_HEAD_DIM = 256 - EXTRA  # the widened q/k of the ancestor piece stays within cuDNN's 256
+MAX_HEAD_DIM = 256  # cuDNN's fused attention, q/k and v
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -102,32 +103,53 @@ def _heads_first(x_LHX):
     return x_LHX.transpose(0, 1).unsqueeze(0)  # [1, H, L, X], a view
 
 
-def _pad_rows(x_LHX, n: int):
-    return x_LHX if n == 0 else F.pad(x_LHX, (0, 0, 0, 0, 0, n))
+def _rows(x_LHX, front: int, total: int):
+    """x after ``front`` zero rows, then zero rows up to ``total`` rows (x itself when there are none)."""
+    if front == 0 and total == x_LHX.shape[0]:
+        return x_LHX
+    return F.pad(x_LHX, (0, 0, 0, 0, front, total - front - x_LHX.shape[0]))
 
 
-def _widen(x_LHD, value: float, rows_real: int | None = None):
-    """x with EXTRA more channels: the first is ``value`` (on rows >= ``rows_real``, when given: padding) and
-    0 elsewhere, the rest 0."""
-    extra = x_LHD.new_zeros(x_LHD.shape[:2] + (EXTRA,))
-    if rows_real is None:
-        extra[..., 0] = value
-    else:
-        extra[rows_real:, :, 0] = value
-    return torch.cat((x_LHD, extra), -1)
+def _bucket_floor(n: int) -> int:
+    """The largest length bucket <= n (0 below the smallest): n rounded down to the step ``_bucket`` uses at
+    n, a multiple of the step at every smaller length, so ``_bucket`` maps it to itself."""
+    g = max(128, 1 << max(0, n.bit_length() - 5))
+    return n // g * g
 
 
-def _view_pieces(q_LHD, k_SHD, v_SHDv, La: int):
-    """The padded pieces of one view (keys = La ancestors then the L own rows): (own q, k, v) for the causal
-    piece and, when La > 0, (widened q, widened ancestor k, ancestor v) for the unmasked one."""
-    L = q_LHD.shape[0]
-    pad_q = _bucket(L) - L
-    own = tuple(_pad_rows(t, pad_q) for t in (q_LHD, k_SHD[La:], v_SHDv[La:]))
-    if La == 0:
+@dataclass(frozen=True)
+class _Layout:
+    """Where one view's rows go in its two pieces (keys = La ancestors, then the L own rows):
+    - ancestor piece (when A > 0): the first A = ``_bucket_floor(La)`` ancestors, exactly (no padded keys);
+      the L queries padded at the end to ``anc_rows``;
+    - causal piece: the other R = La - A ancestors and the own rows as keys, the L queries after R zero
+      rows (their outputs are dropped; zero output gradient makes them add nothing in the backward), padded
+      at the end to ``own_rows``; top-left causal over that square is bottom-right causal for the real rows."""
+    L: int
+    A: int
+    R: int
+
+    @property
+    def own_rows(self) -> int:
+        return _bucket(self.R + self.L)
+
+    @property
+    def anc_rows(self) -> int:
+        return _bucket(self.L)
+
+
+def _layout(L: int, La: int) -> _Layout:
+    A = _bucket_floor(La)
+    return _Layout(L, A, La - A)
+
+
+def _view_pieces(q_LHD, k_SHD, v_SHDv, lay: _Layout):
+    """The padded pieces of one view: (q, k, v) of the causal piece and, when A > 0, of the ancestor piece."""
+    n = lay.own_rows
+    own = (_rows(q_LHD, lay.R, n), _rows(k_SHD[lay.A:], 0, n), _rows(v_SHDv[lay.A:], 0, n))
+    if lay.A == 0:
         return own, None
-    pad_a = _bucket(La) - La
-    anc = (_widen(own[0], 1.0), _widen(_pad_rows(k_SHD[:La], pad_a), -MASK_SCORE, La), _pad_rows(v_SHDv[:La], pad_a))
-    return own, anc
+    return own, (_rows(q_LHD, 0, lay.anc_rows), k_SHD[:lay.A], v_SHDv[:lay.A])
 
 
 class _SplitViews(torch.autograd.Function):
@@ -142,9 +164,10 @@ class _SplitViews(torch.autograd.Function):
             if L == 0:
                 auxes.append((None, None))
                 continue
-            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], La)
+            lay = _layout(L, La)
+            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], lay)
             o_b, lse_b, aux_b = fwd(*(_heads_first(t) for t in own), True, scale)
-            o_b, lse_b = o_b[0, :, :L].to(lse_CH.dtype), lse_b[0, :, :L]
+            o_b, lse_b = o_b[0, :, lay.R:lay.R + L].to(lse_CH.dtype), lse_b[0, :, lay.R:lay.R + L]
             aux_a = None
             if anc is not None:
                 o_a, lse_a, aux_a = fwd(*(_heads_first(t) for t in anc), False, scale)
@@ -155,7 +178,7 @@ class _SplitViews(torch.autograd.Function):
                 o, lse = o_b, lse_b
             o_CHDv[cq[n]:cq[n + 1]] = o.transpose(0, 1).to(o_CHDv.dtype)
             lse_CH[cq[n]:cq[n + 1]] = lse.transpose(0, 1)
-            auxes.append((aux_b, aux_a))
+            auxes.append((aux_b, aux_a, lay))
         ctx.save_for_backward(q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH)
         ctx.cq, ctx.ck, ctx.scale, ctx.piece, ctx.auxes = cq, ck, scale, piece, auxes
         return o_CHDv
@@ -164,31 +187,30 @@ class _SplitViews(torch.autograd.Function):
     def backward(ctx, do_CHDv):
         q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH = ctx.saved_tensors
         cq, ck, scale, bwd = ctx.cq, ctx.ck, ctx.scale, PIECES[ctx.piece][1]
-        D = q_CHD.shape[-1]
         dq, dk, dv = torch.zeros_like(q_CHD), torch.zeros_like(k_TkHD), torch.zeros_like(v_TkHDv)
         do_CHDv = do_CHDv.contiguous()
         for n in range(len(cq) - 1):
-            L, La = cq[n + 1] - cq[n], (ck[n + 1] - ck[n]) - (cq[n + 1] - cq[n])
+            L = cq[n + 1] - cq[n]
             if L == 0:
                 continue
-            aux_b, aux_a = ctx.auxes[n]
-            k0 = ck[n] + La  # the view's own key rows start here
-            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], La)
-            pad_q = own[0].shape[0] - L
-            # the merged output and lse on the padded query rows; padded rows get zero output gradient
-            go, o, lse = (_pad_rows(t[cq[n]:cq[n + 1]], pad_q) for t in (do_CHDv, o_CHDv, lse_CH[..., None]))
-            # dO heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
+            aux_b, aux_a, lay = ctx.auxes[n]
+            k0 = ck[n] + lay.A  # the causal piece's key rows start here
+            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], lay)
+            # the merged output gradient, output and lse at each piece's query rows (zero on dropped rows). dO
+            # heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
             # passes (see _cudnn_bwd)
-            go, o, lse = _heads_first(go).contiguous(), _heads_first(o), _heads_first(lse)[..., 0]
-            g = bwd(go, *(_heads_first(t) for t in own), o, lse, aux_b, True, scale)
-            dq[cq[n]:cq[n + 1]] += g[0][0, :, :L].transpose(0, 1)
-            dk[k0:ck[n + 1]] += g[1][0, :, :L].transpose(0, 1)
-            dv[k0:ck[n + 1]] += g[2][0, :, :L].transpose(0, 1)
+            merged = (do_CHDv[cq[n]:cq[n + 1]], o_CHDv[cq[n]:cq[n + 1]], lse_CH[cq[n]:cq[n + 1], :, None])
+            go, o, lse = (_heads_first(_rows(t, lay.R, lay.own_rows)) for t in merged)
+            g = bwd(go.contiguous(), *(_heads_first(t) for t in own), o, lse[..., 0], aux_b, True, scale)
+            dq[cq[n]:cq[n + 1]] += g[0][0, :, lay.R:lay.R + L].transpose(0, 1)
+            dk[k0:ck[n + 1]] += g[1][0, :, :lay.R + L].transpose(0, 1)
+            dv[k0:ck[n + 1]] += g[2][0, :, :lay.R + L].transpose(0, 1)
             if anc is not None:
-                g = bwd(go, *(_heads_first(t) for t in anc), o, lse, aux_a, False, scale)
-                dq[cq[n]:cq[n + 1]] += g[0][0, :, :L, :D].transpose(0, 1)
-                dk[ck[n]:k0] += g[1][0, :, :La, :D].transpose(0, 1)
-                dv[ck[n]:k0] += g[2][0, :, :La].transpose(0, 1)
+                go, o, lse = (_heads_first(_rows(t, 0, lay.anc_rows)) for t in merged)
+                g = bwd(go.contiguous(), *(_heads_first(t) for t in anc), o, lse[..., 0], aux_a, False, scale)
+                dq[cq[n]:cq[n + 1]] += g[0][0, :, :L].transpose(0, 1)
+                dk[ck[n]:k0] += g[1][0].transpose(0, 1)
+                dv[ck[n]:k0] += g[2][0].transpose(0, 1)
         return dq, dk, dv, None, None, None, None
 
 

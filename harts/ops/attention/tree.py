@@ -69,9 +69,9 @@ def view_kernel() -> str:
 
 
 def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str | None = None) -> tuple[str, str]:
-    """(kernel, reason) of the fast view path: ``cudnn_split`` where cuDNN takes the widened ancestor piece
-    (q/k head dim <= 248: Ling-3.0's 192; Qwen3.5's 256 keeps ``varlen``, which pads nothing there), bf16/fp16
-    on sm90+; else ``varlen``. ``kernel``: the requested one, ``view_kernel()`` when None."""
+    """(kernel, reason) of the fast view path: ``cudnn_split`` where cuDNN takes the head dims (multiples of 8 up
+    to 256: Ling-3.0's 192 / 128, Qwen3.5's 256 / 256), bf16/fp16 on sm90+; else ``varlen``. ``kernel``: the
+    requested one, ``view_kernel()`` when None."""
     from harts.ops.attention.fast import _cudnn_sdpa_available
     from harts.ops.attention.split import MAX_HEAD_DIM
 
@@ -81,8 +81,8 @@ def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str 
     if kernel == "varlen":
         return "varlen", "requested"
     D, Dv = q_CHD.shape[-1], v_TkHDv.shape[-1]
-    if D > MAX_HEAD_DIM or Dv > 256 or D % 8 or Dv % 8:
-        why = f"head dims {D}/{Dv} (the split: multiples of 8, q/k at most {MAX_HEAD_DIM}, v at most 256)"
+    if max(D, Dv) > MAX_HEAD_DIM or D % 8 or Dv % 8:
+        why = f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most {MAX_HEAD_DIM})"
     elif not q_CHD.is_cuda:
         why = "not on CUDA"
     elif q_CHD.dtype not in (torch.bfloat16, torch.float16):
