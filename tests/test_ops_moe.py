@@ -237,3 +237,32 @@ def test_group_score_top2_sum_equals_topk_bitwise_with_ties():
     for x in (torch.randn(512, 8, 16, generator=g, dtype=torch.float64),
               torch.randint(0, 3, (512, 8, 16), generator=g).float()):  # many ties, all-equal groups
         assert torch.equal(_top2_sum(x), x.topk(2, dim=-1).values.sum(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_logits_16bit_gpu_within_fp32_rounding_and_compiles(dtype):
+    """The tensor-core router GEMM against the float64 product of the same 16-bit values: the products are
+    exact, so its error is fp32 summation error, bounded as for the fp32 GEMM of the upcast operands (a
+    16-bit output or a TF32 GEMM would be off by ~1e-3 relative). The gradients equal autograd's through
+    the upcast within the same bound, eager and inside torch.compile(fullgraph=True)."""
+    from harts.ops.moe import router_logits
+
+    T, D, E = 8192, 1536, 128
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, D, generator=g).to(dtype).cuda().requires_grad_()
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(dtype).cuda().requires_grad_()
+    dl = torch.randn(T, E, generator=g).cuda()
+    truth = x.detach().double() @ w.detach().double().t()
+    upcast = lambda x, w: x.float() @ w.float().t()
+    bound = 4 * D * torch.finfo(torch.float32).eps * (x.detach().double().abs() @ w.detach().double().abs().t())
+    for fn in (router_logits, torch.compile(router_logits, fullgraph=True)):
+        out = fn(x, w)
+        assert out.dtype == torch.float32
+        assert bool(((out.double() - truth).abs() <= bound).all()), (out.double() - truth).abs().max()
+        gx, gw = torch.autograd.grad(out, (x, w), dl)
+        rx, rw = torch.autograd.grad(upcast(x, w), (x, w), dl)
+        assert gx.dtype == dtype and gw.dtype == dtype
+        for a, b, name in ((gx, rx, "dx"), (gw, rw, "dw")):
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert rel < 4 * torch.finfo(dtype).eps, (name, rel)

@@ -41,7 +41,7 @@ from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.gdn import gated_delta_rule
-from harts.ops.moe import moe_experts, router_stats
+from harts.ops.moe import moe_experts, router_logits, router_stats
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "GatedDeltaNet", "GatedAttention", "SparseMoE", "DecoderLayer",
            "init_module_weights", "initial_tensors", "Packed"]
@@ -355,8 +355,7 @@ def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_
     """Softmax over all experts in fp32+, top-k, optionally renormalised over the k. Returns (logits_TE,
     probs_TE, topk_idx_TK, topk_w_TK); the k slots are ordered by expert id so the combine order does not
     depend on ties in topk."""
-    dt = _compute_dtype(x_TD.dtype)
-    logits_TE = F.linear(x_TD.to(dt), weight_ED.to(dt))
+    logits_TE = router_logits(x_TD, weight_ED)
     probs_TE = logits_TE.softmax(-1)
     with torch.no_grad():
         idx_TK = probs_TE.topk(top_k, dim=-1).indices.sort(dim=-1).values
