@@ -16,7 +16,8 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   sequence, the KDA chunked core per token per head 4CK + 3CV + 6KV (intra-chunk A_qk/A_kk, WY products,
   state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward under
   ``--ac full`` (4x fwd); ``selective`` recomputes no matrix product, attention or KDA core (3x fwd);
-- peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family;
+- peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family, and the device's idle
+  time in that step with the host ops it waited on (``harts.bench.trace_summary.device_idle``);
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
   [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
   spent in the compile backend, and the number of compilations over all steps run.
@@ -29,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from harts.bench.common import build_model, family
+from harts.bench.trace_summary import device_idle
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.model import AC_POLICIES
 
@@ -169,6 +172,12 @@ def run(args, overrides: dict) -> dict:
         res["profile_top_kernels"] = [{"name": n, "ms": ms, "count": c}
                                       for n, ms, c in sorted(kernels, key=lambda x: -x[1])[:25]]
         res["profile_kernel_ms_total"] = total
+        # the step's wall time not spent in kernels: where the device waits, on which host op (the profiler's
+        # own host overhead is included, so this bounds the idle time of an unprofiled step from above)
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                res["profile_device_idle"] = device_idle(json.load(f)["traceEvents"])
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -205,6 +214,11 @@ def print_table(r: dict) -> None:
         print(f"  -- GPU kernel time by op family (one step, {r['profile_kernel_ms_total']:.0f} ms) --")
         for k, v in r["profile_ms_by_family"].items():
             print(f"  {k:<{w}}  {v:8.1f} ms  {100 * r['profile_share_by_family'][k]:5.1f}%")
+    idle = r.get("profile_device_idle")
+    if idle:
+        ops = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
+        print(f"  device idle (profiled step)  {1e3 * idle['idle_s']:.1f} ms of a {1e3 * idle['span_s']:.0f} ms "
+              f"span in {idle.get('gaps_count', 0)} gaps; by host op: {ops}")
 
 
 def main(argv=None) -> int:
