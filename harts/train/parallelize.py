@@ -270,8 +270,6 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
 
     col = ColwiseParallel()
     for layer in model.decoder_layers():
-        if not isinstance(layer, DecoderLayer):
-            raise TypeError(f"apply_tp expects Ling decoder layers, got {type(layer).__name__}")
         attn, plan = layer.attention, {"attention": region(2)}
         if layer.kind == "kda":
             plan |= {f"attention.{n}": col for n in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")}
