@@ -50,7 +50,6 @@ class StepSums:
         self.values = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
         self.counts = None if counts_shape is None else torch.zeros(counts_shape, dtype=torch.float64, device=device)
         self.bad = torch.zeros(2, world, dtype=torch.float64, device=device)
-        self.result: dict | None = None
         self.grads_by_stage = False  # pipeline: gradients are checked once per stage, flagged as stage + 1
 
     def add(self, **terms) -> None:
@@ -83,8 +82,7 @@ class StepSums:
             self.counts = buf[n:n + nc].view_as(self.counts)
         host = buf.tolist()
         self.bad_host = [host[n + nc:n + nc + self.world], host[n + nc + self.world:]]
-        self.result = dict(zip(self.NAMES, host[:n]))
-        return self.result
+        return dict(zip(self.NAMES, host[:n]))
 
     def nonfinite(self) -> str | None:
         """After ``reduce``: where the step went non-finite ("non-finite loss in microbatch 3 on rank 1; ..."),
@@ -150,10 +148,9 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, rec["step"])
         keys = [("loss", "loss"), ("reward", "reward"), ("logp_gap", "gap"), ("grad_norm", "gnorm"),
-                ("raw_tok_s", "raw tok/s"),
-                ("compact_tok_s", "compact tok/s"), ("compression", "compr"), ("step_s", "step s"),
-                ("data_wait_s", "wait s"), ("plan_s", "plan s"), ("mfu", "mfu%"), ("peak_mem_gib", "mem GiB"),
-                ("expert_load_max_over_mean", "load max/mean")]
+                ("raw_tok_s", "raw tok/s"), ("compact_tok_s", "compact tok/s"), ("compression", "compr"),
+                ("step_s", "step s"), ("data_wait_s", "wait s"), ("plan_s", "plan s"), ("mfu", "mfu%"),
+                ("peak_mem_gib", "mem GiB"), ("expert_load_max_over_mean", "load max/mean")]
         parts = [f"step {rec['step']:>4}"]
         for k, label in keys:
             if k in rec and rec[k] is not None:
