@@ -117,13 +117,8 @@ class BF16AdamW(torch.optim.Optimizer):
     def grads(self) -> list[torch.Tensor]:
         """This step's gradients, fp32 for bf16 parameters (what clipping and the update read)."""
         self.accumulate_grads()
-        out = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                gr = self._grad(p)
-                if gr is not None:
-                    out.append(gr)
-        return out
+        grads = (self._grad(p) for group in self.param_groups for p in group["params"])
+        return [g for g in grads if g is not None]
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         if p.dtype == torch.bfloat16:

@@ -120,10 +120,8 @@ class DebugDumps(StepHooks):
                 pairs += [(names.get(id(p), "?"), o._grad(p)) for g in o.param_groups for p in g["params"]]
         else:
             pairs = [(n, p.grad) for n, p in trainer.model.named_parameters()]
-        out = {}
-        for n, g in pairs:
-            if g is not None:
-                out[n] = float((g.full_tensor() if isinstance(g, DTensor) else g).float().norm())
+        out = {n: float((g.full_tensor() if isinstance(g, DTensor) else g).float().norm())
+               for n, g in pairs if g is not None}
         with open(f"{path}.rank{rank}.json", "w") as f:
             json.dump(out, f, indent=0)
         log.info("wrote %d gradient norms to %s.rank%d.json", len(out), path, rank)
