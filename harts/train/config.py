@@ -510,15 +510,15 @@ def _number_list_rule(info: tyro.constructors.PrimitiveTypeInfo):
 _CONFIG_KEYS = ("--config", "--job.config_file", "--job.config-file")
 
 
-def _config_path(argv: list[str]) -> str | None:
+def _option_values(argv: list[str], names) -> list[str | None]:
+    """The values the command line gives any of ``names`` (``--k=v`` or ``--k v``), in order; None where the
+    option ends the command line."""
+    values = []
     for i, a in enumerate(argv):
-        key, eq, value = a.partition("=")
-        if key in _CONFIG_KEYS:
-            if eq:
-                return value
-            if i + 1 < len(argv):
-                return argv[i + 1]
-    return None
+        k, eq, v = a.partition("=")
+        if k in names:
+            values.append(v if eq else (argv[i + 1] if i + 1 < len(argv) else None))
+    return values
 
 
 def _read_toml(path: str) -> dict:
@@ -579,13 +579,8 @@ def _unknown_option(token: str) -> str:
 
 def _given(argv: list[str], key: str) -> str | None:
     """The value the command line gave ``--key`` (last occurrence)."""
-    names = {f"--{key}", f"--{key.replace('_', '-')}"}
-    value = None
-    for i, a in enumerate(argv):
-        k, eq, v = a.partition("=")
-        if k in names:
-            value = v if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return value
+    values = _option_values(argv, {f"--{key}", f"--{key.replace('_', '-')}"})
+    return values[-1] if values else None
 
 
 def _not_allowed(key: str, value, allowed) -> str:
@@ -668,7 +663,7 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
 def parse_args(argv: list[str] | None = None) -> HartsJobConfig:
     """The config of a command line: ``--config FILE.toml`` (optional) and ``--section.key=value`` overrides."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    path = _config_path(argv)
+    path = next((v for v in _option_values(argv, _CONFIG_KEYS) if v is not None), None)  # the first --config
     base = HartsJobConfig()
     if path:
         base = _from_toml(HartsJobConfig, _read_toml(path), path)
