@@ -64,7 +64,7 @@ class Stage:
     def begin_step(self, mbs, router, loss_cfg, old_logp: dict | None = None):
         self._mbs, self._router, self._loss_cfg, self._cursor = mbs, router, loss_cfg, 0
         self._old = old_logp or {}  # microbatch index -> recomputed old log-probs (last stage)
-        self.mb_records = []  # per microbatch: (loss, pg, kl, clip, positions) on the last stage
+        self.mb_records = []  # last stage, per microbatch: (index, logp, loss, pg, kl, clip), or (index, logp)
         self.mb_counts = None  # summed MoE counts of this stage's layers, [this stage's MoE layers, E]
         self.router_sum = 0.0  # logged value of this stage's router losses
 
@@ -107,8 +107,8 @@ class Stage:
 
 def prune_to_stage(model: LingForCausalLM | Qwen35ForCausalLM, stage: int, pp: int) -> Stage:
     """Keep this stage's layers (under their indices) and the ends it owns, in place; returns its hooks."""
-    keep = stage_layers(len(model.decoder_layers()), pp)[stage]
     layers = model.decoder_layers()
+    keep = stage_layers(len(layers), pp)[stage]
     model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
     first, last = stage == 0, stage == pp - 1
     if not first:
@@ -159,14 +159,12 @@ class PipelineRunner:
             self._cache[(n, train)] = cls(st, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
         return self._cache[(n, train)]
 
-    def _step(self, sched, n: int, with_target: bool) -> None:
-        target = torch.zeros(n, 1, device=self.device) if with_target and self.io.last else None
-        if self.io.first:
-            sched.step(torch.zeros(n, 1, device=self.device), target=target)
-        elif self.io.last:
-            sched.step(target=target)
-        else:
-            sched.step()
+    def _step(self, n: int, train: bool) -> None:
+        """One pass of the ``n``-microbatch schedule: the first stage feeds dummy inputs (the stage hooks read the
+        microbatches), and a training pass gives the last stage's loss function a dummy target."""
+        inputs = (torch.zeros(n, 1, device=self.device),) if self.io.first else ()
+        target = torch.zeros(n, 1, device=self.device) if train and self.io.last else None
+        self._schedule(n, train).step(*inputs, target=target)
 
     def old_logprobs(self, mbs) -> dict:
         """PPO ``old_logprobs = 'recompute'``: a forward-only pass over the step's microbatches before the
@@ -176,12 +174,11 @@ class PipelineRunner:
         m.recompute = True
         try:
             with torch.no_grad():
-                self._step(self._schedule(len(mbs), train=False), len(mbs), with_target=False)
+                self._step(len(mbs), train=False)
         finally:
             m.recompute = False
         return dict(m.mb_records) if m.last else {}
 
     def run(self, mbs, router, loss_cfg, old_logp: dict | None = None) -> None:
-        n = len(mbs)
         self.io.begin_step(mbs, router, loss_cfg, old_logp)
-        self._step(self._schedule(n), n, with_target=True)
+        self._step(len(mbs), train=True)
