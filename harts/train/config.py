@@ -557,9 +557,8 @@ def _from_toml(cls, data: dict, path: str, section: str | None = None):
             extra = _torchtitan_hint(section, key)
             raise ValueError(f"config: unknown {where}{did_you_mean(key, known)}{extra} in {path}; "
                              "`python train.py --help` lists every key")
-        sub = hints[key]
-        kwargs[key] = _from_toml(sub, value, path, key) if dataclasses.is_dataclass(sub) and isinstance(
-            value, dict) else value
+        table = dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
+        kwargs[key] = _from_toml(hints[key], value, path, key) if table else value
     return cls(**kwargs)
 
 
@@ -568,7 +567,7 @@ def _unknown_option(token: str) -> str:
     if not key.startswith("--") or "." not in key:
         return f"config: unexpected argument {token!r}; options are written --section.key=value"
     sec, _, name = key[2:].partition(".")
-    sections = {f.name: typing.get_type_hints(HartsJobConfig)[f.name] for f in dataclasses.fields(HartsJobConfig)}
+    sections = typing.get_type_hints(HartsJobConfig)  # section name -> its dataclass
     if sec not in sections:
         hint = _torchtitan_hint(None, sec)
         return f"config: unknown option {key}: no section [{sec}]{did_you_mean(sec, sections)}{hint}"
