@@ -77,10 +77,8 @@ class BF16AdamW(torch.optim.Optimizer):
                         f"weights (FSDP mixed precision)")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
-        # fused: one Triton kernel per bf16 tensor (harts.kernels.bf16_adamw) instead of ~20 torch ops; same
-        # formulas, equal up to the last fp32 bits of the master weight. None/False = torch ops; True needs
-        # CUDA (or TRITON_INTERPRET=1) and bf16 moments. The trainer passes True on CUDA
-        # (optimizer.bf16_fused = "auto").
+        # fused: one Triton kernel per bf16 tensor (harts.kernels.bf16_adamw) instead of ~20 torch ops, equal up to
+        # the last fp32 bits of the master weight; None/False = torch ops; True needs CUDA (or TRITON_INTERPRET=1)
         self.fused = bool(fused)
         if self.fused and state_dtype != torch.bfloat16:
             raise ValueError("BF16AdamW(fused=True) needs state_dtype=torch.bfloat16 (the kernel stores bf16 moments)")

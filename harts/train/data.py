@@ -181,8 +181,7 @@ class StepBuilder:
         self.cfg, self.D, self.d = cfg, dp_degree, dp_rank
         self.min_slots = min_slots  # microbatches each DP rank needs (pipeline stages), see plan()
         self._told_fill = False
-        # context and sequence parallelism split every microbatch's rows evenly (cp x tp shares)
-        self.row_multiple = row_multiple
+        self.row_multiple = row_multiple  # context and sequence parallelism split each microbatch's rows evenly
         self.cp_group = cp_group  # every CP rank of a replica packs the same microbatches, then keeps its rows
         self.vocab_size, self.chunk_size, self.conv_width = vocab_size, chunk_size, conv_width
         # online mode: the trainer sets ``online`` (step -> harts.rl.rollout.Rollouts, sampled from its policy)
