@@ -49,7 +49,7 @@ __all__ = ["Trainer", "TrainState", "NonFiniteError", "RunDirError"]
 
 
 class NonFiniteError(FloatingPointError):
-    pass
+    """A step's loss or gradients are NaN or Inf on some rank (the step is not applied)."""
 
 
 class RunDirError(ValueError):
@@ -111,7 +111,7 @@ class Trainer:
         self.model = build_policy(self.model_cfg, device=self.device, dtype=self.dtype, seed=lc.init_seed,
                                   on_meta=lc.init_on_meta)
         self.n_moe = len(self.model.moe_layers())  # of the whole model (a pipeline stage has fewer)
-        self.sp = cfg.parallelism.enable_sequence_parallel and d.tp > 1
+        self.sp = pc.enable_sequence_parallel and d.tp > 1
         if d.cp > 1:
             self._check_cp()
         self.pp_group, self.pp_rank = None, 0
@@ -131,7 +131,7 @@ class Trainer:
         ocfg = cfg.optimizer
         if self.device.type != "cuda" and ocfg.implementation == "fused" and self.dtype == torch.float64:
             ocfg = dataclasses.replace(ocfg, implementation="foreach")
-        if self.dims.tp > 1 and not self.dims.fsdp_enabled and ocfg.implementation != "for-loop":
+        if d.tp > 1 and not d.fsdp_enabled and ocfg.implementation != "for-loop":
             # TP without FSDP mixes DTensor and plain parameters, which foreach/fused kernels refuse
             log.info("optimizer: TP without FSDP -> implementation 'for-loop'")
             ocfg = dataclasses.replace(ocfg, implementation="for-loop")
@@ -167,11 +167,9 @@ class Trainer:
 
             act = self.mp_param_dtype or self.dtype
             self.pipe = PipelineRunner(self.stage_io, stage=self.pp_rank, pp=d.pp, group=self.pp_group,
-                                       device=self.device,
-                                       schedule=cfg.parallelism.pipeline_parallel_schedule, rows=cfg.harts.capacity,
-                                       hidden=self.model_cfg.hidden_size, act_dtype=act,
-                                       loss_dtype=torch.promote_types(act, torch.float32),
-                                       row_split=self.row_split)
+                                       device=self.device, schedule=pc.pipeline_parallel_schedule,
+                                       rows=cfg.harts.capacity, hidden=self.model_cfg.hidden_size, act_dtype=act,
+                                       loss_dtype=torch.promote_types(act, torch.float32), row_split=self.row_split)
         self.state = TrainState()
         if self.n_moe:
             self.state.moe_f = torch.ones(self.n_moe, self.model_cfg.num_experts, dtype=torch.float64,
@@ -189,7 +187,7 @@ class Trainer:
                                      tb_folder=cfg.metrics.save_tb_folder,
                                      color=not cfg.metrics.disable_color_printing and sys.stdout.isatty())
         head = self.model_cfg.hidden_size * self.model_cfg.vocab_size
-        self.flops_per_row = 6 * (self._active_nonembed_params() + head)
+        self.flops_per_row = 6 * (self._whole_model().num_params(active=True, embeddings=False) + head)
         self.peak_flops = None
         if self.device.type == "cuda":
             from torchtitan.tools.utils import get_peak_flops
@@ -215,16 +213,16 @@ class Trainer:
     def _describe_data(self) -> str:
         """The start-up summary's data line: source, files, and where the rewards come from."""
         dc, reward = self.cfg.data, self.builder.reward
-        if dc.source == "jsonl":
-            src = f"JSONL, {len(dc.path)} file(s) ({', '.join(dc.path[:3])}{', ...' if len(dc.path) > 3 else ''})"
-        else:
-            src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
-        src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
         if self.cfg.online.enabled:
             o = self.cfg.online
             return (f"online: {o.episodes} rollout trees per step on task {o.task!r} sampled from the policy "
                     f"(branching {list(o.branching)}, temperature {o.temperature:g}, top_p {o.top_p:g}, seed "
                     f"{o.seed}); rewards from the environment")
+        if dc.source == "jsonl":
+            src = f"JSONL, {len(dc.path)} file(s) ({', '.join(dc.path[:3])}{', ...' if len(dc.path) > 3 else ''})"
+        else:
+            src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
+        src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
         if self.cfg.rl.advantages == "data":
             why = "advantages from the data (rl.advantages = 'data')"
         elif reward == "data":
@@ -359,14 +357,11 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def _whole_model(self):
-        """The whole model on the meta device (for parameter counts; a pipeline stage holds a part)."""
+        """The whole model on the meta device (parameter counts, the HF export; a pipeline stage holds a part)."""
         from harts.bench.common import model_class
 
         with torch.device("meta"):
             return model_class(self.model_cfg)(self.model_cfg)
-
-    def _active_nonembed_params(self) -> int:
-        return self._whole_model().num_params(active=True, embeddings=False)
 
     # ------------------------------------------------------------------ loop
     def _prepare_run_dir(self) -> None:
@@ -436,7 +431,7 @@ class Trainer:
                 if cfg.debug.exit_after_step and step == cfg.debug.exit_after_step:
                     self._crash_exit()
             if cfg.checkpoint.export_hf:
-                self.export_hf(os.path.join(self.dump, cfg.checkpoint.folder, "hf"))
+                self.export_hf(os.path.join(self.ckpt_folder, "hf"))
             if cfg.online.enabled and cfg.online.plot and self.rank == 0 and self.history:
                 from harts.rl.online import plot_rewards
 
@@ -580,25 +575,26 @@ class Trainer:
                             "the step has too few trajectories to split further" if cfg.harts.fill_pipeline
                             else "harts.fill_pipeline = true plans enough of them")
             self._pipeline_slots(mbs, router, sums, old_pp)
-        for j, mb in enumerate(mbs if self.pipe is None else ()):
-            with torch.profiler.record_function(f"harts.microbatch.{mb.index}"):
-                loss, logp, c, (loss_S, pg_S, kl_S, clip_S) = self.microbatch_loss(mb, router, old[j])
-            stats = model.router_stats()
-            with torch.no_grad():
-                if stats:
-                    sums.add_counts(torch.stack([s.counts_E for s in stats]))
-                    if router is not None:
-                        sums.add(router_loss=sum(router_term(s, router, i).double() for i, s in enumerate(stats)))
-            with torch.profiler.record_function(f"harts.backward.{mb.index}"):
-                loss.backward()
-            self.accumulate_grads()
-            with torch.no_grad():
-                if check:
-                    sums.flag(0, mb.index, loss)
-                    sums.flag(1, mb.index, _norms_sum(self._grads()))
-                sums.add(loss=loss.detach().double(), policy_loss=(c * pg_S).sum().double(),
-                         kl=(c * kl_S).sum().double(), clip_frac=(c * clip_S).sum().double(),
-                         positions=float(c.numel()), **self._reward_probe(logp.detach(), mb))
+        else:
+            for j, mb in enumerate(mbs):
+                with torch.profiler.record_function(f"harts.microbatch.{mb.index}"):
+                    loss, logp, c, (loss_S, pg_S, kl_S, clip_S) = self.microbatch_loss(mb, router, old[j])
+                stats = model.router_stats()
+                with torch.no_grad():
+                    if stats:
+                        sums.add_counts(torch.stack([s.counts_E for s in stats]))
+                        if router is not None:
+                            sums.add(router_loss=sum(router_term(s, router, i).double() for i, s in enumerate(stats)))
+                with torch.profiler.record_function(f"harts.backward.{mb.index}"):
+                    loss.backward()
+                self.accumulate_grads()
+                with torch.no_grad():
+                    if check:
+                        sums.flag(0, mb.index, loss)
+                        sums.flag(1, mb.index, _norms_sum(self._grads()))
+                    sums.add(loss=loss.detach().double(), policy_loss=(c * pg_S).sum().double(),
+                             kl=(c * kl_S).sum().double(), clip_frac=(c * clip_S).sum().double(),
+                             positions=float(c.numel()), **self._reward_probe(logp.detach(), mb))
         # one all-reduce for metrics, MoE counts and non-finite flags; TP replicas contribute once
         tp_rank = self.dims.get_mesh("tp").get_local_rank() if self.dims.tp > 1 else 0
         s = sums.reduce(self.distributed, contribute=tp_rank == 0)
@@ -723,8 +719,6 @@ class Trainer:
         ``Qwen3_5MoeForCausalLM`` loads), written by rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from harts.bench.common import model_class
-
         if self.pp_group is None:
             sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:  # every stage holds its own layers (cpu_offload would leave them on global rank 0 only): gather
@@ -734,8 +728,7 @@ class Trainer:
             dist.all_gather_object(parts, sd, group=self.pp_group)
             sd = {k: v for part in parts for k, v in part.items()}
         if self.rank == 0:
-            with torch.device("meta"):
-                plain = model_class(self.model_cfg)(self.model_cfg)
+            plain = self._whole_model()
             plain.to_empty(device="cpu")
             plain.cast_(self.dtype)  # the trained dtype (float64 runs export float64), decay parameters fp32+
             plain.load_state_dict(sd)
