@@ -46,7 +46,7 @@ class StepSums:
              "probe_good_logp", "probe_good_n", "probe_bad_logp", "probe_bad_n")
 
     def __init__(self, device, *, world: int, rank: int, counts_shape: tuple[int, int] | None):
-        self.device, self.world, self.rank = device, world, rank
+        self.world, self.rank = world, rank
         self.values = torch.zeros(len(self.NAMES), dtype=torch.float64, device=device)
         self.counts = None if counts_shape is None else torch.zeros(counts_shape, dtype=torch.float64, device=device)
         self.bad = torch.zeros(2, world, dtype=torch.float64, device=device)
