@@ -120,14 +120,15 @@ def test_split_views_equal_views_float64(B, pad):
 def test_split_views_ancestor_piece_float64(La, L):
     """Views with enough ancestors for the ancestor piece: it takes exactly the largest length bucket <= La
     (128, 256 or 1024 here) and the causal piece the other La - A (0 at 128, 44 at 300, 76 at 1100) behind
-    dropped query rows. Two views (the second with L + 2 queries and La + 1 ancestors, so the plans differ),
-    against brute-force bottom-right causal attention in float64: values and q/k/v gradients."""
+    dropped query rows. Two such views (the second with L + 2 queries and La + 1 ancestors, so the plans differ)
+    around one with keys and no queries (zero gradient), against brute-force bottom-right causal attention in
+    float64: values and q/k/v gradients."""
     from harts.ops.attention.split import _bucket_floor, split_views_attention
 
     assert _bucket_floor(128) == 128 and _bucket_floor(300) == 256 and _bucket_floor(1100) == 1024
     H, D, Dv, scale = 2, 16, 8, 0.3
-    lq, lk = [L, L + 2], [La + L, La + 1 + L + 2]
-    cu_q, cu_k = torch.tensor([0, lq[0], sum(lq)]), torch.tensor([0, lk[0], sum(lk)])
+    lq, lk = [L, 0, L + 2], [La + L, 5, La + 1 + L + 2]  # the middle view has keys and no queries
+    cu_q, cu_k = torch.tensor([0, *np.cumsum(lq)]), torch.tensor([0, *np.cumsum(lk)])
     g = torch.Generator().manual_seed(La + L)
     q = torch.randn(sum(lq), H, D, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(sum(lk), H, D, generator=g, dtype=torch.float64, requires_grad=True)
