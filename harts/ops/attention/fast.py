@@ -81,6 +81,22 @@ def note_cudnn_shape(*key) -> None:
 CUDNN_MIN_MEAN_LEN = 2048
 
 
+CUDNN_MAX_HEAD_DIM = 256  # cuDNN's fused attention, q/k and v
+
+
+def cudnn_attention_unsupported(q_THD: torch.Tensor, Dv: int) -> str | None:
+    """Why cuDNN's fused attention cannot take these queries and value heads (None: it can): head dims,
+    device, dtype, and the GPU / torch settings. The packed path and the view split both ask this."""
+    D = q_THD.shape[-1]
+    if max(D, Dv) > CUDNN_MAX_HEAD_DIM or D % 8 or Dv % 8:
+        return f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most {CUDNN_MAX_HEAD_DIM})"
+    if not q_THD.is_cuda:
+        return "not on CUDA"
+    if q_THD.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q_THD.dtype}"
+    return _cudnn_sdpa_available(q_THD.device.index or 0)
+
+
 def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv: torch.Tensor,
                                num_sequences: int = 1) -> tuple[str, str]:
     """(kernel, reason) for attention of ``num_sequences`` packed sequences over themselves: 'cudnn_sdpa' or
@@ -88,18 +104,12 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
     D, Dv = q_THD.shape[-1], v_THDv.shape[-1]
     if q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
         why = f"sequences shorter than {CUDNN_MIN_MEAN_LEN} rows on average"
-    elif not q_THD.is_cuda:
-        why = "not on CUDA"
-    elif q_THD.dtype not in (torch.bfloat16, torch.float16):
-        why = f"dtype {q_THD.dtype}"
     elif not q_THD.shape[1] == k_THD.shape[1] == v_THDv.shape[1]:
         why = "grouped key/value heads"
-    elif max(D, Dv) > 256 or D % 8 or Dv % 8:
-        why = f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most 256)"
     elif Dv > D:  # accuracy checked on the GPU at Dv < D (MLA's 192 / 128) and Dv == D (Qwen3.5's 256 / 256)
         why = f"head dims {D}/{Dv}: cuDNN checked for value heads up to the q/k head dim"
     else:
-        why = _cudnn_sdpa_available(q_THD.device.index or 0)
+        why = cudnn_attention_unsupported(q_THD, Dv)
     if why is None:
         return "cudnn_sdpa", "same rows for queries and keys, cuDNN fused attention"
     return attention_fast_impl(), f"cuDNN not used: {why}"

@@ -35,8 +35,6 @@ import torch.nn.functional as F
 
 from harts.ops.attention.fast import _bucket, note_cudnn_shape
 
-MAX_HEAD_DIM = 256  # cuDNN's fused attention, q/k and v
-
 
 # ------------------------------------------------------------------------------------------ pieces
 def _acc(t: torch.Tensor) -> torch.dtype:

@@ -57,7 +57,7 @@ VIEW_KERNELS = ("varlen", "cudnn_split")
 def view_kernel() -> str:
     """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
     per view, split into an ancestor piece and a causal own piece merged by log-sum-exp,
-    ``harts.ops.attention.split``; no V padding, 1.54x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
+    ``harts.ops.attention.split``; no V padding, 1.67x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
     real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed bottom-right
     causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split applies."""
     import os
@@ -72,23 +72,14 @@ def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str 
     """(kernel, reason) of the fast view path: ``cudnn_split`` where cuDNN takes the head dims (multiples of 8 up
     to 256: Ling-3.0's 192 / 128, Qwen3.5's 256 / 256), bf16/fp16 on sm90+; else ``varlen``. ``kernel``: the
     requested one, ``view_kernel()`` when None."""
-    from harts.ops.attention.fast import _cudnn_sdpa_available
-    from harts.ops.attention.split import MAX_HEAD_DIM
+    from harts.ops.attention.fast import cudnn_attention_unsupported
 
     kernel = view_kernel() if kernel is None else kernel
     if kernel not in VIEW_KERNELS:
         raise ValueError(f"view kernel {kernel!r}: expected one of {VIEW_KERNELS}")
     if kernel == "varlen":
         return "varlen", "requested"
-    D, Dv = q_CHD.shape[-1], v_TkHDv.shape[-1]
-    if max(D, Dv) > MAX_HEAD_DIM or D % 8 or Dv % 8:
-        why = f"head dims {D}/{Dv} (cuDNN: multiples of 8, at most {MAX_HEAD_DIM})"
-    elif not q_CHD.is_cuda:
-        why = "not on CUDA"
-    elif q_CHD.dtype not in (torch.bfloat16, torch.float16):
-        why = f"dtype {q_CHD.dtype}"
-    else:
-        why = _cudnn_sdpa_available(q_CHD.device.index or 0)
+    why = cudnn_attention_unsupported(q_CHD, v_TkHDv.shape[-1])
     if why is None:
         return "cudnn_split", "ancestor and own pieces per view on cuDNN, merged by log-sum-exp"
     return "varlen", f"cuDNN split not used: {why}"
