@@ -142,6 +142,46 @@ def test_split_views_ancestor_piece_float64(La, L):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
 
 
+def test_split_reads_ancestor_runs_in_place_float64(monkeypatch):
+    """The split over a compact layout's physical rows (``batch.mla_split_plan``): a view whose ancestors are
+    three runs of rows (root, a second child, its second child: DFS order puts each after its elder siblings'
+    subtrees) reads the two longest in place and gathers the third into an unmasked piece and the causal piece.
+    Values and q/k/v gradients equal the reference views (keys gathered per view) to float64 rounding. The
+    in-place threshold is lowered so that the test stays small; the pieces are the same code at any size."""
+    import harts.ops.attention.split as split
+
+    monkeypatch.setattr(split, "IN_PLACE_MIN_ROWS", 256)
+    spec = [(700, [(600, [(300, []), (5, [])]), (300, [(280, []), (290, [(4, []), (6, [])])])])]
+    batch = pack(trajectories_from_spec(spec, duplicates=[1]), chunk_size=16, pad_to_multiple=8)
+    plan = batch.mla_split_plan
+    assert plan is batch.mla_split_plan, "built once per batch"
+    three = [v for v in plan.views if len(v.slices) == 2 and v.gather[1] and v.R]
+    assert three, [(v.slices, v.gather, v.R) for v in plan.views]
+    assert plan.in_place_rows >= 640 + 256
+    H, D, Dv, scale = 2, 16, 8, 0.3
+    q, k, v = _qkv(batch.num_phys, H, D, Dv, torch.float64, seed=7)
+    o = split.split_attention(q.index_select(0, batch.mla_q_rows), k, v, plan, scale, piece="math")
+    o_ref = varlen_attention_reference(q.index_select(0, batch.mla_q_rows), k.index_select(0, batch.mla_kv_rows),
+                                       v.index_select(0, batch.mla_kv_rows), batch.cu_seqlens_q, batch.cu_seqlens_k,
+                                       scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+def test_split_plan_refuses_inconsistent_views():
+    from harts.ops.attention.split import split_plan
+
+    with pytest.raises(ValueError, match="view 1 has 4 queries and 3 keys"):
+        split_plan([0, 2, 6], [0, 5, 8])
+    with pytest.raises(ValueError, match="outside"):
+        split_plan([0, 2], [0, 5], [0, 1, 2, 3, 9], num_keys=6)
+    with pytest.raises(ValueError, match="5 key rows, cu_seqlens_k ends at 6"):
+        split_plan([0, 2], [0, 6], [0, 1, 2, 3, 4])
+
+
 def test_view_kernel_switch(monkeypatch):
     from harts.ops.attention.tree import view_kernel
 
@@ -237,6 +277,7 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
     ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
     shares cuDNN backward graphs between calls with equal q/k/v layouts."""
     from harts.ops.attention.fast import _cudnn_per_sequence
+    from harts.ops.attention.split import split_plan
     from harts.ops.attention.tree import view_attention_impl
 
     batch = pack(_gpu_trees(64, np.random.default_rng(1)), chunk_size=64, pad_to_multiple=8).to("cuda")
@@ -246,11 +287,12 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
     q, k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, H, D, Dv, torch.float64, 4))
     do = torch.randn(batch.num_phys, H, Dv, dtype=torch.float64, device="cuda")
 
-    def run(dtype, backend, kernel=None):
+    def run(dtype, backend, kernel=None, plan=None):
         x = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
         o = tree_attention_views(*x, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
                                  batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
-                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k, kernel=kernel)
+                                 max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k, kernel=kernel,
+                                 plan=plan)
         return [o.double()] + [g.double() for g in torch.autograd.grad((o * do.to(dtype)).sum(), x)]
 
     truth = run(torch.float64, "reference")
@@ -260,9 +302,15 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
     _cudnn_per_sequence(*x, cu, scale).float().square().sum().backward()
     assert view_attention_impl(x[0], x[2])[0] == "cudnn_split"
     split = run(torch.bfloat16, "fast")
-    for name, t, a, b in zip(("o", "dq", "dk", "dv"), truth, split, flash):
-        err, err_flash = (a - t).abs().max().item(), (b - t).abs().max().item()
-        assert err <= 2 * err_flash + 1e-3 * t.abs().max().item(), f"{name}: split {err:.3g}, flash {err_flash:.3g}"
+    # ancestor runs of 128+ rows read in place (the default threshold is above these trees' ancestors)
+    plan = split_plan(batch.cu_seqlens_q, batch.cu_seqlens_k, batch.mla_kv_rows, batch.num_phys, min_in_place=128)
+    assert plan.in_place_rows > 0
+    in_place = run(torch.bfloat16, "fast", plan=plan)
+    for name, t, a, c, b in zip(("o", "dq", "dk", "dv"), truth, split, in_place, flash):
+        err, err_in_place, err_flash = ((x - t).abs().max().item() for x in (a, c, b))
+        bound = 2 * err_flash + 1e-3 * t.abs().max().item()
+        assert err <= bound, f"{name}: split {err:.3g}, flash {err_flash:.3g}"
+        assert err_in_place <= bound, f"{name}: split in place {err_in_place:.3g}, flash {err_flash:.3g}"
 
 
 def test_model_on_flex_equals_trajectory_wise(monkeypatch):

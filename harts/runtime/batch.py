@@ -104,6 +104,16 @@ class CompactBatch:
         return counts
 
     @property
+    def mla_split_plan(self):
+        """Where the cuDNN split of the MLA views reads each view's keys (``harts.ops.attention.split.split_plan``:
+        long runs of contiguous ancestor rows in place, the rest gathered), built on the host on first use and
+        shared by every MLA layer. None for a trajectory-wise batch."""
+        plan = self.derived.get("mla_split_plan")
+        if plan is None and "mla_split_plan_of" in self.derived:
+            plan = self.derived["mla_split_plan"] = self.derived["mla_split_plan_of"]()
+        return plan
+
+    @property
     def num_phys(self) -> int:
         return int(self.input_ids.shape[0])
 
@@ -164,6 +174,12 @@ class CompactBatch:
 
 # Round fields read on the host by the kernels' argument checks: kept on the CPU to avoid device syncs.
 _HOST_FIELDS = ("cu_seqlens_cpu", "emit_seq", "emit_chunk")
+
+
+def _split_plan(*args, **kw):
+    from harts.ops.attention.split import split_plan
+
+    return split_plan(*args, **kw)
 
 
 def _t(a) -> torch.Tensor:
@@ -293,7 +309,9 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         mla_kv_rows=_t(lay.mla_kv_rows), cu_seqlens_q=_t(lay.cu_seqlens_q), cu_seqlens_k=_t(lay.cu_seqlens_k),
         max_seqlen_q=int(lay.max_seqlen_q), max_seqlen_k=int(lay.max_seqlen_k),
         mla_row=_t(lay.row_of_phys), mla_row_end=_t(lay.mla_row_end), mla_block_size=mla_block_size,
-        derived={"mla_block_counts_of": functools.partial(mla_block_counts, lay, mla_block_size)},
+        derived={"mla_block_counts_of": functools.partial(mla_block_counts, lay, mla_block_size),
+                 "mla_split_plan_of": functools.partial(_split_plan, lay.cu_seqlens_q, lay.cu_seqlens_k,
+                                                        lay.mla_kv_rows, num_keys=P)},
         stats={"raw_tokens": int(lengths.sum()), "compact_rows": C, "phys_rows": P,
                "kda_calls": lay.num_rounds, "kda_sequences": lay.num_sequences,
                "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,

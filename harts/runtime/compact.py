@@ -157,11 +157,12 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     context-parallel exchange unrepeated (so G must split over cp too, with the query heads of each rank's
     key/value heads on the same rank) and are repeated to the query heads after it.
 
-    Each sequence's view (its ancestors' keys and values, gathered) runs with ``backend``
-    (harts.ops.attention.tree_attention_views): on the fast path as two cuDNN calls per view merged by
-    log-sum-exp (the split, ``view_attention_impl`` says where it applies) or one packed bottom-right causal
-    varlen call; the exact reference otherwise. The alternative that reads shared keys and values in place,
-    one FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
+    Each sequence's view (its ancestors' keys and values) runs with ``backend``
+    (harts.ops.attention.tree_attention_views): on the fast path as cuDNN calls per view merged by log-sum-exp,
+    reading long runs of shared ancestor rows in place (the split, ``batch.mla_split_plan``;
+    ``view_attention_impl`` says where it applies) or one packed bottom-right causal varlen call on gathered keys
+    and values; the exact reference otherwise. The alternative that reads every shared key in place, one
+    FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
     ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
     ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 172 ms, varlen views 286 ms, flex 534 ms plus
     4.2 s to build the block mask on the device), so it is not the default."""
@@ -176,7 +177,8 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
         k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
     o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
                              batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
-                             max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k)
+                             max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k,
+                             plan=lambda: batch.mla_split_plan)
     return o if cp is None else cp.heads_to_rows(o)
 
 

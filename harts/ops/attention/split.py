@@ -1,35 +1,42 @@
-"""Bottom-right causal attention of the HARTS views as two dense pieces per view, merged by log-sum-exp.
+"""Bottom-right causal attention of the HARTS views as dense pieces per view, merged by log-sum-exp.
 
-A view's keys are its ancestors' rows (La of them) followed by its own Lq rows, which are also its queries
-(``tree_attention_views``). Bottom-right causal over [ancestors, own] is the sum of two softmax pieces over
-disjoint keys: every query over the first A ancestors (no mask), and the queries over the remaining La - A
-ancestors and the own rows (causal, with La - A dropped query rows in front so that the piece is square and
-top-left equals bottom-right). Each piece is one dense attention call that returns its rows'
-log-sum-exp; the output is the pieces' outputs weighted by exp(lse_piece - lse) with lse = logaddexp of the
-two. The backward of each piece, given the merged output and the merged lse instead of its own, is exactly
-that piece's share of the merged attention's gradient (it forms P = exp(S - lse) and D = rowsum(dO * O)
-from them), so the gradients are the two pieces' backward calls summed: the same identity that merges ring
+A view's keys are its ancestors' rows (La of them) followed by its own L rows, which are also its queries
+(``tree_attention_views``). Bottom-right causal over [ancestors, own] is a sum of softmax pieces over disjoint
+keys: every query over a set of ancestors (no mask), for each of a few ancestor sets, and the queries over the
+remaining ancestors and the own rows (causal, with one dropped query row in front per remaining ancestor, so
+that the piece is square and top-left equals bottom-right). Each piece is one dense attention call that returns
+its rows' log-sum-exp; the output is the pieces' outputs weighted by exp(lse_piece - lse) with lse = logsumexp
+of the pieces'. The backward of each piece, given the merged output and the merged lse instead of its own, is
+exactly that piece's share of the merged attention's gradient (it forms P = exp(S - lse) and D = rowsum(dO * O)
+from them), so the gradients are the pieces' backward calls summed: the same identity that merges ring
 attention's blocks.
 
-Why: the flash varlen kernel behind the views needs one head dim (V zero-padded 128 -> 192 in Ling-3.0's
-MLA), and cuDNN's fused attention, which takes the two head dims as they are, aligns its causal diagonal
-top-left; the split leaves cuDNN only the masks it has. Shapes are bucketed like the packed path's
-(``harts.ops.attention.fast._bucket``) so that cuDNN builds one plan per bucket, not per view: the causal
-piece is padded at its end (invisible under the causal mask); the ancestor piece has no mask, so it takes
-exactly a bucket's number of keys, A = the largest bucket <= La, and the other La - A < max(128, La / 16)
-ancestors go to the causal piece. Nothing is padded where a mask would be needed to hide it, so the head
-dims are cuDNN's own limits (q/k and v up to 256: Ling-3.0's 192 / 128 and Qwen3.5's 256 / 256).
+Keys in place. In a compact layout a view's ancestors are a few runs of contiguous physical rows (shared
+prefixes are DFS ranges of the trie), so ``split_plan`` gives each long run its own unmasked piece on a slice of
+the key rows: no per-view copy of the shared keys and values, and their gradients accumulate into the slice, no
+index_add scatter. Short runs and the remainders are gathered (one unmasked piece of them and the causal piece).
+
+Why dense pieces: the flash varlen kernel behind the views needs one head dim (V zero-padded 128 -> 192 in
+Ling-3.0's MLA), and cuDNN's fused attention, which takes the two head dims as they are, aligns its causal
+diagonal top-left; the split leaves cuDNN only the masks it has. Shapes are bucketed like the packed path's
+(``harts.ops.attention.fast._bucket``) so that cuDNN builds one plan per bucket, not per view: the causal piece
+is padded at its end (invisible under the causal mask); an unmasked piece has no mask, so it takes exactly a
+bucket's number of keys (the largest bucket <= its run or gathered set), and the rest, fewer than
+max(128, n / 16) of n, go to the causal piece. Nothing is padded where a mask would be needed to hide it, so
+the head dims are cuDNN's own limits (q/k and v up to 256: Ling-3.0's 192 / 128 and Qwen3.5's 256 / 256).
 
 ``piece`` implementations: ``cudnn`` (torch's cuDNN SDPA ops, GPU) and ``math`` (plain matmuls in the
 inputs' dtype; the CPU path of the tests, exact in float64).
 
-Legend: C view query rows (all views packed), Tk view key rows, H heads, D q/k head dim, Dv value head dim,
-L a view's own rows (Lq), La its ancestor rows, A of them in the ancestor piece, R = La - A.
+Legend: C view query rows (all views packed), X key rows the plan indexes (physical rows, or keys packed per
+view), Tk view key rows, H heads, D q/k head dim, Dv value head dim, L a view's own rows (Lq), R the ancestors
+in its causal piece.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +103,7 @@ def _cudnn_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal:
 PIECES = {"math": (_math_fwd, _math_bwd), "cudnn": (_cudnn_fwd, _cudnn_bwd)}
 
 
-# ------------------------------------------------------------------------------------------ one view
+# ------------------------------------------------------------------------------------------ the plan
 def _heads_first(x_LHX):
     return x_LHX.transpose(0, 1).unsqueeze(0)  # [1, H, L, X], a view
 
@@ -115,116 +122,227 @@ def _bucket_floor(n: int) -> int:
     return n // g * g
 
 
+# An ancestor run is read in place (its own unmasked piece on a slice of the key rows) when it gives at least
+# this many keys; shorter runs are gathered with the view's other ancestors. Each in-place piece adds one
+# dense call and one merge pass over the view's queries, which costs more than copying a short run.
+IN_PLACE_MIN_ROWS = 1024
+IN_PLACE_MAX_PIECES = 2  # per view, the longest runs first
+
+
 @dataclass(frozen=True)
-class _Layout:
-    """Where one view's rows go in its two pieces (keys = La ancestors, then the L own rows):
-    - ancestor piece (when A > 0): the first A = ``_bucket_floor(La)`` ancestors, exactly (no padded keys);
-      the L queries padded at the end to ``anc_rows``;
-    - causal piece: the other R = La - A ancestors and the own rows as keys, the L queries after R zero
-      rows (their outputs are dropped; zero output gradient makes them add nothing in the backward), padded
-      at the end to ``own_rows``; top-left causal over that square is bottom-right causal for the real rows."""
+class _View:
+    """One view's pieces, as key rows of the keys/values handed to ``split_attention``:
+    - ``slices``: unmasked pieces read in place, (first key row, rows), each a length bucket;
+    - ``gather``: (offset, A) into the plan's ``index``: the unmasked piece of A gathered ancestors (A a length
+      bucket, or 0);
+    - ``causal``: (offset, R + L) into ``index``: the other R ancestors, then the L own rows; the L queries go
+      behind R dropped query rows (their outputs are cut, their zero output gradient adds nothing), padded at
+      the end to ``own_rows``, so top-left causal over the square is bottom-right causal for the real rows."""
+    q0: int
     L: int
-    A: int
-    R: int
+    slices: tuple
+    gather: tuple
+    causal: tuple
+
+    @property
+    def R(self) -> int:
+        return self.causal[1] - self.L
 
     @property
     def own_rows(self) -> int:
-        return _bucket(self.R + self.L)
+        return _bucket(self.causal[1])
 
     @property
     def anc_rows(self) -> int:
         return _bucket(self.L)
 
 
-def _layout(L: int, La: int) -> _Layout:
-    A = _bucket_floor(La)
-    return _Layout(L, A, La - A)
+@dataclass(frozen=True, eq=False)
+class SplitPlan:
+    """Where each view's keys come from (built on the host once per layout, shared by every layer):
+    ``index`` the gathered key rows of all views (int64, host), ``views`` the pieces of each view with queries,
+    ``num_queries`` C, ``num_keys`` the key rows the plan indexes into."""
+    views: tuple
+    index: np.ndarray
+    num_queries: int
+    num_keys: int
+    _device_index: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def index_on(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        t = self._device_index.get(device)
+        if t is None:
+            t = self._device_index[device] = torch.as_tensor(self.index).to(device)
+        return t
+
+    @property
+    def in_place_rows(self) -> int:
+        """Key rows read in place (not copied), summed over views."""
+        return sum(n for v in self.views for _, n in v.slices)
 
 
-def _view_pieces(q_LHD, k_SHD, v_SHDv, lay: _Layout):
-    """The padded pieces of one view: (q, k, v) of the causal piece and, when A > 0, of the ancestor piece."""
-    n = lay.own_rows
-    own = (_rows(q_LHD, lay.R, n), _rows(k_SHD[lay.A:], 0, n), _rows(v_SHDv[lay.A:], 0, n))
-    if lay.A == 0:
-        return own, None
-    return own, (_rows(q_LHD, 0, lay.anc_rows), k_SHD[:lay.A], v_SHDv[:lay.A])
+def _host(x) -> np.ndarray:
+    return (x.cpu().numpy() if torch.is_tensor(x) else np.asarray(x)).astype(np.int64)
 
 
-class _SplitViews(torch.autograd.Function):
+def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
+               min_in_place: int | None = None) -> SplitPlan:
+    """The split of bottom-right causal views whose keys are ``kv_rows_Tk[cu_k[n]:cu_k[n+1]]`` (rows of the key
+    tensor; the identity, i.e. keys packed per view, when None) and whose queries are the last
+    ``cu_q[n+1] - cu_q[n]`` of them. Ancestors that are contiguous key rows (a shared prefix in a compact layout)
+    are read in place: up to ``IN_PLACE_MAX_PIECES`` runs of at least ``min_in_place`` bucketed rows per view
+    (``IN_PLACE_MIN_ROWS`` by default; any bucket when the keys are packed per view: each view's ancestors are
+    then one run, and gathering them would copy a copy); the other ancestors are gathered."""
+    cq, ck = _host(cu_q_N1), _host(cu_k_N1)
+    if cq.ndim != 1 or cq.shape != ck.shape or cq.size == 0 or cq[0] != 0 or ck[0] != 0:
+        raise ValueError(f"split_plan: cu_seqlens_q {cq.tolist()[:8]} and cu_seqlens_k {ck.tolist()[:8]} must be "
+                         f"1-D offsets of equal length starting at 0")
+    kv = np.arange(ck[-1], dtype=np.int64) if kv_rows_Tk is None else _host(kv_rows_Tk)
+    if kv.shape != (ck[-1],):
+        raise ValueError(f"split_plan: {kv.shape[0]} key rows, cu_seqlens_k ends at {ck[-1]}")
+    if min_in_place is None:
+        min_in_place = 1 if kv_rows_Tk is None else IN_PLACE_MIN_ROWS
+    num_keys = int(kv.max(initial=-1)) + 1 if num_keys is None else num_keys
+    if kv.size and (kv.min() < 0 or kv.max() >= num_keys):
+        raise ValueError(f"split_plan: key rows in [{kv.min()}, {kv.max()}], outside [0, {num_keys})")
+    views, index, at = [], [], 0
+    for n in range(cq.size - 1):
+        L, Lk = int(cq[n + 1] - cq[n]), int(ck[n + 1] - ck[n])
+        if L < 0 or L > Lk:
+            raise ValueError(f"split_plan: view {n} has {L} queries and {Lk} keys (0 <= queries <= keys)")
+        if L == 0:
+            continue
+        rows = kv[ck[n]:ck[n + 1]]
+        anc = rows[:Lk - L]
+        cuts = np.flatnonzero(np.diff(anc) != 1) + 1
+        starts, ends = np.r_[0, cuts], np.r_[cuts, anc.size]
+        order = np.argsort(starts - ends, kind="stable")[:IN_PLACE_MAX_PIECES]  # longest runs first
+        rest, slices = np.ones(anc.size, dtype=bool), []
+        for r in sorted(order.tolist()):
+            B = _bucket_floor(int(ends[r] - starts[r]))
+            if B >= max(min_in_place, 1):
+                slices.append((int(anc[starts[r]]), B))
+                rest[starts[r]:starts[r] + B] = False
+        rest_rows = anc[rest]
+        A = _bucket_floor(rest_rows.size)
+        piece_rows = [rest_rows[:A], rest_rows[A:], rows[Lk - L:]]
+        index += piece_rows
+        gather = (at, A)
+        causal = (at + A, rest_rows.size - A + L)
+        at += rest_rows.size + L
+        views.append(_View(int(cq[n]), L, tuple(slices), gather, causal))
+    idx = np.concatenate(index) if index else np.zeros(0, dtype=np.int64)
+    return SplitPlan(tuple(views), idx, int(cq[-1]), int(num_keys))
+
+
+# ------------------------------------------------------------------------------------------ the function
+def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
+    """(causal, unmasked pieces) of one view, each (q, k, v, key rows): key rows a slice start (int) or an
+    index tensor, for the backward's accumulation."""
+    qv = q_CHD[view.q0:view.q0 + view.L]
+    o0, m = view.causal
+    ci = idx[o0:o0 + m]
+    n = view.own_rows
+    causal = (_rows(qv, view.R, n), _rows(k_XHD.index_select(0, ci), 0, n), _rows(v_XHDv.index_select(0, ci), 0, n), ci)
+    free = []
+    if view.slices or view.gather[1]:
+        qa = _rows(qv, 0, view.anc_rows)
+        for s, B in view.slices:
+            free.append((qa, k_XHD[s:s + B], v_XHDv[s:s + B], s))
+        g0, A = view.gather
+        if A:
+            gi = idx[g0:g0 + A]
+            free.append((qa, k_XHD.index_select(0, gi), v_XHDv.index_select(0, gi), gi))
+    return causal, free
+
+
+class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_CHD, k_TkHD, v_TkHDv, cq: list, ck: list, scale: float, piece: str):
+    def forward(ctx, q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: str):
         fwd = PIECES[piece][0]
-        o_CHDv = v_TkHDv.new_empty(q_CHD.shape[0], q_CHD.shape[1], v_TkHDv.shape[-1])
-        lse_CH = torch.empty(q_CHD.shape[:2], dtype=_acc(q_CHD), device=q_CHD.device)
+        idx = plan.index_on(q_CHD.device)
+        o_CHDv = v_XHDv.new_zeros(q_CHD.shape[0], q_CHD.shape[1], v_XHDv.shape[-1])
+        lse_CH = torch.full(q_CHD.shape[:2], float("-inf"), dtype=_acc(q_CHD), device=q_CHD.device)
         auxes = []
-        for n in range(len(cq) - 1):
-            L, La = cq[n + 1] - cq[n], (ck[n + 1] - ck[n]) - (cq[n + 1] - cq[n])
-            if L == 0:
-                auxes.append((None, None))
-                continue
-            lay = _layout(L, La)
-            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], lay)
-            o_b, lse_b, aux_b = fwd(*(_heads_first(t) for t in own), True, scale)
-            o_b, lse_b = o_b[0, :, lay.R:lay.R + L].to(lse_CH.dtype), lse_b[0, :, lay.R:lay.R + L]
-            aux_a = None
-            if anc is not None:
-                o_a, lse_a, aux_a = fwd(*(_heads_first(t) for t in anc), False, scale)
-                o_a, lse_a = o_a[0, :, :L].to(lse_CH.dtype), lse_a[0, :, :L]
-                lse = torch.logaddexp(lse_a, lse_b)
-                o = o_a * torch.exp(lse_a - lse)[..., None] + o_b * torch.exp(lse_b - lse)[..., None]
+        for view in plan.views:
+            L, R = view.L, view.R
+            causal, free = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
+            o, lse, aux = fwd(*(_heads_first(t) for t in causal[:3]), True, scale)
+            outs, lses, aux_v = [o[0, :, R:R + L].to(lse_CH.dtype)], [lse[0, :, R:R + L]], [aux]
+            for q, k, v, _ in free:
+                o, lse, aux = fwd(*(_heads_first(t) for t in (q, k, v)), False, scale)
+                outs.append(o[0, :, :L].to(lse_CH.dtype))
+                lses.append(lse[0, :, :L])
+                aux_v.append(aux)
+            if len(outs) == 1:
+                o, lse = outs[0], lses[0]
             else:
-                o, lse = o_b, lse_b
-            o_CHDv[cq[n]:cq[n + 1]] = o.transpose(0, 1).to(o_CHDv.dtype)
-            lse_CH[cq[n]:cq[n + 1]] = lse.transpose(0, 1)
-            auxes.append((aux_b, aux_a, lay))
-        ctx.save_for_backward(q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH)
-        ctx.cq, ctx.ck, ctx.scale, ctx.piece, ctx.auxes = cq, ck, scale, piece, auxes
+                lse = torch.logsumexp(torch.stack(lses), 0)
+                o = sum(o_i * torch.exp(lse_i - lse)[..., None] for o_i, lse_i in zip(outs, lses))
+            o_CHDv[view.q0:view.q0 + L] = o.transpose(0, 1).to(o_CHDv.dtype)
+            lse_CH[view.q0:view.q0 + L] = lse.transpose(0, 1)
+            auxes.append(aux_v)
+        ctx.save_for_backward(q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH)
+        ctx.plan, ctx.scale, ctx.piece, ctx.auxes = plan, scale, piece, auxes
         return o_CHDv
 
     @staticmethod
     def backward(ctx, do_CHDv):
-        q_CHD, k_TkHD, v_TkHDv, o_CHDv, lse_CH = ctx.saved_tensors
-        cq, ck, scale, bwd = ctx.cq, ctx.ck, ctx.scale, PIECES[ctx.piece][1]
-        dq, dk, dv = torch.zeros_like(q_CHD), torch.zeros_like(k_TkHD), torch.zeros_like(v_TkHDv)
+        q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH = ctx.saved_tensors
+        plan, scale, bwd = ctx.plan, ctx.scale, PIECES[ctx.piece][1]
+        idx = plan.index_on(q_CHD.device)
+        dq, dk, dv = torch.zeros_like(q_CHD), torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
         do_CHDv = do_CHDv.contiguous()
-        for n in range(len(cq) - 1):
-            L = cq[n + 1] - cq[n]
-            if L == 0:
-                continue
-            aux_b, aux_a, lay = ctx.auxes[n]
-            k0 = ck[n] + lay.A  # the causal piece's key rows start here
-            own, anc = _view_pieces(q_CHD[cq[n]:cq[n + 1]], k_TkHD[ck[n]:ck[n + 1]], v_TkHDv[ck[n]:ck[n + 1]], lay)
+        for view, aux_v in zip(plan.views, ctx.auxes):
+            L, R, q0 = view.L, view.R, view.q0
+            causal, free = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
             # the merged output gradient, output and lse at each piece's query rows (zero on dropped rows). dO
             # heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
             # passes (see _cudnn_bwd)
-            merged = (do_CHDv[cq[n]:cq[n + 1]], o_CHDv[cq[n]:cq[n + 1]], lse_CH[cq[n]:cq[n + 1], :, None])
-            go, o, lse = (_heads_first(_rows(t, lay.R, lay.own_rows)) for t in merged)
-            g = bwd(go.contiguous(), *(_heads_first(t) for t in own), o, lse[..., 0], aux_b, True, scale)
-            dq[cq[n]:cq[n + 1]] += g[0][0, :, lay.R:lay.R + L].transpose(0, 1)
-            dk[k0:ck[n + 1]] += g[1][0, :, :lay.R + L].transpose(0, 1)
-            dv[k0:ck[n + 1]] += g[2][0, :, :lay.R + L].transpose(0, 1)
-            if anc is not None:
-                go, o, lse = (_heads_first(_rows(t, 0, lay.anc_rows)) for t in merged)
-                g = bwd(go.contiguous(), *(_heads_first(t) for t in anc), o, lse[..., 0], aux_a, False, scale)
-                dq[cq[n]:cq[n + 1]] += g[0][0, :, :L].transpose(0, 1)
-                dk[ck[n]:k0] += g[1][0].transpose(0, 1)
-                dv[ck[n]:k0] += g[2][0].transpose(0, 1)
-        return dq, dk, dv, None, None, None, None
+            merged = (do_CHDv[q0:q0 + L], o_CHDv[q0:q0 + L], lse_CH[q0:q0 + L, :, None])
+            go, o, lse = (_heads_first(_rows(t, R, view.own_rows)) for t in merged)
+            g = bwd(go.contiguous(), *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
+            dq[q0:q0 + L] += g[0][0, :, R:R + L].transpose(0, 1)
+            dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
+            dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
+            if free:
+                go, o, lse = (_heads_first(_rows(t, 0, view.anc_rows)) for t in merged)
+                go = go.contiguous()
+                for (q, k, v, rows), aux in zip(free, aux_v[1:]):
+                    g = bwd(go, *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux, False, scale)
+                    dq[q0:q0 + L] += g[0][0, :, :L].transpose(0, 1)
+                    if isinstance(rows, int):
+                        dk[rows:rows + k.shape[0]] += g[1][0].transpose(0, 1)
+                        dv[rows:rows + k.shape[0]] += g[2][0].transpose(0, 1)
+                    else:
+                        dk.index_add_(0, rows, g[1][0].transpose(0, 1))
+                        dv.index_add_(0, rows, g[2][0].transpose(0, 1))
+        return dq, dk, dv, None, None, None
+
+
+def split_attention(q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: str = "cudnn"):
+    """Bottom-right causal attention of the views of ``plan`` (``split_plan``): queries q [C, H, D] packed per
+    view, keys and values [X, H, D/Dv] indexed by the plan (a compact layout's physical rows, read in place
+    where a view's ancestors are contiguous). Returns [C, H, Dv]."""
+    if not isinstance(plan, SplitPlan):
+        raise TypeError(f"split_attention: plan must be a SplitPlan (from split_plan), got {type(plan).__name__}")
+    if q_CHD.shape[0] != plan.num_queries or k_XHD.shape[0] != plan.num_keys or v_XHDv.shape[0] != plan.num_keys:
+        raise ValueError(f"split_attention: q has {q_CHD.shape[0]} rows and k/v {k_XHD.shape[0]}/{v_XHDv.shape[0]}; "
+                         f"the plan is for {plan.num_queries} queries over {plan.num_keys} key rows")
+    if piece not in PIECES:
+        raise ValueError(f"split_attention: piece {piece!r}, expected one of {sorted(PIECES)}")
+    # contiguous rows (a no-op for the projections' outputs, one copy of X rows for a value slice of a fused
+    # projection): the dense pieces are strided views of these rows, in the layout of the packed path's calls
+    return _Split.apply(q_CHD, k_XHD.contiguous(), v_XHDv.contiguous(), plan, scale, piece)
 
 
 def split_views_attention(q_CHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float, piece: str = "cudnn"):
-    """Bottom-right causal attention of packed views (query rows = the last Lq of each view's keys) by the
-    two-piece split; [C, H, Dv]. ``cu_q_N1`` / ``cu_k_N1``: host lists or tensors."""
+    """Bottom-right causal attention of packed views (query rows = the last Lq of each view's keys, keys packed
+    per view) by the split; [C, H, Dv]. ``cu_q_N1`` / ``cu_k_N1``: host lists or tensors."""
     cq = cu_q_N1.tolist() if torch.is_tensor(cu_q_N1) else list(cu_q_N1)
     ck = cu_k_N1.tolist() if torch.is_tensor(cu_k_N1) else list(cu_k_N1)
     if len(cq) != len(ck) or cq[-1] != q_CHD.shape[0] or ck[-1] != k_TkHD.shape[0]:
         raise ValueError(f"split_views_attention: cu_seqlens_q ({len(cq)} entries, ends at {cq[-1]}) and cu_seqlens_k "
                          f"({len(ck)}, ends at {ck[-1]}) do not describe {q_CHD.shape[0]} query and "
                          f"{k_TkHD.shape[0]} key rows")
-    for n in range(len(cq) - 1):
-        if cq[n + 1] - cq[n] > ck[n + 1] - ck[n]:
-            raise ValueError(f"split_views_attention: view {n} has {cq[n + 1] - cq[n]} queries and only "
-                             f"{ck[n + 1] - ck[n]} keys")
-    if piece not in PIECES:
-        raise ValueError(f"split_views_attention: piece {piece!r}, expected one of {sorted(PIECES)}")
-    return _SplitViews.apply(q_CHD, k_TkHD, v_TkHDv, cq, ck, scale, piece)
+    return split_attention(q_CHD, k_TkHD, v_TkHDv, split_plan(cq, ck, num_keys=k_TkHD.shape[0]), scale, piece)

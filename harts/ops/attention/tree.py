@@ -8,9 +8,11 @@ the ancestors' keys and values.
 
 Two implementations of the same attention:
 
-- ``tree_attention_views`` (the exact reference): Q = the sequences' own rows, K/V materialised per sequence
-  by ``index_select`` over ``mla_kv_rows`` (each shared prefix copied once per sequence reading it), one
-  packed bottom-right causal varlen call; backward scatters into the shared rows with index_add.
+- ``tree_attention_views`` (the exact reference and the default fast path): Q = the sequences' own rows; the
+  reference and the varlen kernel materialise K/V per sequence by ``index_select`` over ``mla_kv_rows`` (each
+  shared prefix copied once per sequence reading it) for one packed bottom-right causal call, whose backward
+  scatters into the shared rows with index_add; the cuDNN split (``harts.ops.attention.split``, the default on
+  Hopper) reads each sequence's long runs of contiguous ancestor rows in place.
 - ``tree_attention_flex`` (the fast path): one FlexAttention call over all physical rows with a block-sparse
   mask. ``tree_mask`` builds the ``BlockMask`` from ``mla_block_counts`` (visible pairs per block pair of
   ``BLOCK`` rows, computed from the layout on the host, never a dense P x P mask): blocks with every pair
@@ -87,26 +89,29 @@ def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str 
 
 def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv_rows_Tk, cu_q, cu_k,
                          scale: float, backend: str = "reference", max_seqlen_q: int | None = None,
-                         max_seqlen_k: int | None = None, kernel: str | None = None) -> torch.Tensor:
-    """Per-sequence materialised views: Q = ``q[q_rows]``, K/V = ``k[kv_rows]``, ``v[kv_rows]``, one packed
-    bottom-right causal call (``backend`` of ``varlen_attention``) or, on the fast backend, the cuDNN split
-    (``kernel``, see ``view_attention_impl``); outputs scatter back to their rows (rows no sequence queries,
-    i.e. padding, are zero). Returns [P, H, Dv]."""
+                         max_seqlen_k: int | None = None, kernel: str | None = None, plan=None) -> torch.Tensor:
+    """Per-sequence views: Q = ``q[q_rows]``, K/V = ``k[kv_rows]``, ``v[kv_rows]``, one packed bottom-right causal
+    call on materialised K/V (``backend`` of ``varlen_attention``) or, on the fast backend, the cuDNN split
+    (``kernel``, see ``view_attention_impl``), which reads each view's long runs of contiguous ancestor rows in
+    place and gathers only the rest (``plan``: the layout's ``harts.ops.attention.split.split_plan``, or a function
+    that returns it, called only when the split runs; built here when None); outputs scatter back to their rows
+    (rows no sequence queries, i.e. padding, are zero). Returns [P, H, Dv]."""
     from harts.ops.attention.api import varlen_attention
     from harts.ops.backend import resolve
 
     P = q_PHD.shape[0]
     q = q_PHD if q_is_identity else q_PHD.index_select(0, q_rows_C)
-    k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
     requested, kernel = kernel, "varlen"
     if resolve("attention", backend, q.device, q.dtype) == "fast":
-        kernel, why = view_attention_impl(q, v, requested)
+        kernel, why = view_attention_impl(q, v_PHDv, requested)
         log_once(("view_kernel", kernel, why), "harts MLA view attention kernel -> %s (%s)", kernel, why)
     if kernel == "cudnn_split":
-        from harts.ops.attention.split import split_views_attention
+        from harts.ops.attention.split import split_attention, split_plan
 
-        o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="cudnn")
+        plan = split_plan(cu_q, cu_k, kv_rows_Tk, num_keys=P) if plan is None else plan() if callable(plan) else plan
+        o = split_attention(q, k_PHD, v_PHDv, plan, scale, piece="cudnn")
     else:
+        k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
         o = varlen_attention(q, k, v, cu_q, cu_k, scale, backend=backend, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k)
     if q_is_identity and o.shape[0] == P:
