@@ -164,7 +164,7 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     and values; the exact reference otherwise. The alternative that reads every shared key in place, one
     FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
     ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
-    ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 172 ms, varlen views 286 ms, flex 534 ms plus
+    ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 164 ms, varlen views 289 ms, flex 534 ms plus
     4.2 s to build the block mask on the device), so it is not the default."""
     cp = batch.cp
     H, G = q.shape[1], k.shape[1]

@@ -58,10 +58,11 @@ VIEW_KERNELS = ("varlen", "cudnn_split")
 
 def view_kernel() -> str:
     """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
-    per view, split into an ancestor piece and a causal own piece merged by log-sum-exp,
-    ``harts.ops.attention.split``; no V padding, 1.67x the varlen path's fwd+bwd on Ling-3.0's MLA views of a
-    real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed bottom-right
-    causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split applies."""
+    per view, split into unmasked ancestor pieces (long shared runs read in place) and a causal own piece merged
+    by log-sum-exp, ``harts.ops.attention.split``; no V padding, 1.76x the varlen path's fwd+bwd on Ling-3.0's MLA
+    views of a real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed
+    bottom-right causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split
+    applies."""
     import os
 
     k = os.environ.get("HARTS_VIEW_ATTENTION", "cudnn_split")
