@@ -239,6 +239,22 @@ def test_group_score_top2_sum_equals_topk_bitwise_with_ties():
         assert torch.equal(_top2_sum(x), x.topk(2, dim=-1).values.sum(-1))
 
 
+def test_bf16x3_parts_sum_to_the_float32_value_exactly():
+    """The router backward's split of a float32 gradient into three bfloat16 parts: summed in float64 they
+    give the float32 value bit for bit, over gradients of many magnitudes (1e-30 to 1e30, both signs, exact
+    powers of two and values halfway between bfloat16 numbers)."""
+    from harts.ops.moe.router import bf16x3
+
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(1 << 16, generator=g) * torch.logspace(-30, 30, 1 << 16)
+    halfway = (torch.randn(1024, generator=g).to(torch.bfloat16).float() * (1 + 2.0 ** -8))
+    t = torch.cat([t, -t, halfway, torch.tensor([0.0, 1.0, -2.0 ** -100, 3.0 * 2 ** 90])])
+    parts = bf16x3(t)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    total = sum(p.double() for p in parts)
+    assert torch.equal(total, t.double()), (total - t.double()).abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_router_logits_16bit_gpu_within_fp32_rounding_and_compiles(dtype):
@@ -266,3 +282,13 @@ def test_router_logits_16bit_gpu_within_fp32_rounding_and_compiles(dtype):
         for a, b, name in ((gx, rx, "dx"), (gw, rw, "dw")):
             rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
             assert rel < 4 * torch.finfo(dtype).eps, (name, rel)
+    if dtype == torch.bfloat16:  # the backward's GEMMs before the cast: fp32 sums of exact products
+        from harts.ops.moe.router import bf16x3
+
+        parts = torch.cat(bf16x3(dl), dim=1)
+        for got, a, b in ((torch.mm(parts, w.detach().repeat(3, 1), out_dtype=torch.float32), dl, w.detach()),
+                          (torch.mm(parts.t(), x.detach(), out_dtype=torch.float32).view(3, E, D).sum(0), dl.t(),
+                           x.detach())):
+            exact = a.double() @ b.double()
+            bound = 4 * a.shape[1] * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
+            assert bool(((got.double() - exact).abs() <= bound).all()), (got.double() - exact).abs().max()

@@ -16,6 +16,8 @@
    trajectories of 5K-15K, fwd and fwd+bwd: cuDNN per sequence (``harts.ops.attention.fast``) against the
    flash varlen kernel (V zero-padded to the q/k head dim), at Ling-3.0's MLA heads (16 x 192 / 128) and at
    Qwen3.5's gated attention heads (16 x 256 / 256, key/value heads repeated).
+5. ``router``: the router logits fwd+bwd (T = 64K, D = 1536, E = 128): tensor cores both ways (the backward on
+   the exact bf16x3 split of the fp32 gradient) against the fp32 GEMMs of the upcast operands.
 
 Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
 ``--device cpu`` (with ``--quick --only logprobs``) runs ``compact_logprobs`` under the Triton interpreter
@@ -288,6 +290,29 @@ def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), re
     return rows
 
 
+def bench_router(T=65536, D=1536, E=128, reps=20):
+    """Router logits fwd+bwd (bf16 activations and weights, fp32 logits): ``router_logits`` (tensor cores both
+    ways, the backward on the bf16x3 split of the gradient) against the GEMMs of the operands upcast to fp32
+    (FMA units), with the backward's error against the float64 product."""
+    import torch.nn.functional as F
+
+    from harts.ops.moe import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, D, device="cuda", generator=g) / D ** 0.5).to(torch.bfloat16).requires_grad_()
+    dl = torch.randn(T, E, device="cuda", generator=g)
+    paths = {"tensor_cores": lambda: router_logits(x, w), "fp32_upcast": lambda: F.linear(x.float(), w.float())}
+    exact = dl.double() @ w.detach().double()
+    r = {"T/D/E": f"{T}/{D}/{E}"}
+    for name, fwd in paths.items():
+        r[f"{name}_fwd_ms"] = _time_ms(fwd, reps=reps)
+        r[f"{name}_fwd_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(fwd(), (x, w), dl), reps=reps)
+        gx = torch.autograd.grad(fwd(), (x,), dl)[0]
+        r[f"{name}_dx_rel_err"] = ((gx.double() - exact).norm() / exact.norm()).item()
+    return [r]
+
+
 def _table(rows, title):
     if not rows:
         return
@@ -315,7 +340,7 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention"], default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
@@ -344,6 +369,9 @@ def main(argv=None):
     if a.only in (None, "attention"):
         res["attention"] = bench_packed_attention(**(dict(lens=(1500, 700)) if a.quick else {}))
         _table(res["attention"], "packed self-attention: cuDNN per sequence vs flash varlen (bf16, ms)")
+    if a.only in (None, "router"):
+        res["router"] = bench_router(**(dict(T=4096) if a.quick else {}))
+        _table(res["router"], "router logits: tensor cores (bwd on the bf16x3 split) vs fp32 upcast (ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels.json"), "w") as f:

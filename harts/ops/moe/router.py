@@ -23,12 +23,27 @@ def _top2_sum(x_TGN: torch.Tensor) -> torch.Tensor:
     return m1_TG + m2_TG
 
 
+def bf16x3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three bfloat16 tensors whose sum is the float32 ``t`` exactly (outside the subnormal range): each takes
+    the next 8 significant bits of what the ones before it left (a rounding error is exactly representable,
+    and 3 x 8 bits hold float32's 24). Products of these with bfloat16 values are exact in float32."""
+    hi = t.to(torch.bfloat16)
+    r = t - hi.float()
+    mid = r.to(torch.bfloat16)
+    return hi, mid, (r - mid.float()).to(torch.bfloat16)
+
+
 class _LowPrecisionRouterLogits(torch.autograd.Function):
     """Router logits from 16-bit activations and weights, fp32 out. The products of two bf16 (fp16) numbers
     are exact in fp32, so a tensor-core GEMM accumulating in fp32 computes the same sums as the fp32 GEMM of
     the upcast operands, up to summation order; the fp32 GEMM runs on FMA units at a fifteenth of the
-    tensor-core rate (16.7 ms per Ling-3.0-tiny step of 65,536 tokens on the H200). The backward multiplies
-    the fp32 output gradient in fp32, as autograd does for the upcast."""
+    tensor-core rate (16.7 ms per Ling-3.0-tiny step of 65,536 tokens on the H200).
+
+    The backward multiplies the fp32 output gradient with the 16-bit operands. For bf16 it runs on tensor cores
+    too: the gradient is split into three bf16 parts that sum to it exactly (``bf16x3``), laid side by side
+    along the contraction (E -> 3E), so each of dx and dw is one bf16 GEMM with fp32 accumulation whose products
+    are exact: the fp32 GEMM's sums again, up to summation order. fp16 keeps the fp32 GEMM (fp16's exponent
+    range cannot hold the parts of small gradients)."""
 
     @staticmethod
     def forward(ctx, x_TD, weight_ED):
@@ -38,6 +53,14 @@ class _LowPrecisionRouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dlogits_TE):
         x_TD, weight_ED = ctx.saved_tensors
+        if x_TD.dtype == torch.bfloat16:
+            E, D = weight_ED.shape
+            parts_T3E = torch.cat(bf16x3(dlogits_TE.float()), dim=1)
+            dx_TD = (torch.mm(parts_T3E, weight_ED.repeat(3, 1), out_dtype=torch.float32).to(x_TD.dtype)
+                     if ctx.needs_input_grad[0] else None)
+            dw_ED = (torch.mm(parts_T3E.t(), x_TD, out_dtype=torch.float32).view(3, E, D).sum(0).to(weight_ED.dtype)
+                     if ctx.needs_input_grad[1] else None)
+            return dx_TD, dw_ED
         dx_TD = (dlogits_TE @ weight_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
         dw_ED = (dlogits_TE.t() @ x_TD.float()).to(weight_ED.dtype) if ctx.needs_input_grad[1] else None
         return dx_TD, dw_ED
