@@ -313,20 +313,35 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
         assert err_in_place <= bound, f"{name}: split in place {err_in_place:.3g}, flash {err_flash:.3g}"
 
 
-def test_model_on_flex_equals_trajectory_wise(monkeypatch):
-    """The float64 debug Ling with every MLA layer on the flex path (swapped in for the view path) equals the
-    trajectory-wise model: log-probs and every parameter gradient."""
+@pytest.mark.parametrize("path", ["flex", "split_in_place"])
+def test_model_on_fast_tree_attention_equals_trajectory_wise(monkeypatch, path):
+    """The float64 debug Ling with every MLA layer on the flex path, or on the split reading ancestor runs in
+    place (math pieces, with the in-place threshold lowered to the smallest bucket so that every run of 128+
+    rows is a slice), swapped in for the view path, equals the trajectory-wise model: log-probs and every
+    parameter gradient."""
+    import harts.ops.attention.split as split
     import harts.runtime.compact as compact
     from harts.runtime import logprobs
     from tests.helpers import fork_tree, make_model
 
     B = 4
     trajs = fork_tree(B, np.random.default_rng(3))
+    if path == "split_in_place":  # a shared 150-row prefix: ancestor runs of 128+ rows
+        trajs = [[7] * 150 + t for t in trajs] + [[7] * 150 + [5] * 3]
     model = make_model(B)
     hb = pack(trajs, chunk_size=B, pad_to_multiple=3, mla_block_size=8)
     # the view path's arguments after q, k, v: q_rows, q_is_identity, kv_rows, cu_q, cu_k, scale
-    monkeypatch.setattr(compact, "tree_attention_views", lambda q, k, v, *a, **kw: tree_attention_flex(
-        q, k, v, compact.mla_tree_mask(hb, q.device), a[5]))
+    if path == "flex":
+        monkeypatch.setattr(compact, "tree_attention_views", lambda q, k, v, *a, **kw: tree_attention_flex(
+            q, k, v, compact.mla_tree_mask(hb, q.device), a[5]))
+    else:
+        monkeypatch.setattr(split, "IN_PLACE_MIN_ROWS", 128)
+
+        def in_place(q, k, v, q_rows, q_is_identity, *a, plan, **kw):
+            o = split.split_attention(q.index_select(0, q_rows), k, v, plan(), a[3], piece="math")
+            return torch.zeros((q.shape[0],) + o.shape[1:], dtype=o.dtype).index_copy(0, q_rows, o)
+
+        monkeypatch.setattr(compact, "tree_attention_views", in_place)
     bb = pack(trajs, chunk_size=B, prefix_sharing=False)
     w = torch.randn(hb.logprob_rows.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     out = []
@@ -335,7 +350,10 @@ def test_model_on_flex_equals_trajectory_wise(monkeypatch):
         lp = logprobs(model, batch)
         (lp * w).sum().backward()
         out.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    assert any(key[0] == "mla_tree_mask" for key in hb.derived), "the flex path did not run"
+    if path == "flex":
+        assert any(key[0] == "mla_tree_mask" for key in hb.derived), "the flex path did not run"
+    else:
+        assert hb.mla_split_plan.in_place_rows > 0, "no ancestor run was read in place"
     (lp_h, g_h), (lp_b, g_b) = out
     torch.testing.assert_close(lp_h, lp_b, rtol=1e-10, atol=1e-10)
     assert g_h.keys() == g_b.keys()
