@@ -128,8 +128,7 @@ def param_groups(model) -> list[str]:
     """A coarse group per parameter, in ``named_parameters()`` order: where two gradients differ says why
     (routing flips move the routed experts' and the router's gradients; a mixer kernel would show in its
     mixer group)."""
-    layers = model.decoder_layers() if hasattr(model, "decoder_layers") else list(model.model.layers)
-    kinds = {layer.layer_idx: layer.kind.upper() for layer in layers}
+    kinds = {layer.layer_idx: layer.kind.upper() for layer in model.decoder_layers()}
     out = []
     for name, _ in model.named_parameters():
         if ".mlp.experts." in name:
