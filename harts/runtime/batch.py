@@ -63,6 +63,7 @@ class CompactBatch:
     trajectories: tuple[Trajectory, ...]  # original metadata, unchanged
     # baseline (prefix_sharing=False)
     cu_seqlens: torch.Tensor | None = None  # [N+1] long
+    cu_seqlens_cpu: torch.Tensor | None = None  # the same on the host (stays there in .to): read by the kernels
     max_seqlen: int = 0
     # compact (prefix_sharing=True)
     conv_pred: torch.Tensor | None = None  # [P, w] physical rows 0..w-1 steps back on the path, -1 = none
@@ -164,7 +165,7 @@ class CompactBatch:
             return x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x
 
         changes = {f.name: mv(getattr(self, f.name)) for f in fields(self)
-                   if isinstance(getattr(self, f.name), torch.Tensor)}
+                   if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in _HOST_BATCH_FIELDS}
         changes["rounds"] = tuple(
             replace(r, **{f.name: mv(getattr(r, f.name)) for f in fields(r)
                           if isinstance(getattr(r, f.name), torch.Tensor) and f.name not in _HOST_FIELDS})
@@ -174,6 +175,7 @@ class CompactBatch:
 
 # Round fields read on the host by the kernels' argument checks: kept on the CPU to avoid device syncs.
 _HOST_FIELDS = ("cu_seqlens_cpu", "emit_seq", "emit_chunk")
+_HOST_BATCH_FIELDS = ("cu_seqlens_cpu",)
 
 
 def _split_plan(*args, **kw):
@@ -332,7 +334,7 @@ def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_w
         input_ids=_t(tokens), position_ids=_t(positions), multiplicity=torch.ones(S, dtype=torch.long),
         logprob_rows=_t(rows), logprob_targets=_t(tokens[rows + 1]),
         logprob_offsets=tuple(int(x) for x in lp_offsets), trajectories=trajs,
-        cu_seqlens=_t(offsets), max_seqlen=int(lengths.max()),
+        cu_seqlens=_t(offsets), cu_seqlens_cpu=_t(offsets), max_seqlen=int(lengths.max()),
         stats={"raw_tokens": S, "compact_rows": S, "phys_rows": S, "kda_calls": 1,
                "kda_sequences": len(arrays), "replay_tokens": 0, "boundary_states": 0, "mla_kv_rows": S},
     )

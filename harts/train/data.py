@@ -114,11 +114,12 @@ def pad_rows(batch: CompactBatch, multiple: int) -> CompactBatch:
     if pad == 0:
         return batch
     z = torch.zeros(pad, dtype=torch.long)
-    cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
+    cu, cu_cpu = (None if c is None else torch.cat([c, c[-1:] + pad]) for c in (batch.cu_seqlens, batch.cu_seqlens_cpu))
     return dataclasses.replace(
         batch, input_ids=torch.cat([batch.input_ids, z]),
         position_ids=torch.cat([batch.position_ids, torch.arange(pad)]),
-        multiplicity=torch.cat([batch.multiplicity, z]), cu_seqlens=cu, max_seqlen=max(batch.max_seqlen, pad))
+        multiplicity=torch.cat([batch.multiplicity, z]), cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        max_seqlen=max(batch.max_seqlen, pad))
 
 
 def reward_mode(data_cfg) -> str:

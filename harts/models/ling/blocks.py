@@ -98,8 +98,11 @@ class Packed:
     trajectory-wise ``harts.CompactBatch`` (``prefix_sharing=False``) reads the same way."""
 
     position_ids: torch.Tensor  # [T] long
-    cu_seqlens: torch.Tensor  # [N+1]
+    cu_seqlens: torch.Tensor  # [N+1] long
     max_seqlen: int | None = None  # optional: avoids a host sync in the fast attention path
+    # optional host copy of cu_seqlens: the fast kernels plan their chunks and per-sequence calls from it
+    # instead of reading the device tensor (a host sync per call, i.e. several per layer)
+    cu_seqlens_cpu: torch.Tensor | None = None
     prefix_sharing = False
     cp = None
 
@@ -180,7 +183,8 @@ class MLA(nn.Module):
 
             return mla_tree_attention(q, k, v, batch, self.scale, be)
         return varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
-                                max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+                                max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
+                                cu_seqlens_cpu=batch.cu_seqlens_cpu)
 
     def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:
         """``batch``: ``Packed`` trajectories or a ``harts.CompactBatch`` (rows = this rank's rows)."""
@@ -260,11 +264,11 @@ class KDA(nn.Module):
             from harts.runtime.compact import kda_tree
 
             return kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch, self.cfg)
-        be, cu = self.cfg.op_backend("conv"), batch.cu_seqlens
-        q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be).view(t.shape)
+        be, cu, cu_cpu = self.cfg.op_backend("conv"), batch.cu_seqlens, batch.cu_seqlens_cpu
+        q, k, v = (short_conv(t.flatten(1), w, cu, "silu", backend=be, cu_seqlens_cpu=cu_cpu).view(t.shape)
                    for t, w in zip((q, k, v), conv_W))
         o, _ = kda(q, k, v, f, beta, A_log, dt_bias, cu, lower_bound=self.cfg.kda_lower_bound,
-                   chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"))
+                   chunk_size=self.cfg.kda_chunk_size, backend=self.cfg.op_backend("kda"), cu_seqlens_cpu=cu_cpu)
         return o
 
     def forward(self, x_TD: torch.Tensor, batch) -> torch.Tensor:

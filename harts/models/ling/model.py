@@ -51,6 +51,18 @@ def _check_packed(input_ids_T, position_ids_T, cu_seqlens):
         raise ValueError(f"cu_seqlens must be int32/int64, got {cu_seqlens.dtype}")
 
 
+def _packed(position_ids_T, cu_seqlens, max_seqlen) -> Packed:
+    """The batch description of packed inputs, made once per forward: ``cu_seqlens`` as one int64 tensor (the
+    kernels convert an int32 one per call otherwise, a new tensor each time, which defeats fla's per-tensor caches
+    of its chunk plans: a host sync per call) and its host copy (read by the fast kernels instead of the device
+    tensor: one sync here instead of several per layer)."""
+    cu = cu_seqlens.long()
+    cu_cpu = cu.cpu()
+    if max_seqlen is None and cu_cpu.numel() > 1:
+        max_seqlen = int(cu_cpu.diff().max())
+    return Packed(position_ids_T, cu, max_seqlen, cu_cpu)
+
+
 def _check_token_ids(ids_T: torch.Tensor, vocab_size: int, cu_seqlens=None, where: str = "input_ids",
                      unit: str = "position") -> None:
     """Range-check token ids before the embedding: one min/max reduction and one host read per forward
@@ -129,7 +141,7 @@ class DecoderStack(nn.Module):
             if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
                 raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
             _check_packed(input_ids_T, position_ids_T, cu_seqlens)
-            batch, checked = Packed(position_ids_T, cu_seqlens, max_seqlen), False
+            batch, checked = _packed(position_ids_T, cu_seqlens, max_seqlen), False
         embedding = getattr(self, self.embedding_attr)
         if embedding is not None:
             if not checked and batch.prefix_sharing:

@@ -144,7 +144,8 @@ class GatedAttention(nn.Module):
             o = mla_tree_attention(q, k, v, batch, self.scale, be)
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
-                                 max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
+                                 cu_seqlens_cpu=batch.cu_seqlens_cpu)
         return o, gate
 
     def output(self, o_gate: tuple, x_TD: torch.Tensor) -> torch.Tensor:
@@ -278,10 +279,12 @@ class GatedDeltaNet(nn.Module):
             if cp is not None:
                 o = cp.heads_to_rows(o)
         else:
-            qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"))
+            qkv_TC = short_conv(qkv_TC, conv_CW, batch.cu_seqlens, "silu", backend=c.op_backend("conv"),
+                                cu_seqlens_cpu=batch.cu_seqlens_cpu)
             q, k, v = self.split(qkv_TC)
             o, _ = gated_delta_rule(q, k, v, g_TH, beta_TH, batch.cu_seqlens, backend=c.op_backend("gdn"),
-                                    chunk_size=c.gdn_chunk_size, round_impl=c.gdn_round_impl)
+                                    chunk_size=c.gdn_chunk_size, round_impl=c.gdn_round_impl,
+                                    cu_seqlens_cpu=batch.cu_seqlens_cpu)
         return o
 
     def output(self, o: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:

@@ -115,8 +115,9 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
     return attention_fast_impl(), f"cuDNN not used: {why}"
 
 
-def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=None) -> torch.Tensor:
+def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=None, cu_cpu=None) -> torch.Tensor:
     """``sdpa_backend``: cuDNN (the fast path), or another SDPA backend for the CPU tests of the plumbing.
+    ``cu_cpu``: a host copy of ``cu_N1``, read instead of the device tensor (which costs a host sync).
 
     The sequences are cut from the packed rows by one ``split`` per tensor, not by N slices: autograd then
     joins their gradients with one concatenation, where N slices would each give a full-size zero gradient
@@ -125,7 +126,9 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdpa_backend = SDPBackend.CUDNN_ATTENTION if sdpa_backend is None else sdpa_backend
-    bounds = cu_N1.tolist()  # one host read per call: the loop below is over sequences
+    bounds = (cu_N1 if cu_cpu is None else cu_cpu).tolist()  # the loop below is over sequences
+    if cu_cpu is not None and len(bounds) != cu_N1.numel():
+        raise ValueError(f"cu_seqlens_cpu has {len(bounds)} entries, cu_seqlens {cu_N1.numel()}")
     if bounds[-1] != q_THD.shape[0] or bounds[0] != 0:
         raise ValueError(f"cu_seqlens spans rows [{bounds[0]}, {bounds[-1]}) of {q_THD.shape[0]} packed rows")
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -146,12 +149,12 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
 
 
 def varlen_attention_fast(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float,
-                          max_q: int | None = None, max_k: int | None = None) -> torch.Tensor:
+                          max_q: int | None = None, max_k: int | None = None, cu_cpu=None) -> torch.Tensor:
     if cu_q_N1 is cu_k_N1 and q_TqHD.shape[0] == k_TkHD.shape[0]:
         kernel, why = packed_self_attention_impl(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1.numel() - 1)
         log_once(("attention kernel", kernel, why), "harts attention kernel -> %s (%s)", kernel, why)
         if kernel == "cudnn_sdpa":
-            return _cudnn_per_sequence(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, scale)
+            return _cudnn_per_sequence(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, scale, cu_cpu=cu_cpu)
     D, Dv = q_TqHD.shape[-1], v_TkHDv.shape[-1]
     v = F.pad(v_TkHDv, (0, D - Dv)) if Dv < D else v_TkHDv
     cu_q, cu_k = cu_q_N1.to(torch.int32), cu_k_N1.to(torch.int32)

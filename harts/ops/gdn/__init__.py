@@ -31,15 +31,18 @@ __all__ = ["gated_delta_rule", "gated_delta_rule_reference"]
 def gated_delta_rule(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
                      beta_TH: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float | None = None,
                      initial_state_NHKV: torch.Tensor | None = None, output_final_state: bool = False,
-                     backend: str = "auto", chunk_size: int = 64, round_impl: str = "kda_kernels"):
+                     backend: str = "auto", chunk_size: int = 64, round_impl: str = "kda_kernels",
+                     cu_seqlens_cpu: torch.Tensor | None = None):
     """Returns (o [T, HV, V] in q's dtype, final_state [N, HV, K, V] or None). ``chunk_size`` and
     ``round_impl`` (``"kda_kernels"`` or ``"fla_pieces"``): the fast path's chunk and round implementation
-    (the model's, so that trajectory-wise and HARTS runs chunk and round alike)."""
+    (the model's, so that trajectory-wise and HARTS runs chunk and round alike). ``cu_seqlens_cpu``: an
+    optional host copy of ``cu_seqlens`` (int64): the fast path reads the sequence bounds from it, not from the
+    device."""
     if resolve("kda", backend, q_THK.device, q_THK.dtype) == "fast":
         from harts.ops.gdn.fast import gated_delta_rule_rounds
 
         return gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale=scale,
                                        initial_state_NHKV=initial_state_NHKV, output_final_state=output_final_state,
-                                       chunk_size=chunk_size, round_impl=round_impl)
+                                       chunk_size=chunk_size, round_impl=round_impl, cu_seqlens_cpu=cu_seqlens_cpu)
     return gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale=scale,
                                       initial_state_NHKV=initial_state_NHKV, output_final_state=output_final_state)

@@ -27,7 +27,8 @@ ROUND_IMPLS = ("kda_kernels", "fla_pieces")
 
 
 def gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, *, scale=None, initial_state_NHKV=None,
-                            output_final_state=False, chunk_size: int = 64, round_impl: str = "kda_kernels"):
+                            output_final_state=False, chunk_size: int = 64, round_impl: str = "kda_kernels",
+                            cu_seqlens_cpu=None):
     from harts.ops.gdn.reference import check_inputs
 
     if round_impl not in ROUND_IMPLS:
@@ -42,7 +43,8 @@ def gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, *, s
         o, ht, _ = chunk_gdn_round(
             q_THK.unsqueeze(0), k_THK.unsqueeze(0), v_THV.unsqueeze(0), g_TH.float().unsqueeze(0),
             beta_TH.unsqueeze(0).to(q_THK.dtype), cu_seqlens.to(torch.long), initial_state=h0,
-            output_final_state=output_final_state, scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
+            output_final_state=output_final_state, scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
+            cu_seqlens_cpu=cu_seqlens_cpu)
         return o.squeeze(0), ht
     from harts.ops.kda_round import chunk_kda_round
 
@@ -52,7 +54,8 @@ def gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, *, s
     o, ht, _ = chunk_kda_round(
         q_THK.unsqueeze(0), k_THK.unsqueeze(0), v_THV.unsqueeze(0), g_THK.unsqueeze(0),
         beta_TH.unsqueeze(0).to(q_THK.dtype), cu_seqlens.to(torch.long), initial_state=h0,
-        output_final_state=output_final_state, scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
+        output_final_state=output_final_state, scale=scale, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size,
+        cu_seqlens_cpu=cu_seqlens_cpu)
     return o.squeeze(0), ht
 
 

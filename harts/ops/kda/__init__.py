@@ -23,15 +23,16 @@ __all__ = ["kda", "kda_chunk_reference", "kda_gate_reference"]
 def kda(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, f_THK: torch.Tensor,
         beta_TH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_P: torch.Tensor, cu_seqlens: torch.Tensor, *,
         lower_bound: float = -5.0, chunk_size: int = 64, initial_state_NHKV: torch.Tensor | None = None,
-        output_final_state: bool = False, backend: str = "auto"):
-    """Returns (o [T, H, V] in q's dtype, final_state [N, H, K, V] or None)."""
+        output_final_state: bool = False, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None):
+    """Returns (o [T, H, V] in q's dtype, final_state [N, H, K, V] or None). ``cu_seqlens_cpu``: an optional
+    host copy of ``cu_seqlens`` (int64), from which the fast path plans its chunks without a host sync."""
     which = resolve("kda", backend, q_THK.device, q_THK.dtype)
     if which == "fast":
         from harts.ops.kda.fast import kda_fast
 
         return kda_fast(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens,
                         lower_bound=lower_bound, chunk_size=chunk_size, initial_state_NHKV=initial_state_NHKV,
-                        output_final_state=output_final_state)
+                        output_final_state=output_final_state, cu_seqlens_cpu=cu_seqlens_cpu)
     return kda_chunk_reference(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens,
                                lower_bound=lower_bound, chunk_size=chunk_size,
                                initial_state_NHKV=initial_state_NHKV, output_final_state=output_final_state)

@@ -14,7 +14,7 @@ from harts.ops.tuning import tuned
 
 @tuned("fla.ops.kda", "harts.ops.norm.fast")
 def kda_fast(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens, *, lower_bound=-5.0,
-             chunk_size=64, initial_state_NHKV=None, output_final_state=False):
+             chunk_size=64, initial_state_NHKV=None, output_final_state=False, cu_seqlens_cpu=None):
     from fla.ops.kda import chunk_kda
 
     from harts.ops.norm.fast import l2_norm_fast
@@ -28,7 +28,7 @@ def kda_fast(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens
         q=q_THK.unsqueeze(0), k=k_THK.unsqueeze(0), v=v_THV.unsqueeze(0), g=f_THK.unsqueeze(0).to(dtype),
         beta=beta_TH.unsqueeze(0).to(dtype), initial_state=h0, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, safe_gate=True, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens.to(torch.long), A_log=A_log_H.float(), dt_bias=dt_bias_P.float(),
-        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log_H.float(),
+        dt_bias=dt_bias_P.float(), chunk_size=chunk_size,
     )
     return o.squeeze(0), ht
