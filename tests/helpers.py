@@ -1,8 +1,9 @@
 """Helpers shared by the test files: test files import from here, never from each other.
 
 - Processes: ``free_port``, ``spawn_ranks`` (a test's worker on several gloo ranks), ``torchrun`` (train.py
-  on N gloo CPU processes), ``torchrun_many`` (several trainer runs in one torchrun: ``python -m tests.helpers``
-  is its worker).
+  on N gloo CPU processes), ``torchrun_many`` (several trainer runs in one set of N gloo processes). The ranks
+  of ``spawn_ranks`` and ``torchrun_many`` are forked from a server that has imported torch and the trainer
+  once (``_rank_context``).
 - Trainer runs: ``COMMON`` (the float64 debug-training settings, one place to change them), ``DIST_BASE``
   (``COMMON`` plus the distributed tests' steps, checkpoints and HF export), ``write_ppo_steps`` (JSONL steps
   with old/ref log-probs), ``records`` / ``weights`` (a run's metrics and exported weights),
@@ -35,16 +36,75 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every rank imports: torch and the trainer take ~5 s of CPU to import, paid once by the fork server
+# instead of once per rank (eight ranks on two cores: ~20 s before the first collective).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+            "harts.train.config", "harts.train.trainer", "harts.models.ling", "harts.models.qwen35", "tests.helpers"]
+
+
+def _rank_context():
+    """Ranks are forked from a ``forkserver`` that has imported ``_PRELOAD`` (started on first use, with this
+    process's environment: one intra-op thread and, without CUDA, the Triton interpreter, as a spawned or
+    torchrun-launched rank had). Each rank is still its own process, its own gloo rank, and runs no code of
+    another rank or of this process; it takes this process's current environment and directory (as a spawned
+    process does) before the worker runs."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(target, env: dict, cwd: str, log: str, rank: int, world: int, port: int, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    target(rank, world, port, *args)
+
+
+def _run_ranks(target, world: int, args: tuple, timeout: float, env: dict | None = None, cwd=None) -> None:
+    """Runs ``target(rank, world, port, *args)`` on ``world`` ranks and waits for all of them; a nonzero exit
+    code, or a rank still running after ``timeout`` seconds, fails the test (the other ranks are killed) with
+    the tail of each rank's output."""
+    import tempfile
+    import time
+    from multiprocessing.connection import wait
+
+    ctx, port = _rank_context(), free_port()
+    env, cwd = {**os.environ, **(env or {})}, str(cwd or os.getcwd())
+    with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
+        procs = [ctx.Process(target=_rank_main, args=(target, env, cwd, f"{logs}/rank{r}.log", r, world, port, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline, running = time.monotonic() + timeout, list(procs)
+        while running and time.monotonic() < deadline:
+            for s in wait([p.sentinel for p in running], timeout=deadline - time.monotonic()):
+                p = next(p for p in running if p.sentinel == s)
+                p.join()
+                running.remove(p)
+                if p.exitcode != 0:  # the others may wait in a collective for this rank: stop them
+                    deadline = 0
+        for p in running:
+            p.kill()
+            p.join()
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            out = [Path(logs, f"rank{r}.log") for r in range(world)]
+            tails = "\n".join(f"--- rank {r} (exit code {p.exitcode}; negative: killed after {timeout} s or after "
+                              f"another rank failed):\n{out[r].read_text()[-4000:] if out[r].exists() else ''}"
+                              for r, p in enumerate(procs))
+            raise AssertionError(f"ranks {bad} failed\n{tails}")
+
+
 def spawn_ranks(target, world: int, *args, timeout: float = 300) -> None:
-    """Runs ``target(rank, world, port, *args)`` in ``world`` spawned processes and waits for them; any
-    nonzero exit code fails the test."""
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for r, p in enumerate(procs):
-        p.join(timeout)
-        assert p.exitcode == 0, f"rank {r}: worker exit code {p.exitcode}"
+    """Runs ``target(rank, world, port, *args)`` in ``world`` processes and waits for them; any nonzero exit
+    code fails the test. ``target`` must be a module-level function (it is pickled by name)."""
+    _run_ranks(target, world, args, timeout)
 
 
 def torchrun(cfg: Path, out: Path, *extra: str, nproc: int = 2, env: dict | None = None) -> None:
@@ -57,17 +117,22 @@ def torchrun(cfg: Path, out: Path, *extra: str, nproc: int = 2, env: dict | None
 
 
 def torchrun_many(runs: list[tuple[Path, Path, list[str], dict]], nproc: int) -> None:
-    """Several trainer runs ``(config, out folder, extra arguments, environment)`` one after another in one
-    torchrun: the processes start, import and join the gloo group once (``python -m tests.helpers``). Each
-    run builds its own Trainer (meshes, model, optimizer, checkpointer) from its own config, as train.py
-    does; only the process group is shared."""
+    """Several trainer runs ``(config, out folder, extra arguments, environment)`` one after another on the
+    same ``nproc`` gloo processes, which start and join the process group once (the environment torchrun
+    gives its workers: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT, one thread each). Each run
+    builds its own Trainer (meshes, model, optimizer, checkpointer) from its own config, as train.py does;
+    only the process group is shared."""
     spec = Path(runs[0][1]).parent / f"runs_{'_'.join(Path(r[1]).name for r in runs)}.json"
     spec.write_text(json.dumps([dict(config=str(c), out=str(o), args=list(a), env=dict(e)) for c, o, a, e in runs]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "tests.helpers", str(spec)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    _run_ranks(_trainer_rank, nproc, (str(spec),), timeout=900, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+               cwd=ROOT)
+
+
+def _trainer_rank(rank: int, world: int, port: int, spec: str) -> None:
+    """One rank of ``torchrun_many``."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _run_many(spec)
 
 
 def _run_many(spec: str) -> None:
@@ -234,10 +299,6 @@ def fork_tree(B: int, rng: np.random.Generator) -> list[list[int]]:
     other = rng.integers(0, VOCAB, B + 7).tolist()
     trajs += [other, other[: B // 2] + [(other[B // 2] + 1) % VOCAB] * 3]
     return trajs
-
-
-if __name__ == "__main__":
-    _run_many(sys.argv[1])
 
 
 # ------------------------------------------------------------------------------------------ planner inputs

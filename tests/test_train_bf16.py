@@ -82,8 +82,8 @@ def test_fsdp2_x_ep_bf16_tracks_one_process(default_run, tmp_path):
     the bf16 shards. bf16 runs of different layouts round differently, so the bound is bf16-sized: one
     process vs two agree to about 6e-4 (loss) and 3e-3 (grad norm) relative; the bounds are 2e-3 and 2e-2."""
     cfg, _, a = default_run
-    torchrun(cfg, tmp_path / "two", "--checkpoint.enable=false", "--parallelism.data_parallel_shard_degree=2",
-             "--parallelism.expert_parallel_degree=2")
+    torchrun_many([(cfg, tmp_path / "two", ["--checkpoint.enable=false", "--parallelism.data_parallel_shard_degree=2",
+                                             "--parallelism.expert_parallel_degree=2"], {})], nproc=2)
     b = records(tmp_path / "two")
     assert [r["step"] for r in b] == list(range(1, DIST_STEPS + 1)) and all((r["dp"], r["ep"]) == (2, 2) for r in b)
     for ra, rb in zip(a, b):
