@@ -5,13 +5,17 @@ the way the compiler does: e.g. a variable rebound from a bf16 to an fp32 pointe
 fine interpreted and is a CompilationError on the GPU. ``triton.compile`` with an explicit target runs
 the whole pipeline (frontend, TTGIR, LLVM, PTX, the wheel's ptxas) without a GPU, so CI catches those.
 The compile runs in a subprocess: this pytest process has TRITON_INTERPRET=1, under which ``triton.jit``
-builds interpreter objects instead of compilable functions.
+builds interpreter objects instead of compilable functions. The four compile jobs (the round scans at K = 64
+and 128, the AdamW update, the MoE gather-sum) start together when the module's first test runs, one
+subprocess each, so that they share the machine's cores; each test waits for its own job.
 """
 import os
 import subprocess
 import sys
 
 import pytest
+
+JOBS = ("64", "128", "adamw", "gather_sum")  # the subprocess argument of each compile job
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
@@ -38,12 +42,33 @@ DQKWG_SIG = {"q": f"*{DT}", "k": f"*{DT}", "v_new": f"*{DT}", "g": "*fp32", "h":
              "cu_seqlens": "*i64", "chunk_indices": "*i64", "scale": "fp32", "T": "i32"}
 
 
-@pytest.mark.parametrize("K", [64, 128])
-def test_round_scans_compile_for_sm90(K):
+@pytest.fixture(scope="module")
+def compile_jobs(tmp_path_factory):
+    """Starts every compile job (``python this_file JOB`` without TRITON_INTERPRET, output to files); returns
+    ``result(job)``, which waits for that job and gives (returncode, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, __file__, str(K)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.stdout.count("compiled") == len(VARIANTS) + 1, r.stdout
+    d = tmp_path_factory.mktemp("sm90")
+    procs = {}
+    for job in JOBS:
+        with open(d / f"{job}.out", "w") as out, open(d / f"{job}.err", "w") as err:
+            procs[job] = subprocess.Popen([sys.executable, __file__, job], env=env, stdout=out, stderr=err, text=True)
+
+    def result(job: str):
+        procs[job].wait(timeout=600)
+        return procs[job].returncode, (d / f"{job}.out").read_text(), (d / f"{job}.err").read_text()
+
+    yield result
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_round_scans_compile_for_sm90(compile_jobs, K):
+    rc, out, err = compile_jobs(str(K))
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert out.count("compiled") == len(VARIANTS) + 1, out
 
 
 def _compile_all(K: int) -> None:
@@ -78,11 +103,10 @@ def _compile_all(K: int) -> None:
     print("compiled dqkwg", K, flush=True)
 
 
-def test_bf16_adamw_update_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, __file__, "adamw"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert "compiled adamw" in r.stdout, r.stdout
+def test_bf16_adamw_update_compiles_for_sm90(compile_jobs):
+    rc, out, err = compile_jobs("adamw")
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert "compiled adamw" in out, out
 
 
 def _compile_adamw() -> None:
@@ -101,11 +125,10 @@ def _compile_adamw() -> None:
     print("compiled adamw", flush=True)
 
 
-def test_moe_gather_sum_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, __file__, "gather_sum"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.stdout.count("compiled gather_sum") == 3, r.stdout
+def test_moe_gather_sum_compiles_for_sm90(compile_jobs):
+    rc, out, err = compile_jobs("gather_sum")
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert out.count("compiled gather_sum") == 3, out
 
 
 def _compile_gather_sum() -> None:
