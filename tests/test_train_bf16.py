@@ -10,7 +10,7 @@ import torch
 from harts.train.bf16_adamw import BF16AdamW, _join
 from harts.train.config import load_config
 from harts.train.trainer import Trainer
-from tests.helpers import DIST_BASE, DIST_STEPS, records, torchrun, torchrun_many, weights
+from tests.helpers import DIST_BASE, DIST_STEPS, records, torchrun_many, weights
 
 # the distributed tests' settings (DIST_STEPS steps, checkpoints every 2, HF export) with bf16 weights at lr 1e-5
 BASE = DIST_BASE.replace('dtype = "float64"', 'dtype = "bfloat16"').replace("lr = 1e-3", "lr = 1e-5")
@@ -62,11 +62,12 @@ def test_norm_weights_train_only_with_the_fp32_master(default_run, tmp_path):
 def test_kill_and_resume_reproduces_the_bf16_run_exactly(tmp_path):
     cfg = _cfg(tmp_path)
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    # the uninterrupted run, then (same process) the run killed after step 2's checkpoint; then the restart
+    # the uninterrupted run, then (same process) the run killed after step 2's checkpoint; then the restart in
+    # a new process, which has only the checkpoint (train.py's own restart under torchrun: test_train_distributed)
     torchrun_many([(cfg, whole, ["--checkpoint.enable"], {}),
                    (cfg, resumed, ["--checkpoint.enable", "--debug.exit_after_step=2"], {})], nproc=1)
     assert [r["step"] for r in records(resumed)] == [1, 2]
-    torchrun(cfg, resumed, "--checkpoint.enable", nproc=1)
+    torchrun_many([(cfg, resumed, ["--checkpoint.enable"], {})], nproc=1)
     a, b = records(whole), records(resumed)
     assert [r["step"] for r in b] == list(range(1, DIST_STEPS + 1)) and DIST_STEPS > 2
     for ra, rb in zip(a, b):
