@@ -8,7 +8,9 @@ include them (``-m 'not slow'`` for a quick local pass).
 On a machine without CUDA, Triton kernels (fla's and ours) run under the Triton interpreter in
 float32. TRITON_INTERPRET is read when ``@triton.jit`` is applied, so it is set here, before anything
 imports fla or harts.kernels. Three shims make fla 0.6.0's kernels interpreter-safe, all defined below:
-(1) autotune benchmarking needs a GPU driver, so every autotuned kernel takes its first (pruned) config;
+(1) autotune benchmarking needs a GPU driver, so no config is timed: an autotuned fla kernel takes the config
+that launches the fewest programs (the interpreter runs programs one by one, so that is its fastest), every
+other autotuned kernel (ours) and every tie takes the first (pruned) config;
 (2) interpreter loop variables are Python ints where fla calls ``.to()`` on them, so ``range`` loop
 variables are turned into interpreter tensors; (3) Triton 3.6's interpreter (torch 2.11's Triton) converts a
 scalar to an index with ``int()`` of its one-element 1-d array, which NumPy >= 2.4 refuses, so a ``range``
@@ -32,11 +34,26 @@ if not torch.cuda.is_available():
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     import ast
+    import math
 
     from triton.runtime import autotuner, interpreter
 
-    # (1) no GPU driver -> no benchmarker: skip autotune benchmarking, the first (pruned) config wins.
-    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+    # (1) no GPU driver -> no benchmarker. A config's "time" is the number of programs it launches, for fla's
+    # kernels only: the interpreter executes programs one after another in Python, so that is what its time
+    # scales with (e.g. fla's token-parallel KDA intra kernel: one program per token and head with BH = 1,
+    # per token with BH = HV), and every candidate is one a GPU's autotuner may pick (the kernel's own code at
+    # other block sizes). Our kernels (harts/kernels) keep their first config, whose small blocks the kernel
+    # tests rely on; ties keep the first config too (the autotuner takes the first minimum).
+    def _bench_by_programs(self, *args, config, **meta):
+        grid = meta.get("grid")
+        if grid is None or not getattr(self.base_fn, "__module__", "").startswith("fla."):
+            return [0.0, 0.0, 0.0]
+        if callable(grid):
+            grid = grid({**dict(zip(self.arg_names, args)), **meta, **config.all_kwargs()})
+        n = float(math.prod(grid))
+        return [n, n, n]
+
+    autotuner.Autotuner._bench = _bench_by_programs
 
     # (2) loop variables of range()/tl.range() are tensors when compiled, Python ints when interpreted.
     class _LoopVarToTensor(interpreter.ASTTransformer):
