@@ -104,27 +104,26 @@ def run(args) -> dict:
                                     hb.cu_seqlens_k, scale, backend=views_backend, max_seqlen_q=hb.max_seqlen_q,
                                     max_seqlen_k=hb.max_seqlen_k, kernel="varlen")
 
-    def split(q, k, v):
-        from harts.ops.attention.split import split_views_attention
-
-        o = split_views_attention(q if hb.mla_q_is_identity else q.index_select(0, hb.mla_q_rows),
-                                  k.index_select(0, hb.mla_kv_rows), v.index_select(0, hb.mla_kv_rows),
-                                  cq_host, ck_host, scale, piece="cudnn" if dev.type == "cuda" else "math")
-        if hb.mla_q_is_identity and o.shape[0] == q.shape[0]:
-            return o
-        return torch.zeros((q.shape[0],) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, hb.mla_q_rows, o)
+    from harts.ops.attention.split import split_attention, split_plan
 
     cq_host, ck_host = hb.cu_seqlens_q.tolist(), hb.cu_seqlens_k.tolist()
-    plan = hb.mla_split_plan
+    piece = "cudnn" if dev.type == "cuda" else "math"
+    plan, gathered_plan = hb.mla_split_plan, split_plan(cq_host, ck_host)
 
-    def split_in_place(q, k, v):
-        from harts.ops.attention.split import split_attention
+    def on_rows(attend):
+        """``attend`` on the views' queries, its outputs scattered back to their physical rows."""
+        def f(q, k, v):
+            o = attend(q if hb.mla_q_is_identity else q.index_select(0, hb.mla_q_rows), k, v)
+            if hb.mla_q_is_identity and o.shape[0] == q.shape[0]:
+                return o
+            return torch.zeros((q.shape[0],) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(
+                0, hb.mla_q_rows, o)
+        return f
 
-        o = split_attention(q if hb.mla_q_is_identity else q.index_select(0, hb.mla_q_rows), k, v, plan, scale,
-                            piece="cudnn" if dev.type == "cuda" else "math")
-        if hb.mla_q_is_identity and o.shape[0] == q.shape[0]:
-            return o
-        return torch.zeros((q.shape[0],) + o.shape[1:], dtype=o.dtype, device=o.device).index_copy(0, hb.mla_q_rows, o)
+    kv_rows = hb.mla_kv_rows
+    split = on_rows(lambda q, k, v: split_attention(q, k.index_select(0, kv_rows), v.index_select(0, kv_rows),
+                                                    gathered_plan, scale, piece))
+    split_in_place = on_rows(lambda q, k, v: split_attention(q, k, v, plan, scale, piece))
 
     def sync():
         if dev.type == "cuda":
