@@ -45,12 +45,13 @@ def flops_per_row(model) -> float:
     return 2.0 * model.num_params(active=True)
 
 
-def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None]:
-    """Seconds of ``fn()`` by op family: GPU kernel time on CUDA (kernel events only, each once; summing the
+def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict]:
+    """Seconds of ``fn()`` by op family, and by kernel (op) name: GPU kernel time on CUDA (kernel events only, each once; summing the
     CPU ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled
     again, like a timed run (``timed_run``), if a kernel load happened during it, so that no compilation or
     autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
-    the part of the wall time that no kernel explains, and the host op it waited on."""
+    the part of the wall time that no kernel explains, and the host op it waited on. The per-name seconds say
+    which kernels inside a family carry its excess."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -70,7 +71,7 @@ def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None]:
             prof.export_chrome_trace(f"{tmp}/trace.json")
             with open(f"{tmp}/trace.json") as f:
                 idle = device_idle(json.load(f)["traceEvents"])
-    out = defaultdict(float)
+    out, names = defaultdict(float), defaultdict(float)
     for e in prof.key_averages():
         if device.type == "cuda":  # kernel (and memcpy) events only: a CPU op's device time is its kernels'
             t = e.device_time_total if e.device_type != torch.autograd.DeviceType.CPU else 0.0
@@ -78,20 +79,30 @@ def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None]:
             t = e.self_cpu_time_total
         if t:
             out[family(e.key)] += t / 1e6
-    return dict(out), idle
+            names[e.key] += t / 1e6
+    return dict(out), idle, dict(names)
 
 
-def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: tuple) -> dict:
+def excess_table(harts: dict, baseline: dict, c0: float) -> dict:
+    """Per key (family or kernel name): HARTS and baseline seconds, the ideal (baseline / compression ``c0``)
+    and HARTS's excess over it."""
+    return {k: {"harts_s": harts.get(k, 0.0), "baseline_s": baseline.get(k, 0.0), "ideal_s": baseline.get(k, 0.0) / c0,
+                "excess_s": harts.get(k, 0.0) - baseline.get(k, 0.0) / c0} for k in sorted(set(harts) | set(baseline))}
+
+
+def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: tuple, top: int = 30) -> dict:
     """The report's ``profile``: per op family the HARTS and baseline seconds of one microbatch (``harts`` and
     ``baseline`` are ``profile_families`` results), the ideal (baseline / the microbatch's compression) and
-    HARTS's excess over it, and the device idle time of each path."""
-    (fam_h, idle_h), (fam_b, idle_b) = harts, baseline
+    HARTS's excess over it, the ``top`` kernels by absolute excess with their family, and the device idle time
+    of each path."""
+    (fam_h, idle_h, names_h), (fam_b, idle_b, names_b) = harts, baseline
     c0 = raw / compact
+    kernels = excess_table(names_h, names_b, c0)
+    worst = sorted(kernels, key=lambda k: -abs(kernels[k]["excess_s"]))[:top]
     return {"index": index, "raw": raw, "compact": compact, "compression": c0,
             "device_idle": {"harts": idle_h, "baseline": idle_b},
-            "families": {f: {"harts_s": fam_h.get(f, 0.0), "baseline_s": fam_b.get(f, 0.0),
-                             "ideal_s": fam_b.get(f, 0.0) / c0, "excess_s": fam_h.get(f, 0.0) - fam_b.get(f, 0.0) / c0}
-                         for f in sorted(set(fam_h) | set(fam_b))}}
+            "families": excess_table(fam_h, fam_b, c0),
+            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst]}
 
 
 def planned_microbatches(args):
@@ -283,6 +294,11 @@ def report(res: dict) -> None:
         print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
         for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
             print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
+        if p.get("kernels"):
+            print(f"\nkernels by |excess| (s): {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  family  name")
+            for v in p["kernels"][:20]:
+                print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
+                      f"{v['family']}  {v['name'][:100]}")
         for path, idle in (p.get("device_idle") or {}).items():
             if idle:
                 ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
@@ -397,10 +413,9 @@ def main(argv=None) -> int:
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
         j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
         hb = pack(mbs[j], config=cfg)
-        (fam_h, idle_h), (fam_b, idle_b) = (profile_families(lambda: fn(mbs[j]), dev, loads, reset)
-                                            for fn in (run_harts, run_baseline))
+        prof_h, prof_b = (profile_families(lambda: fn(mbs[j]), dev, loads, reset) for fn in (run_harts, run_baseline))
         reset()
-        profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, (fam_h, idle_h), (fam_b, idle_b))
+        profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b)
 
     records: list[dict] = []
     out_name = "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}"
