@@ -186,6 +186,8 @@ implementation = "foreach"
 weight_decay = 0.0
 [lr_scheduler]
 warmup_steps = 0
+[activation_checkpoint]
+mode = "none"
 """
 
 # Three steps: step 2 is the first whose loss depends on an optimizer update; a run killed after step 2's

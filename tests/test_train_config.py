@@ -18,7 +18,7 @@ def test_toml_and_cli_precedence(tmp_path):
     c = config.parse_args([f"--config={p}"])
     assert (c.training.steps, c.harts.enabled, c.profile.steps, c.profile.enable) == (7, True, [2], False)
     d = config.parse_args([])  # defaults
-    assert d.harts.enabled and d.activation_checkpoint.mode == "none" and d.rl.objective == "grpo"
+    assert d.harts.enabled and d.activation_checkpoint.mode == "selective" and d.rl.objective == "grpo"
 
 
 def test_config_errors_name_the_setting(tmp_path):
@@ -31,6 +31,13 @@ def test_config_errors_name_the_setting(tmp_path):
         config.parse_args([f"--config={p}"])
     with pytest.raises(ValueError, match=r"rl.objective = 'dpo'"):
         config.parse_args(["--rl.objective=dpo"])
+    with pytest.raises(ValueError, match=r"activation_checkpoint.mode = 'selective' \(the default\).*"
+                                         r"tensor_parallel_degree = 2 .*set activation_checkpoint.mode = 'full'"):
+        config.parse_args(["--parallelism.tensor_parallel_degree=2"])
+    with pytest.raises(ValueError, match=r"expert_parallel_degree = 4 set activation_checkpoint.mode"):
+        config.parse_args(["--parallelism.expert_parallel_degree=4"])
+    assert config.parse_args(["--parallelism.expert_parallel_degree=4",
+                              "--activation_checkpoint.mode=full"]).parallelism.expert_parallel_degree == 4
     with pytest.raises(ValueError, match=r"data.source = 'jsonl' needs data.path"):
         config.parse_args(["--data.source=jsonl"])
     with pytest.raises(ValueError, match=r"harts.enabled = 'maybe' is not one of 'true', 'false'"):

@@ -349,9 +349,11 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "selective", "full"] = "none"
-    """'none'; 'full' (recompute each decoder layer in backward; the plan and layout are reused); 'selective'
-    (save matrix products and the mixer cores, recompute norms, gates and casts: harts.models.ling.compile)."""
+    mode: Literal["none", "selective", "full"] = "selective"
+    """'selective' (the default: save matrix products and the mixer cores, recompute norms, gates and casts:
+    harts.models.ling.compile; Ling-3.0-tiny at 65,536 rows fits one H200 with it, 'none' does not); 'full'
+    (recompute each decoder layer in backward, the plan and layout reused: the paper's setting, and what fits
+    next to a whole optimizer state on one GPU, or with tensor / expert parallelism); 'none'."""
 
 
 @_torchtitan_section(tt.Compile)
@@ -633,7 +635,7 @@ def _check_values(section: str, obj) -> None:
 
 def validate(cfg: HartsJobConfig) -> HartsJobConfig:
     """Every section's values and ``validate()``, then the checks that span sections: context parallelism
-    needs HARTS batches; online mode excludes rollout files, replaced rewards, data advantages and the KL
+    needs HARTS batches; selective checkpointing excludes tensor and expert parallelism; online mode excludes rollout files, replaced rewards, data advantages and the KL
     term."""
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
@@ -644,6 +646,13 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         raise ValueError("config: parallelism.context_parallel_degree > 1 needs harts.enabled = true (context "
                          "parallelism is implemented for HARTS prefix-shared batches, not the trajectory-wise "
                          "baseline)")
+    if cfg.activation_checkpoint.mode == "selective" and (cfg.parallelism.tensor_parallel_degree > 1
+                                                           or cfg.parallelism.expert_parallel_degree > 1):
+        raise ValueError("config: activation_checkpoint.mode = 'selective' (the default) runs each layer as regions "
+                         "that tensor parallelism's module hooks and expert parallelism's all-to-all cannot enter; "
+                         "with parallelism.tensor_parallel_degree = "
+                         f"{cfg.parallelism.tensor_parallel_degree} and expert_parallel_degree = "
+                         f"{cfg.parallelism.expert_parallel_degree} set activation_checkpoint.mode = 'full' or 'none'")
     if cfg.online.enabled:
         if cfg.data.source != "synthetic" or cfg.data.path:
             raise ValueError(f"config: online.enabled = true samples its own rollouts, but data.source = "
