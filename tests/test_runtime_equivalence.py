@@ -36,6 +36,12 @@ def assert_equivalent(trajs, chunk_size, recompute=False, seed=0):
     bb = pack(trajs, chunk_size=chunk_size, prefix_sharing=False)
     assert hb.logprob_rows.shape == bb.logprob_rows.shape
     assert torch.equal(hb.logprob_targets, bb.logprob_targets)  # same targets, original order
+    # the log-prob op runs once per distinct (row, target) pair (brute force over the positions)
+    pairs = list(zip(hb.logprob_pair_rows.tolist(), hb.logprob_pair_targets.tolist()))
+    assert len(pairs) == len(set(pairs)) == len(set(zip(hb.logprob_rows.tolist(), hb.logprob_targets.tolist())))
+    assert torch.equal(hb.logprob_pair_rows[hb.logprob_pair_of], hb.logprob_rows)
+    assert torch.equal(hb.logprob_pair_targets[hb.logprob_pair_of], hb.logprob_targets)
+    assert bb.logprob_pair_of is None
     g = torch.Generator().manual_seed(seed + 1)
     n = hb.logprob_rows.shape[0]
     adv = torch.randn(n, generator=g, dtype=torch.float64)
@@ -100,6 +106,26 @@ def rollout_forests(draw, B=4):
 @given(rollout_forests())
 def test_random_forests_equal_trajectory_wise(trajs):
     assert_equivalent(trajs, 4)
+
+
+def test_logprob_pairs_refuse_a_layout_that_disagrees():
+    from harts.data import Trajectory
+    from harts.planning.calls import plan_calls
+    from harts.planning.layout import build_layout
+    from harts.runtime.batch import logprob_pairs
+
+    trajs = [[1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 7]]
+    lay = build_layout(plan_calls([np.array(t) for t in trajs], chunk_size=4), conv_width=4)
+    lengths = np.array([len(t) for t in trajs])
+    args = (lay.semantic_rows, lengths, lay.parent_phys, lay.tokens, lay.logprob_rows, lay.logprob_targets)
+    rows, targets, of = logprob_pairs(*args)
+    assert rows.size == 5 < lay.logprob_rows.size == 8  # 1->2, 2->3, 2->9, 3->4, 3->7
+    wrong = lay.logprob_targets.copy()
+    wrong[4] += 1  # trajectory 1, position 1 (predicting 9)
+    with pytest.raises(ValueError, match="log-prob position 4 reads row"):
+        logprob_pairs(*args[:5], wrong)
+    b = pack([Trajectory.create(t) for t in trajs], chunk_size=4)
+    assert b.stats["logprob_pairs"] == 5
 
 
 def test_compact_batch_split_and_metadata():

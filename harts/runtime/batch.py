@@ -66,6 +66,11 @@ class CompactBatch:
     cu_seqlens_cpu: torch.Tensor | None = None  # the same on the host (stays there in .to): read by the kernels
     max_seqlen: int = 0
     # compact (prefix_sharing=True)
+    # Positions that read the same row and predict the same token have the same log-prob: one per distinct
+    # (row, target) pair, i.e. per child row of the trie (``logprob_pairs``), U <= P of them
+    logprob_pair_rows: torch.Tensor | None = None  # [U] long, the pair's row
+    logprob_pair_targets: torch.Tensor | None = None  # [U] long, its target
+    logprob_pair_of: torch.Tensor | None = None  # [S'] long, the pair of each nonterminal semantic position
     conv_pred: torch.Tensor | None = None  # [P, w] physical rows 0..w-1 steps back on the path, -1 = none
     conv_cu_seqlens: torch.Tensor | None = None  # [Q+1] sequences' output blocks in physical rows
     conv_context: torch.Tensor | None = None  # [Q, w-1] ancestor rows before each block (oldest first), -1 = none
@@ -295,6 +300,8 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
             phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
             has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk)))
     C, P = lay.num_rows, lay.num_phys
+    pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens,
+                                                     lay.logprob_rows, lay.logprob_targets)
     perm = None
     if not replay:
         rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
@@ -303,6 +310,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         input_ids=_t(lay.tokens), position_ids=_t(lay.position_ids), multiplicity=_t(lay.multiplicity),
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
+        logprob_pair_rows=_t(pair_rows), logprob_pair_targets=_t(pair_targets), logprob_pair_of=_t(pair_of),
         conv_pred=predecessor_index(_t(lay.parent_phys), conv_width),
         conv_cu_seqlens=_t(lay.seq_cu_seqlens), conv_context=_t(lay.conv_context),
         rounds=tuple(rounds), num_states=lay.num_states if replay else n_states,
@@ -317,8 +325,40 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         stats={"raw_tokens": int(lengths.sum()), "compact_rows": C, "phys_rows": P,
                "kda_calls": lay.num_rounds, "kda_sequences": lay.num_sequences,
                "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,
-               "mla_kv_rows": lay.mla_kv_tokens},
+               "mla_kv_rows": lay.mla_kv_tokens, "logprob_pairs": int(pair_rows.shape[0])},
     )
+
+
+def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phys_P: np.ndarray,
+                  tokens_P: np.ndarray, logprob_rows: np.ndarray, logprob_targets: np.ndarray):
+    """(pair_rows [U], pair_targets [U], pair_of [S']): the distinct (row, target) pairs of the log-prob
+    positions. Position t of a trajectory reads row r(t) and predicts the token of row r(t+1), a child of r(t)
+    in the trie; so the child row names the pair (row = its parent, target = its token), and the pairs are the
+    child rows that some position reaches, in physical order. Why: every position of a shared prefix has the
+    same log-prob (same hidden row, same target), so the log-prob op's per-position work (target logits, and
+    their gradient terms [S', D] in fp32) is done once per pair and expanded by ``pair_of``: U is at most the
+    physical rows, S' grows with every trajectory that shares the prefix. Checked against the layout's own
+    rows and targets (a ValueError names the first position that disagrees)."""
+    S = semantic_rows_S.shape[0]
+    not_first = np.ones(S, dtype=bool)
+    not_first[np.cumsum(lengths_N)[:-1]] = False
+    not_first[0] = False
+    next_rows = semantic_rows_S[not_first]  # [S'] the row each position predicts the token of
+    P = parent_phys_P.shape[0]
+    reached = np.zeros(P, dtype=bool)
+    reached[next_rows] = True
+    child_U = np.flatnonzero(reached)
+    index_P = np.full(P, -1, dtype=np.int64)
+    index_P[child_U] = np.arange(child_U.size, dtype=np.int64)
+    pair_of = index_P[next_rows]
+    pair_rows, pair_targets = parent_phys_P[child_U], tokens_P[child_U]
+    bad = (pair_rows[pair_of] != logprob_rows) | (pair_targets[pair_of] != logprob_targets)
+    if bad.any():
+        s = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"logprob_pairs: log-prob position {s} reads row {int(logprob_rows[s])} for target "
+                         f"{int(logprob_targets[s])}, but its next row {int(next_rows[s])} has parent "
+                         f"{int(parent_phys_P[next_rows[s]])} and token {int(tokens_P[next_rows[s]])}")
+    return pair_rows, pair_targets, pair_of
 
 
 def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size) -> CompactBatch:

@@ -216,12 +216,18 @@ def logprobs(model, batch: CompactBatch, hidden_PD: torch.Tensor | None = None,
     accumulates each row's gradient from all its semantic positions).
     """
     h = hidden_states(model, batch, router) if hidden_PD is None else hidden_PD
-    rows, targets = batch.logprob_rows, batch.logprob_targets
+    pair_of = batch.logprob_pair_of
+    if pair_of is None:  # trajectory-wise: every position its own row
+        rows, targets = batch.logprob_rows, batch.logprob_targets
+    else:  # one log-prob per distinct (row, target), expanded to the positions (harts.runtime.batch.logprob_pairs)
+        rows, targets = batch.logprob_pair_rows, batch.logprob_pair_targets
     cp = batch.cp
     if cp is not None:  # own rows only; other ranks' positions are zero (sum over the CP group)
         lo, hi = cp.row_range
         own = (rows >= lo) & (rows < hi)
         idx = own.nonzero().squeeze(1)
         lp_own = model.token_logprobs(h, targets[idx], rows[idx] - lo)
-        return torch.zeros(rows.shape[0], dtype=lp_own.dtype, device=lp_own.device).index_copy(0, idx, lp_own)
-    return model.token_logprobs(h, targets, rows)
+        lp = torch.zeros(rows.shape[0], dtype=lp_own.dtype, device=lp_own.device).index_copy(0, idx, lp_own)
+    else:
+        lp = model.token_logprobs(h, targets, rows)
+    return lp if pair_of is None else lp.index_select(0, pair_of)
