@@ -46,8 +46,9 @@ def flops_per_row(model) -> float:
 
 
 def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict]:
-    """Seconds of ``fn()`` by op family, and by kernel (op) name: GPU kernel time on CUDA (kernel events only, each once; summing the
-    CPU ops' device time as well counted kernels two or three times), CPU ops' self time on CPU. Profiled
+    """Seconds of ``fn()`` by op family, and by kernel (op) name: GPU kernel time on CUDA (kernel events only,
+    each once; summing the CPU ops' device time as well counted kernels two or three times), CPU ops' self time
+    on CPU. Profiled
     again, like a timed run (``timed_run``), if a kernel load happened during it, so that no compilation or
     autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
     the part of the wall time that no kernel explains, and the host op it waited on. The per-name seconds say
@@ -295,7 +296,8 @@ def report(res: dict) -> None:
         for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
             print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
         if p.get("kernels"):
-            print(f"\nkernels by |excess| (s): {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  family  name")
+            print(f"\nkernels by |excess| (s): {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  "
+                  "family  name")
             for v in p["kernels"][:20]:
                 print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
                       f"{v['family']}  {v['name'][:100]}")

@@ -635,8 +635,8 @@ def _check_values(section: str, obj) -> None:
 
 def validate(cfg: HartsJobConfig) -> HartsJobConfig:
     """Every section's values and ``validate()``, then the checks that span sections: context parallelism
-    needs HARTS batches; selective checkpointing excludes tensor and expert parallelism; online mode excludes rollout files, replaced rewards, data advantages and the KL
-    term."""
+    needs HARTS batches; selective checkpointing excludes tensor and expert parallelism; online mode excludes
+    rollout files, replaced rewards, data advantages and the KL term."""
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
         _check_values(sec.name, obj)
