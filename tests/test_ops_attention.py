@@ -91,16 +91,18 @@ def test_cudnn_length_buckets_bound_padding_and_shapes():
     assert len({_bucket(L) for L in range(8193, 16385)}) == 16
 
 
-def _errors_vs_flash(lens, D, Dv, seed, attend):
+def _errors_vs_flash(lens, D, Dv, seed, attend, G=4):
     """Max errors relative to the largest value (o, dq, dk, dv) of ``attend(q, k, v, cu, scale)`` and of the
     flash varlen kernel (reached with a copy of cu_seqlens for the keys) against the float64 truth
-    (brute-force causal softmax via the SDPA reference); bf16 on CUDA, 4 heads."""
+    (brute-force causal softmax via the SDPA reference, key / value heads repeated); bf16 on CUDA, 4 query
+    heads, G key / value heads."""
     q, k, v, cq, _ = _packed(lens, lens, H=4, D=D, Dv=Dv, dtype=torch.bfloat16, device="cuda", seed=seed)
+    k, v = k[:, :G].contiguous(), v[:, :G].contiguous()
     for t in (q, k, v):
         t.requires_grad_(True)
     do = torch.randn(q.shape[0], 4, Dv, device="cuda", dtype=torch.bfloat16)
     qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o_ref = varlen_attention_reference(qd, kd, vd, cq, cq, D ** -0.5)
+    o_ref = varlen_attention(qd, kd, vd, cq, cq, D ** -0.5, backend="reference")
     truth = [o_ref, *torch.autograd.grad((o_ref * do.double()).sum(), (qd, kd, vd))]
 
     def errors(run):
@@ -130,16 +132,18 @@ def test_packed_self_attention_cudnn_within_flash_error_gpu(lens):
 
 
 @pytest.mark.gpu
-def test_cudnn_per_sequence_at_equal_head_dims_within_flash_error_gpu():
+@pytest.mark.parametrize("G", [4, 2])
+def test_cudnn_per_sequence_at_equal_head_dims_within_flash_error_gpu(G):
     """cuDNN per sequence at Qwen3.5's gated-attention head dims (256 / 256), as the dispatcher sends them:
-    output and gradients against the float64 truth, within 2x of the flash varlen kernel's error."""
+    output and gradients against the float64 truth, within 2x of the flash varlen kernel's error; with
+    grouped key / value heads (G = 2 of 4) too, which cuDNN reads unrepeated."""
     from harts.ops.attention.fast import packed_self_attention_impl
 
     lens = [2100, 1, 300, 6000]
     q, k, v, _, _ = _packed(lens, lens, H=4, D=256, Dv=256, dtype=torch.bfloat16, device="cuda", seed=2)
-    assert packed_self_attention_impl(q, k, v, len(lens))[0] == "cudnn_sdpa"
+    assert packed_self_attention_impl(q, k[:, :G], v[:, :G], len(lens))[0] == "cudnn_sdpa"
     cudnn, flash = _errors_vs_flash(lens, 256, 256, 2, lambda q, k, v, cu, scale: varlen_attention(
-        q, k, v, cu, cu, scale, backend="fast"))
+        q, k, v, cu, cu, scale, backend="fast"), G=G)
     for name, e_c, e_f in zip(("o", "dq", "dk", "dv"), cudnn, flash):
         assert e_c <= 2 * e_f + 2 ** -8, (name, e_c, e_f)
 
@@ -152,8 +156,8 @@ def test_short_sequences_keep_the_packed_varlen_launch():
     assert kernel != "cudnn_sdpa" and "shorter than" in why
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_per_sequence_attention_plumbing_float64(checkpointed):
+@pytest.mark.parametrize("checkpointed,G", [(False, 2), (True, 2), (False, 1)])
+def test_per_sequence_attention_plumbing_float64(checkpointed, G):
     """The cuDNN path's per-sequence plumbing (bucket padding, one autograd node writing each sequence's
     gradient rows once) with SDPA's math backend on the CPU: the reference attention in float64, values and
     q/k/v gradients, also when the call is recomputed under non-reentrant activation checkpointing (the
@@ -165,13 +169,14 @@ def test_per_sequence_attention_plumbing_float64(checkpointed):
 
     lens = [130, 0, 1, 300]
     q, k, v, cq, _ = _packed(lens, lens, H=2, D=12, Dv=8, seed=3)
+    k, v = k[:, :G].contiguous(), v[:, :G].contiguous()  # G = 1: both query heads read one key / value head
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
 
     def f(q, k, v):
         return _cudnn_per_sequence(q, k, v, cq, 0.3, sdpa_backend=SDPBackend.MATH) * 1.5
 
     o = checkpoint(f, *leaves, use_reentrant=False) if checkpointed else f(*leaves)
-    o_ref = varlen_attention_reference(q, k, v, cq, cq, 0.3) * 1.5
+    o_ref = varlen_attention(q, k, v, cq, cq, 0.3, backend="reference") * 1.5
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(o.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), leaves),

@@ -142,11 +142,13 @@ def test_split_views_ancestor_piece_float64(La, L):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
 
 
-def test_split_reads_ancestor_runs_in_place_float64(monkeypatch):
+@pytest.mark.parametrize("H,G", [(2, 2), (6, 2)])
+def test_split_reads_ancestor_runs_in_place_float64(monkeypatch, H, G):
     """The split over a compact layout's physical rows (``batch.mla_split_plan``): a view whose ancestors are
     three runs of rows (root, a second child, its second child: DFS order puts each after its elder siblings'
     subtrees) reads the two longest in place and gathers the third into an unmasked piece and the causal piece.
-    Values and q/k/v gradients equal the reference views (keys gathered per view) to float64 rounding. The
+    Values and q/k/v gradients equal the reference views (keys gathered per view) to float64 rounding, also with
+    grouped key / value heads (G < H: the split reads k and v as they are, the reference repeats them). The
     in-place threshold is lowered so that the test stays small; the pieces are the same code at any size."""
     import harts.ops.attention.split as split
 
@@ -158,12 +160,13 @@ def test_split_reads_ancestor_runs_in_place_float64(monkeypatch):
     three = [v for v in plan.views if len(v.slices) == 2 and v.gather[1] and v.R]
     assert three, [(v.slices, v.gather, v.R) for v in plan.views]
     assert plan.in_place_rows >= 640 + 256
-    H, D, Dv, scale = 2, 16, 8, 0.3
-    q, k, v = _qkv(batch.num_phys, H, D, Dv, torch.float64, seed=7)
+    D, Dv, scale = 16, 8, 0.3
+    q = _qkv(batch.num_phys, H, D, Dv, torch.float64, seed=7)[0]
+    _, k, v = _qkv(batch.num_phys, G, D, Dv, torch.float64, seed=8)
     o = split.split_attention(q.index_select(0, batch.mla_q_rows), k, v, plan, scale, piece="math")
-    o_ref = varlen_attention_reference(q.index_select(0, batch.mla_q_rows), k.index_select(0, batch.mla_kv_rows),
-                                       v.index_select(0, batch.mla_kv_rows), batch.cu_seqlens_q, batch.cu_seqlens_k,
-                                       scale)
+    k_ref, v_ref = (t.repeat_interleave(H // G, dim=1).index_select(0, batch.mla_kv_rows) for t in (k, v))
+    o_ref = varlen_attention_reference(q.index_select(0, batch.mla_q_rows), k_ref, v_ref, batch.cu_seqlens_q,
+                                       batch.cu_seqlens_k, scale)
     torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
@@ -269,13 +272,14 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,Dv", [(192, 128), (256, 256)])  # Ling-3.0's MLA, Qwen3.5's gated attention
-def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
+@pytest.mark.parametrize("D,Dv,G", [(192, 128, 4), (256, 256, 4), (256, 256, 2)])  # Ling-3.0's MLA, Qwen3.5's GQA
+def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv, G):
     """bf16 views through the cuDNN split (the default view kernel) against a float64 truth, next
     to the bf16 flash view path's own error: outputs and all three gradients within 2x of it (plus 1e-3 of
     the largest value). The trees' views have 0 to over 256 ancestors, so both pieces run, with and without
     ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
-    shares cuDNN backward graphs between calls with equal q/k/v layouts."""
+    shares cuDNN backward graphs between calls with equal q/k/v layouts. G < 4: grouped key / value heads, which
+    cuDNN reads unrepeated (the truth and flash repeat them)."""
     from harts.ops.attention.fast import _cudnn_per_sequence
     from harts.ops.attention.split import split_plan
     from harts.ops.attention.tree import view_attention_impl
@@ -284,7 +288,8 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv):
     H, scale = 4, D ** -0.5
     La = (batch.cu_seqlens_k.diff() - batch.cu_seqlens_q.diff()).tolist()
     assert min(La) < 128 and max(La) > 256, (min(La), max(La))
-    q, k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, H, D, Dv, torch.float64, 4))
+    q = _qkv(batch.num_phys, H, D, Dv, torch.float64, 4)[0].detach().cuda()
+    k, v = (t.detach().cuda() for t in _qkv(batch.num_phys, G, D, Dv, torch.float64, 5)[1:])
     do = torch.randn(batch.num_phys, H, Dv, dtype=torch.float64, device="cuda")
 
     def run(dtype, backend, kernel=None, plan=None):

@@ -38,7 +38,7 @@ from torch import nn
 from harts.models.ling import blocks as ling_blocks
 from harts.models.ling.blocks import MLP, MoE, Packed, ShortConvWeight
 from harts.models.qwen35.config import Qwen35Config
-from harts.ops.attention import varlen_attention
+from harts.ops.attention import repeat_heads, varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.gdn import gated_delta_rule
 from harts.ops.moe import moe_experts, router_logits, router_stats
@@ -98,7 +98,8 @@ def rope_half(x_THD: torch.Tensor, position_ids_T: torch.Tensor, theta: float, r
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj emits each head's query and gate, per-head q/k RMSNorm,
-    partial RoPE, GQA (G key/value heads, repeated to the H query heads), scale Dh^-0.5, o * sigmoid(gate)."""
+    partial RoPE, GQA (G key/value heads, each serving H / G consecutive query heads; the attention ops read
+    them unrepeated), scale Dh^-0.5, o * sigmoid(gate)."""
 
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
@@ -114,15 +115,14 @@ class GatedAttention(nn.Module):
         self.scale = Dh ** -0.5
 
     def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
-        """Per-row q, k, v [T, H, Dh] (k, v repeated to the query heads) and the gate [T, H * Dh]."""
+        """Per-row q [T, H, Dh], k, v [T, G, Dh] and the gate [T, H * Dh]."""
         T, c = x_TD.shape[0], self.cfg
         q_THD, gate_THD = self.q_proj(x_TD).view(T, self.H, 2 * self.Dh).chunk(2, dim=-1)
         q_THD = rope_half(self.q_norm(q_THD), position_ids_T, c.rope_theta, c.rotary_dim)
         k_TGD = rope_half(self.k_norm(self.k_proj(x_TD).view(T, self.G, self.Dh)), position_ids_T, c.rope_theta,
                           c.rotary_dim)
         v_TGD = self.v_proj(x_TD).view(T, self.G, self.Dh)
-        rep = self.H // self.G
-        return q_THD, k_TGD.repeat_interleave(rep, dim=1), v_TGD.repeat_interleave(rep, dim=1), gate_THD.flatten(1)
+        return q_THD, k_TGD, v_TGD, gate_THD.flatten(1)
 
     def core(self, q, k, v, gate, batch):
         """Attention over the layout (the only part that reads ``batch``): (o [T, H, Dh], the gate passed
@@ -134,13 +134,11 @@ class GatedAttention(nn.Module):
 
             cp = batch.cp
             if cp is not None:
-                # Rows -> heads inside mla_tree_attention. k, v cross it at lcm(G, cp) heads rather than
-                # repeated to all H (project repeats them): each rank gets the key/value heads its query heads
-                # read, and nothing more unless cp > G. Any copy of a repeated head holds the same values; its
-                # gradient lands on that copy and project's repeat sums it into the key/value head.
+                # Rows -> heads inside mla_tree_attention. k, v cross it at lcm(G, cp) heads: each rank gets the
+                # key/value heads its query heads read (repeated only where cp > G), and the repeat's backward
+                # sums the copies' gradients into the key/value head.
                 cp.check_heads("Qwen3.5 gated attention", num_attention_heads=q.shape[1])
-                stride = q.shape[1] // math.lcm(self.G, cp.size)
-                k, v = k[:, ::stride], v[:, ::stride]
+                k, v = (repeat_heads(t, math.lcm(self.G, cp.size)) for t in (k, v))
             o = mla_tree_attention(q, k, v, batch, self.scale, be)
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
@@ -171,15 +169,12 @@ class GatedAttention(nn.Module):
         attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, G, Dh];
         the new row's key and value are appended by replacing the list entries (a forked cache that shares
         the old tensors is unaffected)."""
-        q_NHD, k_NHD, v_NHD, gate_NHD = self.project(x_ND, position_ids_N)
-        rep = self.H // self.G
-        k_NGD, v_NGD = k_NHD[:, ::rep], v_NHD[:, ::rep]  # the key/value heads (project repeats them)
+        q_NHD, k_NGD, v_NGD, gate_NHD = self.project(x_ND, position_ids_N)
         cache.k = [torch.cat((kc, k_NGD[n:n + 1])) for n, kc in enumerate(cache.k)]
         cache.v = [torch.cat((vc, v_NGD[n:n + 1])) for n, vc in enumerate(cache.v)]
         lens = torch.tensor([0] + [kc.shape[0] for kc in cache.k], device=x_ND.device).cumsum(0)
         cu_q = torch.arange(len(cache.k) + 1, device=x_ND.device)
-        o = varlen_attention(q_NHD, torch.cat(cache.k).repeat_interleave(rep, dim=1),
-                             torch.cat(cache.v).repeat_interleave(rep, dim=1), cu_q, lens, self.scale,
+        o = varlen_attention(q_NHD, torch.cat(cache.k), torch.cat(cache.v), cu_q, lens, self.scale,
                              backend=self.cfg.op_backend("attention"))
         gate_NHD = torch.sigmoid(gate_NHD.to(_compute_dtype(gate_NHD.dtype))).to(o.dtype)
         return self.o_proj(o.flatten(1) * gate_NHD)

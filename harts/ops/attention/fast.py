@@ -104,8 +104,6 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
     D, Dv = q_THD.shape[-1], v_THDv.shape[-1]
     if q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
         why = f"sequences shorter than {CUDNN_MIN_MEAN_LEN} rows on average"
-    elif not q_THD.shape[1] == k_THD.shape[1] == v_THDv.shape[1]:
-        why = "grouped key/value heads"
     elif Dv > D:  # accuracy checked on the GPU at Dv < D (MLA's 192 / 128) and Dv == D (Qwen3.5's 256 / 256)
         why = f"head dims {D}/{Dv}: cuDNN checked for value heads up to the q/k head dim"
     else:
@@ -132,6 +130,7 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
     if bounds[-1] != q_THD.shape[0] or bounds[0] != 0:
         raise ValueError(f"cu_seqlens spans rows [{bounds[0]}, {bounds[-1]}) of {q_THD.shape[0]} packed rows")
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    gqa = k_THD.shape[1] != q_THD.shape[1]  # grouped key / value heads, read as they are
     outs = []
     with sdpa_kernel(sdpa_backend):  # raises rather than running another kernel
         for L, *seq in zip(lens, *(t.split(lens) for t in (q_THD, k_THD, v_THDv))):
@@ -141,7 +140,7 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
             seq = [t if pad == 0 else F.pad(t, (0, 0, 0, 0, 0, pad)) for t in seq]
             note_cudnn_shape("causal", L + pad, L + pad, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype)
             o_1HLDv = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in seq),
-                                                     is_causal=True, scale=scale)
+                                                     is_causal=True, scale=scale, enable_gqa=gqa)
             outs.append(o_1HLDv[0, :, :L].transpose(0, 1))
     if not outs:
         return v_THDv.new_zeros(v_THDv.shape)
@@ -155,7 +154,10 @@ def varlen_attention_fast(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: floa
         log_once(("attention kernel", kernel, why), "harts attention kernel -> %s (%s)", kernel, why)
         if kernel == "cudnn_sdpa":
             return _cudnn_per_sequence(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, scale, cu_cpu=cu_cpu)
-    D, Dv = q_TqHD.shape[-1], v_TkHDv.shape[-1]
+    from harts.ops.attention.api import repeat_heads
+
+    D, Dv, H = q_TqHD.shape[-1], v_TkHDv.shape[-1], q_TqHD.shape[1]
+    k_TkHD, v_TkHDv = repeat_heads(k_TkHD, H), repeat_heads(v_TkHDv, H)  # the varlen kernels take H heads
     v = F.pad(v_TkHDv, (0, D - Dv)) if Dv < D else v_TkHDv
     cu_q, cu_k = cu_q_N1.to(torch.int32), cu_k_N1.to(torch.int32)
     max_q = _max_len(cu_q) if max_q is None else max_q

@@ -28,9 +28,13 @@ the head dims are cuDNN's own limits (q/k and v up to 256: Ling-3.0's 192 / 128 
 ``piece`` implementations: ``cudnn`` (torch's cuDNN SDPA ops, GPU) and ``math`` (plain matmuls in the
 inputs' dtype; the CPU path of the tests, exact in float64).
 
+Grouped-query attention: k and v may have G heads, a divisor of q's H, each serving H / G consecutive query
+heads. The pieces read them as they are (cuDNN takes G < H; the math piece repeats them), so the gathers, the
+gradient scatter and the zero-filled gradients are over G heads, not H.
+
 Legend: C view query rows (all views packed), X key rows the plan indexes (physical rows, or keys packed per
-view), Tk view key rows, H heads, D q/k head dim, Dv value head dim, L a view's own rows (Lq), R the ancestors
-in its causal piece.
+view), Tk view key rows, H query heads, G key / value heads, D q/k head dim, Dv value head dim, L a view's own
+rows (Lq), R the ancestors in its causal piece.
 """
 from __future__ import annotations
 
@@ -57,7 +61,21 @@ def _scores(q_1HLD, k_1HSD, causal: bool, scale: float):
     return s
 
 
+def _expand_heads(x_1GSX, H: int):
+    """Key / value heads repeated to the H query heads (grouped-query attention; x itself when G == H)."""
+    G = x_1GSX.shape[1]
+    return x_1GSX if G == H else x_1GSX.repeat_interleave(H // G, dim=1)
+
+
+def _sum_heads(dx_1HSX, G: int):
+    """The gradient of ``_expand_heads``: each key / value head sums its H / G query heads' gradients."""
+    H = dx_1HSX.shape[1]
+    return dx_1HSX if G == H else dx_1HSX.unflatten(1, (G, H // G)).sum(2)
+
+
 def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+    H = q_1HLD.shape[1]
+    k_1HSD, v_1HSDv = _expand_heads(k_1HSD, H), _expand_heads(v_1HSDv, H)
     s = _scores(q_1HLD, k_1HSD, causal, scale)
     lse_1HL = torch.logsumexp(s, -1)
     o = torch.matmul(torch.exp(s - lse_1HL[..., None]).to(v_1HSDv.dtype), v_1HSDv)
@@ -65,6 +83,8 @@ def _math_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
 
 
 def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: bool, scale: float):
+    H, G = q_1HLD.shape[1], k_1HSD.shape[1]
+    k_1HSD, v_1HSDv = _expand_heads(k_1HSD, H), _expand_heads(v_1HSDv, H)
     acc = _acc(q_1HLD)
     p = torch.exp(_scores(q_1HLD, k_1HSD, causal, scale) - lse_1HL[..., None])  # exp(-inf) = 0 where masked
     dt = q_1HLD.dtype
@@ -73,7 +93,7 @@ def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: 
     ds = p * (dp - (do_1HLDv.to(acc) * o_1HLDv.to(acc)).sum(-1, keepdim=True))
     dq = torch.matmul(ds.to(dt), k_1HSD) * scale
     dk = torch.matmul(ds.to(dt).transpose(-1, -2), q_1HLD) * scale
-    return dq, dk, dv
+    return dq, _sum_heads(dk, G), _sum_heads(dv, G)
 
 
 def _cudnn_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
@@ -329,6 +349,10 @@ def split_attention(q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: 
     where a view's ancestors are contiguous). Returns [C, H, Dv]."""
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"split_attention: plan must be a SplitPlan (from split_plan), got {type(plan).__name__}")
+    H, G = q_CHD.shape[1], k_XHD.shape[1]
+    if H % G or v_XHDv.shape[1] != G:
+        raise ValueError(f"split_attention: q has {H} heads, k {G} and v {v_XHDv.shape[1]}: k and v need the same "
+                         "number of heads, a divisor of q's (grouped-query attention)")
     if q_CHD.shape[0] != plan.num_queries or k_XHD.shape[0] != plan.num_keys or v_XHDv.shape[0] != plan.num_keys:
         raise ValueError(f"split_attention: q has {q_CHD.shape[0]} rows and k/v {k_XHD.shape[0]}/{v_XHDv.shape[0]}; "
                          f"the plan is for {plan.num_queries} queries over {plan.num_keys} key rows")

@@ -111,7 +111,7 @@ def tree_attention_views(q_PHD, k_PHD, v_PHDv, q_rows_C, q_is_identity: bool, kv
 
         plan = split_plan(cu_q, cu_k, kv_rows_Tk, num_keys=P) if plan is None else plan() if callable(plan) else plan
         o = split_attention(q, k_PHD, v_PHDv, plan, scale, piece="cudnn")
-    else:
+    else:  # (k and v with fewer heads than q are repeated by varlen_attention where its kernel needs it)
         k, v = k_PHD.index_select(0, kv_rows_Tk), v_PHDv.index_select(0, kv_rows_Tk)
         o = varlen_attention(q, k, v, cu_q, cu_k, scale, backend=backend, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k)
