@@ -374,6 +374,8 @@ def drop_replay(batch):
     """A deliberately wrong handoff: sequences that replay [a(p), p) skip it and start at p from S_a."""
     from dataclasses import replace
 
+    from harts.runtime.batch import round_pieces
+
     rounds = []
     for r in batch.rounds:
         cu = r.cu_seqlens_cpu.tolist()
@@ -387,7 +389,10 @@ def drop_replay(batch):
         new_cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
         out = torch.zeros(cu[-1], dtype=torch.bool)
         out[r.output_positions] = True
+        own, replay, replay_rows = round_pieces(new_cu.numpy(), out[keep].numpy(), r.gather[keep].numpy(),
+                                                r.phys_start)
         rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
                               output_positions=torch.nonzero(out[keep]).flatten(),
-                              max_seqlen=max(lens), gather_is_identity=False))
+                              max_seqlen=max(lens), gather_is_identity=False, own_sizes=own,
+                              replay_sizes=replay, replay_rows=torch.as_tensor(replay_rows)))
     return replace(batch, rounds=tuple(rounds))

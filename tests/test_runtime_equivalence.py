@@ -128,6 +128,32 @@ def test_logprob_pairs_refuse_a_layout_that_disagrees():
     assert b.stats["logprob_pairs"] == 5
 
 
+def test_round_pieces_rebuild_the_gather_and_refuse_another_order():
+    from harts.planning.calls import plan_calls
+    from harts.planning.layout import build_layout
+    from harts.runtime.batch import round_pieces
+
+    B = 4
+    lay = build_layout(plan_calls([np.asarray(t) for t in fork_tree(B, np.random.default_rng(3))], chunk_size=B))
+    replayed = 0
+    for r in lay.rounds:
+        own, replay, rows = round_pieces(r.cu_seqlens, r.is_output, r.gather, r.phys_start)
+        it, start, parts = iter(rows.tolist()), r.phys_start, []
+        for n_rep, n_own in zip(replay, own):  # brute force: replay rows, then the next own rows
+            parts += [next(it) for _ in range(n_rep)] + list(range(start, start + n_own))
+            start += n_own
+        assert parts == r.gather.tolist() and start == r.phys_end
+        replayed += sum(replay)
+        if sum(replay):
+            t = int(np.flatnonzero(~r.is_output)[0])  # sequence n's first replay position
+            n = int(np.searchsorted(r.cu_seqlens, t, side="right")) - 1
+            swapped = r.is_output.copy()
+            swapped[[t, t + replay[n]]] = swapped[[t + replay[n], t]]  # an own row before a replay row
+            with pytest.raises(ValueError, match=f"input position {t} "):
+                round_pieces(r.cu_seqlens, swapped, r.gather, r.phys_start)
+    assert replayed == lay.replay_tokens > 0
+
+
 def test_compact_batch_split_and_metadata():
     from harts.data import Trajectory
 

@@ -36,6 +36,12 @@ class KDARound:
     has_init: bool
     emit_seq: torch.Tensor  # [E_r] long, local sequence of each requested boundary state
     emit_chunk: torch.Tensor  # [E_r] long, sequence-local chunk whose start state is requested
+    # The gather as pieces (``round_pieces``): sequence n reads replay_sizes[n] ancestor rows (``replay_rows``, in
+    # order) and then own_sizes[n] rows of [phys_start, phys_end), in order. None: only the gather describes it
+    # (the no-replay ablation's segments)
+    own_sizes: tuple[int, ...] | None = None
+    replay_sizes: tuple[int, ...] = ()
+    replay_rows: torch.Tensor | None = None  # [sum replay_sizes] long
 
     @property
     def num_states(self) -> int:
@@ -294,11 +300,13 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     rounds = []
     for r in lay.rounds:
         ident = bool(r.replay_tokens == 0 and np.array_equal(r.gather, np.arange(r.phys_start, r.phys_end)))
+        own_sizes, replay_sizes, replay_rows = round_pieces(r.cu_seqlens, r.is_output, r.gather, r.phys_start)
         rounds.append(KDARound(
             cu_seqlens=_t(r.cu_seqlens), cu_seqlens_cpu=_t(r.cu_seqlens), max_seqlen=int(r.max_seqlen),
             gather=_t(r.gather), gather_is_identity=ident, output_positions=_t(r.output_positions),
             phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
-            has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk)))
+            has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk),
+            own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows)))
     C, P = lay.num_rows, lay.num_phys
     pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens,
                                                      lay.logprob_rows, lay.logprob_targets)
@@ -327,6 +335,29 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
                "replay_tokens": lay.replay_tokens, "boundary_states": lay.num_states,
                "mla_kv_rows": lay.mla_kv_tokens, "logprob_pairs": int(pair_rows.shape[0])},
     )
+
+
+def round_pieces(cu_seqlens: np.ndarray, is_output: np.ndarray, gather: np.ndarray, phys_start: int):
+    """(own_sizes, replay_sizes, replay_rows) of one planned round: its input is, sequence by sequence, replay
+    positions (ancestor rows, ``replay_rows`` in order) and then the sequence's own rows, the next ones of
+    [phys_start, phys_end). Why pieces: the round's input is then one slice of each per-row tensor, cut per
+    sequence, with the few replay rows gathered in between, and its outputs are the own pieces of the kernel's
+    output; both backward passes are slices and concatenations, where a gather of every input row (and the
+    output positions' gather) scatter their gradients back with atomic index_adds. Checked against the layout's
+    gather (a ValueError names the first position that disagrees)."""
+    lens = np.diff(cu_seqlens)
+    outs = np.concatenate([[0], np.cumsum(is_output, dtype=np.int64)])
+    own = outs[cu_seqlens[1:]] - outs[cu_seqlens[:-1]]
+    replay = lens - own
+    pos = np.arange(gather.shape[0], dtype=np.int64) - np.repeat(cu_seqlens[:-1], lens)
+    expect_out = pos >= np.repeat(replay, lens)
+    expect_rows = np.where(expect_out, phys_start + np.cumsum(expect_out) - 1, gather)
+    bad = (expect_out != is_output) | (expect_rows != gather)
+    if bad.any():
+        t = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"round_pieces: input position {t} (row {int(gather[t])}, output {bool(is_output[t])}) is "
+                         f"not where replay-then-own sequences over rows from {phys_start} put it")
+    return tuple(int(x) for x in own), tuple(int(x) for x in replay), gather[~is_output]
 
 
 def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phys_P: np.ndarray,

@@ -6,15 +6,18 @@ head run once per compact row. Only the sequence mixers see other views; the mix
 ``mla_tree_attention``):
 
 - KDA: projections once per row; the causal short convolution over each row's true ancestors
-  (``conv_pred``); then one packed call per planned round. A round gathers its input rows (replay
-  positions read their ancestors' already computed q/k/v/gate/beta, never recomputed), starts each
+  (``conv_pred``); then one packed call per planned round. A round's input is its own rows, cut per
+  sequence, with each sequence's replay rows gathered in front (replay positions read their ancestors'
+  already computed q/k/v/gate/beta, never recomputed; ``harts.runtime.batch.round_pieces``), starts each
   sequence from a zero state or a boundary state emitted by an earlier round (a differentiable tensor, so
   backward flows into the producer's scan), and writes outputs only for its own rows.
 - MLA: q/k/v once per row at the row's original position id; every row attends to its trie ancestors
-  and itself (bottom-right causal, Eq. 22). The fast path reads the shared keys/values in place (one
-  block-sparse FlexAttention call over all rows, mask from trie ancestry); the reference runs one varlen
+  and itself (bottom-right causal, Eq. 22). The fast path splits each view into cuDNN pieces that read long
+  runs of shared ancestor rows in place (``harts.ops.attention.split``); the reference runs one varlen
   call with packed Q = each branch's own rows and KV = its ancestors + own rows, whose index_select
   backward accumulates gradients into shared ancestors.
+- Log-probs: one per distinct (row, target) pair (``harts.runtime.batch.logprob_pairs``), expanded to the
+  trajectory positions.
 - MoE: routing and experts once per row; multiplicities q_c weight the router statistics.
 
 Legend: P physical rows, D hidden, H heads, G key/value heads (grouped-query attention), K/V head dims, T_r
@@ -90,8 +93,11 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
                         "log decay)")
     gate_kw = dict(use_gate_in_kernel=True, A_log=A_log.to(state_dtype), dt_bias=dt_bias.to(state_dtype),
                    safe_gate=True, lower_bound=lower_bound) if in_kernel else {}
-    for r in batch.rounds:
-        if r.gather_is_identity:
+    own = _round_own_rows((q, k, v, g, beta), batch)
+    for i, r in enumerate(batch.rounds):
+        if own is not None:  # the round's own rows cut per sequence, replay rows gathered in between
+            qr, kr, vr, gr, br = (_round_input(t, parts[i], r) for t, parts in zip((q, k, v, g, beta), own))
+        elif r.gather_is_identity:
             sl = slice(r.phys_start, r.phys_end)
             qr, kr, vr, gr, br = q[sl], k[sl], v[sl], g[sl], beta[sl]
         else:
@@ -112,13 +118,49 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)
-        outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
+        if own is not None:
+            outs.append(_round_output(o, r))
+        else:
+            outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
         outs.append(q.new_zeros((batch.num_phys - batch.num_rows, HV, v.shape[-1])))
     o_PHV = torch.cat(outs, dim=0)
     if batch.kda_output_perm is not None:  # no-replay ablation: segments ran in their own order
         o_PHV = o_PHV.index_select(0, batch.kda_output_perm)
     return o_PHV
+
+
+def _round_own_rows(tensors, batch: CompactBatch):
+    """Each per-row tensor cut into the rounds' own row ranges (one split per tensor, so the backward joins the
+    rounds' gradients with one concatenation), or None where the rounds are not pieces of consecutive ranges
+    from row 0 (the no-replay ablation: its gathers run instead)."""
+    rounds = batch.rounds
+    if not rounds or batch.kda_output_perm is not None or any(r.own_sizes is None for r in rounds):
+        return None
+    ends = [r.phys_start for r in rounds[1:]] + [batch.num_rows]
+    if rounds[0].phys_start != 0 or any(r.phys_end != e for r, e in zip(rounds, ends)):
+        return None
+    sizes = [r.phys_end - r.phys_start for r in rounds] + [batch.num_phys - batch.num_rows]
+    return [t.split(sizes) for t in tensors]
+
+
+def _round_input(t_own, round_own, r):
+    """A round's input rows of one tensor: per sequence, its replay rows (gathered) and its own rows (a slice
+    of ``round_own``, the round's own range). ``t_own``: the whole tensor, for the gather."""
+    if not r.replay_rows.numel():
+        return round_own
+    parts = []
+    for rep, own in zip(t_own.index_select(0, r.replay_rows).split(r.replay_sizes), round_own.split(r.own_sizes)):
+        parts += [rep, own] if rep.shape[0] else [own]
+    return torch.cat(parts)
+
+
+def _round_output(o, r):
+    """The own rows' outputs of a round's output (replay positions produce none), in physical order."""
+    if not r.replay_rows.numel():
+        return o
+    pieces = o.split([n for pair in zip(r.replay_sizes, r.own_sizes) for n in pair])
+    return torch.cat(pieces[1::2])
 
 
 def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:
@@ -155,7 +197,8 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
 
     G = H for MLA; G < H (a divisor) is grouped-query attention: the G key/value heads cross the
     context-parallel exchange unrepeated (so G must split over cp too, with the query heads of each rank's
-    key/value heads on the same rank) and are repeated to the query heads after it.
+    key/value heads on the same rank), and the attention reads them unrepeated (the split's cuDNN pieces take
+    G < H; kernels that need H heads get them repeated).
 
     Each sequence's view (its ancestors' keys and values) runs with ``backend``
     (harts.ops.attention.tree_attention_views): on the fast path as cuDNN calls per view merged by log-sum-exp,
@@ -166,15 +209,12 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
     ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 164 ms, varlen views 289 ms, flex 534 ms plus
     4.2 s to build the block mask on the device), so it is not the default."""
+    from harts.ops.attention.api import check_heads
+
     cp = batch.cp
-    H, G = q.shape[1], k.shape[1]
-    if H % G or v.shape[1] != G:
-        raise ValueError(f"mla_tree_attention: q has {H} heads, k {G} and v {v.shape[1]}: k and v need the same "
-                         f"number of heads, a divisor of q's (grouped-query attention)")
+    check_heads(q, k, v, "mla_tree_attention")
     if cp is not None:  # all rows, own heads: both paths see every row after the exchange
         q, k, v = (cp.rows_to_heads(t) for t in (q, k, v))
-    if G != H:  # each key/value head serves H / G consecutive query heads (on this rank: its own ones)
-        k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
     o = tree_attention_views(q, k, v, batch.mla_q_rows, batch.mla_q_is_identity, batch.mla_kv_rows,
                              batch.cu_seqlens_q, batch.cu_seqlens_k, scale, backend=backend,
                              max_seqlen_q=batch.max_seqlen_q, max_seqlen_k=batch.max_seqlen_k,
