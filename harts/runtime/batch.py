@@ -6,7 +6,8 @@ trajectory-wise packed batch (every trajectory its own varlen sequence, no shari
 runs through its ordinary packed path: the baseline HARTS is measured against.
 
 Legend: P physical rows (compact rows + alignment padding), N trajectories, S semantic positions,
-S' = S - N nonterminal semantic positions (those with a next-token target), Q input sequences,
+S' = S - N nonterminal semantic positions (those with a next-token target), U distinct (row, target) pairs
+of those positions, Q input sequences,
 E emitted boundary states, w conv width.
 """
 from __future__ import annotations

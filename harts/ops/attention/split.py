@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from harts.ops.attention.api import check_heads
 from harts.ops.attention.fast import _bucket, note_cudnn_shape
 
 
@@ -62,7 +63,7 @@ def _scores(q_1HLD, k_1HSD, causal: bool, scale: float):
 
 
 def _expand_heads(x_1GSX, H: int):
-    """Key / value heads repeated to the H query heads (grouped-query attention; x itself when G == H)."""
+    """Key / value heads [1, G, S, X] repeated to the H query heads (as ``repeat_heads`` does on [T, G, X])."""
     G = x_1GSX.shape[1]
     return x_1GSX if G == H else x_1GSX.repeat_interleave(H // G, dim=1)
 
@@ -349,10 +350,7 @@ def split_attention(q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: 
     where a view's ancestors are contiguous). Returns [C, H, Dv]."""
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"split_attention: plan must be a SplitPlan (from split_plan), got {type(plan).__name__}")
-    H, G = q_CHD.shape[1], k_XHD.shape[1]
-    if H % G or v_XHDv.shape[1] != G:
-        raise ValueError(f"split_attention: q has {H} heads, k {G} and v {v_XHDv.shape[1]}: k and v need the same "
-                         "number of heads, a divisor of q's (grouped-query attention)")
+    check_heads(q_CHD, k_XHD, v_XHDv, "split_attention")
     if q_CHD.shape[0] != plan.num_queries or k_XHD.shape[0] != plan.num_keys or v_XHDv.shape[0] != plan.num_keys:
         raise ValueError(f"split_attention: q has {q_CHD.shape[0]} rows and k/v {k_XHD.shape[0]}/{v_XHDv.shape[0]}; "
                          f"the plan is for {plan.num_queries} queries over {plan.num_keys} key rows")
