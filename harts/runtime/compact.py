@@ -119,7 +119,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
             states.append(boundary)
         o = o.squeeze(0)
         if own is not None:
-            outs.append(_round_output(o, r))
+            outs += _round_output(o, r)
         else:
             outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
@@ -155,12 +155,12 @@ def _round_input(t_own, round_own, r):
     return torch.cat(parts)
 
 
-def _round_output(o, r):
-    """The own rows' outputs of a round's output (replay positions produce none), in physical order."""
+def _round_output(o, r) -> list:
+    """The own rows' outputs of a round's output (replay positions produce none), in physical order, as pieces:
+    the rounds' pieces are concatenated once for all rounds."""
     if not r.replay_rows.numel():
-        return o
-    pieces = o.split([n for pair in zip(r.replay_sizes, r.own_sizes) for n in pair])
-    return torch.cat(pieces[1::2])
+        return [o]
+    return list(o.split([n for pair in zip(r.replay_sizes, r.own_sizes) for n in pair])[1::2])
 
 
 def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:
