@@ -31,7 +31,7 @@ def test_config_errors_name_the_setting(tmp_path):
         config.parse_args([f"--config={p}"])
     with pytest.raises(ValueError, match=r"rl.objective = 'dpo'"):
         config.parse_args(["--rl.objective=dpo"])
-    with pytest.raises(ValueError, match=r"activation_checkpoint.mode = 'selective' \(the default\).*"
+    with pytest.raises(ValueError, match=r"activation_checkpoint.mode = 'selective' \(also the default\).*"
                                          r"tensor_parallel_degree = 2 .*set activation_checkpoint.mode = 'full'"):
         config.parse_args(["--parallelism.tensor_parallel_degree=2"])
     with pytest.raises(ValueError, match=r"expert_parallel_degree = 4 set activation_checkpoint.mode"):

@@ -6,10 +6,10 @@ tensor's scale. Layouts plan differently from one process (D = 2 vs D = 1, pipel
 rests on the split-invariant objective. The runs of one process count share one torchrun
 (``helpers.torchrun_many``):
 
-- two processes: FSDP2 (DP = 2); EP = 2 (experts sharded over the DP ranks, tokens exchanged by
-  all-to-all); PP = 2 with full activation checkpointing on steps planned as one microbatch and replanned to
-  fill the two stages (harts.fill_pipeline); PP = 2 with PPO recomputing old log-probs; TP = 2 + SP dumping
-  hidden states for harts.bench.layout_fidelity;
+- two processes: FSDP2 (DP = 2), also under selective checkpointing; EP = 2 (experts sharded over the DP
+  ranks, tokens exchanged by all-to-all); PP = 2 with full activation checkpointing on steps planned as one
+  microbatch and replanned to fill the two stages (harts.fill_pipeline); PP = 2 with PPO recomputing old
+  log-probs; TP = 2 + SP dumping hidden states for harts.bench.layout_fidelity;
 - four processes: FSDP2 x TP x EP (with AC), FSDP2 x PP x EP (PP at the default capacity), TP + SP x PP x EP
   (with AC);
 - eight processes: the paper's three 8-GPU layouts at full degree (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
@@ -32,6 +32,7 @@ FILL_CAPACITY = 1024
 PP_PPO = ["--rl.objective=ppo", "--rl.old_logprobs=recompute", "--rl.advantages=grpo"]
 TWO = {  # name -> extra arguments ({d}: the runs' folder)
     "fsdp": ["--checkpoint.enable"],
+    "fsdp_sac": ["--activation_checkpoint.mode=selective"],
     "ep": ["--parallelism.expert_parallel_degree=2"],
     "ppfill": ["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full",
                f"--harts.capacity={FILL_CAPACITY}"],
@@ -100,6 +101,13 @@ def test_fsdp2_two_processes_equal_one(ref, two):
     assert [r["step"] for r in records(two / "fsdp")] == list(range(1, DIST_STEPS + 1))
     assert all((r["world"], r["dp"], r["ep"]) == (2, 2, 1) for r in records(two / "fsdp"))
     assert any("expert_bias" in k and v.abs().sum() > 0 for k, v in weights(two / "fsdp").items())
+
+
+@pytest.mark.slow
+def test_fsdp2_with_selective_checkpointing_equals_one_process(ref, two):
+    """Selective checkpointing runs each layer as regions; the layer is still called as a module, so FSDP2's
+    per-layer hooks gather its parameters for the forward and the recomputation."""
+    assert_same_run(ref[2], two / "fsdp_sac")
 
 
 @pytest.mark.slow

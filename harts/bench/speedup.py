@@ -48,9 +48,8 @@ def flops_per_row(model) -> float:
 def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict]:
     """Seconds of ``fn()`` by op family, and by kernel (op) name: GPU kernel time on CUDA (kernel events only,
     each once; summing the CPU ops' device time as well counted kernels two or three times), CPU ops' self time
-    on CPU. Profiled
-    again, like a timed run (``timed_run``), if a kernel load happened during it, so that no compilation or
-    autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
+    on CPU. Profiled again, like a timed run (``timed_run``), if a kernel load happened during it, so that no
+    compilation or autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
     the part of the wall time that no kernel explains, and the host op it waited on. The per-name seconds say
     which kernels inside a family carry its excess."""
     acts = [torch.profiler.ProfilerActivity.CPU]

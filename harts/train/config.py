@@ -648,8 +648,9 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
                          "baseline)")
     if cfg.activation_checkpoint.mode == "selective" and (cfg.parallelism.tensor_parallel_degree > 1
                                                            or cfg.parallelism.expert_parallel_degree > 1):
-        raise ValueError("config: activation_checkpoint.mode = 'selective' (the default) runs each layer as regions "
-                         "that tensor parallelism's module hooks and expert parallelism's all-to-all cannot enter; "
+        raise ValueError("config: activation_checkpoint.mode = 'selective' (also the default) runs each layer as "
+                         "regions that tensor parallelism's module hooks and expert parallelism's all-to-all cannot "
+                         "enter; "
                          "with parallelism.tensor_parallel_degree = "
                          f"{cfg.parallelism.tensor_parallel_degree} and expert_parallel_degree = "
                          f"{cfg.parallelism.expert_parallel_degree} set activation_checkpoint.mode = 'full' or 'none'")

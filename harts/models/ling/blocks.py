@@ -462,8 +462,13 @@ class DecoderLayer(nn.Module):
         return self.kind, ("moe" if isinstance(self.mlp, MoE) else "dense")
 
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
-                router: tuple | None = None) -> torch.Tensor:
-        """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE."""
+                router: tuple | None = None, *, selective: bool = False) -> torch.Tensor:
+        """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE;
+        ``selective``: run as selectively checkpointed regions (harts.models.ling.compile)."""
+        if selective:
+            from harts.models.ling.compile import selective_layer_forward
+
+            return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         x = self.post_attention_layernorm(h_TD)
         return h_TD + (self.mlp(x, token_weight_T, router) if isinstance(self.mlp, MoE) else self.mlp(x))

@@ -79,7 +79,8 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
   norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
   and the tuple crossing costs nothing. Submodule hooks (TP regions) and expert parallelism are refused for
-  the same reasons as for compile (``check_region_split``).
+  the same reasons as for compile (``check_region_split``). The layer itself is still called as a module
+  (``layer(..., selective=True)``), so hooks on it, FSDP2's parameter gathers, run as without checkpointing.
 """
 from __future__ import annotations
 
@@ -293,6 +294,16 @@ def compiled_layer_forward(layer: nn.Module, pre, post):
     return forward
 
 
+def _with_selective(forward, selective_forward):
+    """A compiled layer's forward with the ``selective`` switch of ``DecoderLayer.forward``: the layer is still
+    called as a module under selective checkpointing, so hooks on the layer itself (FSDP2's) run."""
+
+    def layer_forward(h_TD, batch, token_weight_T=None, router=None, *, selective: bool = False):
+        return (selective_forward if selective else forward)(h_TD, batch, token_weight_T, router)
+
+    return layer_forward
+
+
 def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
     """Refuse (naming the layer) what running ``layer`` as pre / core / post regions would get wrong."""
     _region_names(layer)
@@ -327,8 +338,9 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool 
     fns = {name: torch.compile(fn, backend=_counting_backend(report, name, backend), dynamic=dynamic,
                                fullgraph=fullgraph) for name, fn in _REGIONS.items()}
     for layer in layers:
-        layer.forward = compiled_layer_forward(layer, *_layer_regions(layer, fns))
         layer.selective_forward = compiled_layer_forward(layer, *_layer_regions(layer, fns, "_sac"))
+        layer.forward = _with_selective(compiled_layer_forward(layer, *_layer_regions(layer, fns)),
+                                        layer.selective_forward)
         report.regions += [f"model.layers.{layer.layer_idx}.pre", f"model.layers.{layer.layer_idx}.post"]
     model.compile_report = report
     log.info("compiled %d decoder layers as pre/post regions (backend %s, dynamic=%s)", len(layers), backend,

@@ -167,10 +167,8 @@ class DecoderStack(nn.Module):
             for layer in layers:
                 if policy == "full":
                     h_TD = checkpoint(layer, h_TD, batch, token_weight_T, router, use_reentrant=False)
-                elif policy == "selective":
-                    from harts.models.ling.compile import selective_layer_forward
-
-                    h_TD = selective_layer_forward(layer)(h_TD, batch, token_weight_T, router)
+                elif policy == "selective":  # through the module call, so FSDP2's per-layer hooks run
+                    h_TD = layer(h_TD, batch, token_weight_T, router, selective=True)
                 else:
                     h_TD = layer(h_TD, batch, token_weight_T, router)
         return h_TD if self.norm is None else self.norm(h_TD)

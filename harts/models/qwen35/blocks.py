@@ -432,7 +432,12 @@ class DecoderLayer(nn.Module):
         return ("gdn" if self.kind == "gdn" else "gated_attention"), "sparse_moe"
 
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
-                router: tuple | None = None) -> torch.Tensor:
+                router: tuple | None = None, *, selective: bool = False) -> torch.Tensor:
+        """As Ling's ``DecoderLayer.forward`` (``selective``: the selectively checkpointed regions)."""
+        if selective:
+            from harts.models.ling.compile import selective_layer_forward
+
+            return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         return h_TD + self.mlp(self.post_attention_layernorm(h_TD), token_weight_T, router)
 

@@ -138,12 +138,13 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
                 continue
             pad = _bucket(L) - L
             seq = [t if pad == 0 else F.pad(t, (0, 0, 0, 0, 0, pad)) for t in seq]
-            note_cudnn_shape("causal", L + pad, L + pad, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype)
+            note_cudnn_shape("causal", L + pad, L + pad, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype,
+                             seq[1].shape[1])
             o_1HLDv = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in seq),
                                                      is_causal=True, scale=scale, enable_gqa=gqa)
             outs.append(o_1HLDv[0, :, :L].transpose(0, 1))
     if not outs:
-        return v_THDv.new_zeros(v_THDv.shape)
+        return v_THDv.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THDv.shape[-1])
     return torch.cat(outs)
 
 

@@ -99,7 +99,7 @@ def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: 
 
 def _cudnn_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
     note_cudnn_shape("causal" if causal else "full", q_1HLD.shape[2], k_1HSD.shape[2], q_1HLD.shape[1],
-                     q_1HLD.shape[3], v_1HSDv.shape[3], q_1HLD.dtype)
+                     q_1HLD.shape[3], v_1HSDv.shape[3], q_1HLD.dtype, k_1HSD.shape[1])
     r = torch.ops.aten._scaled_dot_product_cudnn_attention(q_1HLD, k_1HSD, v_1HSDv, None, True, 0.0, causal, False,
                                                            scale=scale)
     o, lse = r[0], r[1]
