@@ -135,7 +135,8 @@ def _round_own_rows(tensors, batch: CompactBatch):
     rounds' gradients with one concatenation), or None where the rounds are not pieces of consecutive ranges
     from row 0 (the no-replay ablation: its gathers run instead)."""
     rounds = batch.rounds
-    if not rounds or batch.kda_output_perm is not None or any(r.own_sizes is None for r in rounds):
+    if not rounds or batch.kda_output_perm is not None or any(r.own_sizes is None or r.replay_rows is None
+                                                               for r in rounds):
         return None
     ends = [r.phys_start for r in rounds[1:]] + [batch.num_rows]
     if rounds[0].phys_start != 0 or any(r.phys_end != e for r, e in zip(rounds, ends)):
