@@ -393,6 +393,6 @@ def drop_replay(batch):
                                                 r.phys_start)
         rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
                               output_positions=torch.nonzero(out[keep]).flatten(),
-                              max_seqlen=max(lens), gather_is_identity=False, own_sizes=own,
+                              max_seqlen=max(lens), own_sizes=own,
                               replay_sizes=replay, replay_rows=torch.as_tensor(replay_rows)))
     return replace(batch, rounds=tuple(rounds))

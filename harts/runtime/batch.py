@@ -29,7 +29,6 @@ class KDARound:
     cu_seqlens_cpu: torch.Tensor  # same on the host (no device sync to read lengths)
     max_seqlen: int
     gather: torch.Tensor  # [T_r] physical row of every input position
-    gather_is_identity: bool  # no replay and rows in order: skip the gather
     output_positions: torch.Tensor  # [C_r] input positions that produce outputs
     phys_start: int  # outputs fill physical rows [phys_start, phys_end) in order
     phys_end: int
@@ -300,11 +299,10 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
 
     rounds = []
     for r in lay.rounds:
-        ident = bool(r.replay_tokens == 0 and np.array_equal(r.gather, np.arange(r.phys_start, r.phys_end)))
         own_sizes, replay_sizes, replay_rows = round_pieces(r.cu_seqlens, r.is_output, r.gather, r.phys_start)
         rounds.append(KDARound(
             cu_seqlens=_t(r.cu_seqlens), cu_seqlens_cpu=_t(r.cu_seqlens), max_seqlen=int(r.max_seqlen),
-            gather=_t(r.gather), gather_is_identity=ident, output_positions=_t(r.output_positions),
+            gather=_t(r.gather), output_positions=_t(r.output_positions),
             phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
             has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk),
             own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows)))
@@ -437,7 +435,7 @@ def _segment_rounds(trie, phys_of_row: np.ndarray, B: int):
         n_states += len(emit)
         rounds.append(KDARound(
             cu_seqlens=_t(cu), cu_seqlens_cpu=_t(cu), max_seqlen=int(lens.max()), gather=_t(gather),
-            gather_is_identity=False, output_positions=_t(np.arange(int(cu[-1]))), phys_start=0, phys_end=0,
+            output_positions=_t(np.arange(int(cu[-1]))), phys_start=0, phys_end=0,
             init_source=_t(init), has_init=bool((init >= 0).any()), emit_seq=_t(emit),
             emit_chunk=_t(-(-lens[emit] // B))))  # chunk == number of chunks: the end state
         cat_rows.append(gather)

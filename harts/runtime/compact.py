@@ -97,10 +97,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
     for i, r in enumerate(batch.rounds):
         if own is not None:  # the round's own rows cut per sequence, replay rows gathered in between
             qr, kr, vr, gr, br = (_round_input(t, parts[i], r) for t, parts in zip((q, k, v, g, beta), own))
-        elif r.gather_is_identity:
-            sl = slice(r.phys_start, r.phys_end)
-            qr, kr, vr, gr, br = q[sl], k[sl], v[sl], g[sl], beta[sl]
-        else:
+        else:  # the no-replay ablation's segments
             qr, kr, vr, gr, br = (t.index_select(0, r.gather) for t in (q, k, v, g, beta))
         init = None
         if r.has_init:
@@ -118,10 +115,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
         if r.num_states:
             states.append(boundary)
         o = o.squeeze(0)
-        if own is not None:
-            outs += _round_output(o, r)
-        else:
-            outs.append(o if r.gather_is_identity else o.index_select(0, r.output_positions))
+        outs += _round_output(o, r) if own is not None else [o.index_select(0, r.output_positions)]
     if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
         outs.append(q.new_zeros((batch.num_phys - batch.num_rows, HV, v.shape[-1])))
     o_PHV = torch.cat(outs, dim=0)
@@ -131,15 +125,12 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
 
 
 def _round_own_rows(tensors, batch: CompactBatch):
-    """Each per-row tensor cut into the rounds' own row ranges (one split per tensor, so the backward joins the
-    rounds' gradients with one concatenation), or None where the rounds are not pieces of consecutive ranges
-    from row 0 (the no-replay ablation: its gathers run instead)."""
+    """Each per-row tensor cut into the rounds' own row ranges, which follow each other from row 0 (one split
+    per tensor, so the backward joins the rounds' gradients with one concatenation), or None for rounds that
+    are not described as pieces (the no-replay ablation: its gathers run instead)."""
     rounds = batch.rounds
     if not rounds or batch.kda_output_perm is not None or any(r.own_sizes is None or r.replay_rows is None
                                                                for r in rounds):
-        return None
-    ends = [r.phys_start for r in rounds[1:]] + [batch.num_rows]
-    if rounds[0].phys_start != 0 or any(r.phys_end != e for r, e in zip(rounds, ends)):
         return None
     sizes = [r.phys_end - r.phys_start for r in rounds] + [batch.num_phys - batch.num_rows]
     return [t.split(sizes) for t in tensors]
