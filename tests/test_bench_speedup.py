@@ -29,6 +29,27 @@ def test_timed_run_repeats_until_no_kernel_load():
     assert r["runs"] == 2 and not r["clean"]  # reported, never hidden
 
 
+def test_timed_run_median_of_clean_repeats(monkeypatch):
+    """With repeats, the loading runs are not among the timed ones, and the reported time is the median of
+    the clean runs (fake clock: run i takes durations[i] seconds)."""
+    import harts.bench.speedup as sp
+
+    durations, now, loads = [9.0, 3.0, 1.0, 2.0], [0.0], _Loads()
+    loads.n = 0
+
+    def fn():
+        i = fn.calls
+        fn.calls += 1
+        now[0] += durations[i]
+        if i == 0:
+            loads.n += 1  # the first run compiles
+
+    fn.calls = 0
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    r = timed_run(fn, lambda: None, lambda: None, loads, repeats=3)
+    assert r["runs"] == 4 and r["clean"] and r["all_s"] == [3.0, 1.0, 2.0] and r["s"] == 2.0 and r["first_s"] == 9.0
+
+
 def _small_profile() -> dict:
     """profile_families of a HARTS-like and a baseline-like CPU workload (matrix products and elementwise ops,
     the baseline doing 2x the work), as the bench's report records them."""

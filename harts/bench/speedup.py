@@ -45,13 +45,15 @@ def flops_per_row(model) -> float:
     return 2.0 * model.num_params(active=True)
 
 
-def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict]:
+def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict, dict]:
     """Seconds of ``fn()`` by op family, and by kernel (op) name: GPU kernel time on CUDA (kernel events only,
     each once; summing the CPU ops' device time as well counted kernels two or three times), CPU ops' self time
     on CPU. Profiled again, like a timed run (``timed_run``), if a kernel load happened during it, so that no
     compilation or autotuning sweep is counted. On CUDA also the device's idle time inside the run (``device_idle``):
     the part of the wall time that no kernel explains, and the host op it waited on. The per-name seconds say
-    which kernels inside a family carry its excess."""
+    which kernels inside a family carry its excess; on CUDA the kernel seconds under each host op (aten ops,
+    autograd nodes, our autograd Functions; a nested op's time is in its parents' too) say which code launched
+    them."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -71,16 +73,19 @@ def profile_families(fn, device, loads, reset) -> tuple[dict, dict | None, dict]
             prof.export_chrome_trace(f"{tmp}/trace.json")
             with open(f"{tmp}/trace.json") as f:
                 idle = device_idle(json.load(f)["traceEvents"])
-    out, names = defaultdict(float), defaultdict(float)
+    out, names, ops = defaultdict(float), defaultdict(float), defaultdict(float)
     for e in prof.key_averages():
         if device.type == "cuda":  # kernel (and memcpy) events only: a CPU op's device time is its kernels'
-            t = e.device_time_total if e.device_type != torch.autograd.DeviceType.CPU else 0.0
+            on_cpu = e.device_type == torch.autograd.DeviceType.CPU
+            t = 0.0 if on_cpu else e.device_time_total
+            if on_cpu and e.device_time_total:  # the kernels under a host op (its children's included)
+                ops[e.key] += e.device_time_total / 1e6
         else:
             t = e.self_cpu_time_total
         if t:
             out[family(e.key)] += t / 1e6
             names[e.key] += t / 1e6
-    return dict(out), idle, dict(names)
+    return dict(out), idle, dict(names), dict(ops)
 
 
 def excess_table(harts: dict, baseline: dict, c0: float) -> dict:
@@ -95,14 +100,16 @@ def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: t
     ``baseline`` are ``profile_families`` results), the ideal (baseline / the microbatch's compression) and
     HARTS's excess over it, the ``top`` kernels by absolute excess with their family, and the device idle time
     of each path."""
-    (fam_h, idle_h, names_h), (fam_b, idle_b, names_b) = harts, baseline
+    (fam_h, idle_h, names_h, ops_h), (fam_b, idle_b, names_b, ops_b) = harts, baseline
     c0 = raw / compact
-    kernels = excess_table(names_h, names_b, c0)
+    kernels, ops = excess_table(names_h, names_b, c0), excess_table(ops_h, ops_b, c0)
     worst = sorted(kernels, key=lambda k: -abs(kernels[k]["excess_s"]))[:top]
+    worst_ops = sorted(ops, key=lambda k: -abs(ops[k]["excess_s"]))[:top]
     return {"index": index, "raw": raw, "compact": compact, "compression": c0,
             "device_idle": {"harts": idle_h, "baseline": idle_b},
             "families": excess_table(fam_h, fam_b, c0),
-            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst]}
+            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst],
+            "host_ops": [{"name": k, **ops[k]} for k in worst_ops]}
 
 
 def planned_microbatches(args):
@@ -198,12 +205,13 @@ class KernelLoads:
         self.available = True
 
 
-def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
-    """Seconds of ``fn()`` once no kernel load happens during it (at most ``max_runs`` runs; ``reset()`` before
-    each). ``first_s`` keeps the first run's time when it was repeated; ``clean`` is False when even the last
-    run loaded kernels."""
-    out = {"runs": 0}
-    for _ in range(max_runs):
+def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1) -> dict:
+    """Seconds of ``fn()`` once no kernel load happens during it (at most ``max_runs`` runs until one is clean;
+    ``reset()`` before each), then the median of ``repeats`` clean runs (``all_s`` lists them): one run of a
+    2 s microbatch moves by a few per cent between runs. ``first_s`` keeps the first run's time when it was
+    repeated; ``clean`` is False when even the last run loaded kernels."""
+    out, clean_s = {"runs": 0}, []
+    for _ in range(max_runs + repeats - 1):
         reset()
         n0, s0 = loads.n, loads.seconds
         sync()
@@ -218,7 +226,15 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3) -> dict:
             out["loaded"] = sorted(set(loads.names[n0:loads.n]))
             out["load_s"] = loads.seconds - s0
         if out["clean"]:
+            clean_s.append(t)
+            if len(clean_s) == repeats:
+                break
+        elif out["runs"] >= max_runs:
             break
+    if clean_s:
+        out["s"] = sorted(clean_s)[len(clean_s) // 2]
+        if len(clean_s) > 1:
+            out["all_s"] = clean_s
     if out["runs"] == 1:
         del out["first_s"]
     return out
@@ -300,6 +316,12 @@ def report(res: dict) -> None:
             for v in p["kernels"][:20]:
                 print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
                       f"{v['family']}  {v['name'][:100]}")
+        if p.get("host_ops"):
+            print(f"\nhost ops by |excess| of the kernels under them (nested ops repeat their children's time): "
+                  f"{'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  name")
+            for v in p["host_ops"][:20]:
+                print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
+                      f"{v['name'][:100]}")
         for path, idle in (p.get("device_idle") or {}).items():
             if idle:
                 ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
@@ -336,6 +358,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harts.bench.speedup", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
     ap.add_argument("--microbatches", type=int, default=16, help="how many planned microbatches to time")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time each microbatch of each path this many times (after kernel loads end) and keep the "
+                         "median")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     ap.add_argument("--out", default="out/bench_speedup")
     ap.add_argument("--time-budget", type=float, default=0.0,
@@ -434,9 +459,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         plan_calls([t.tokens for t in trajs], chunk_size=B)  # planner time charged to Core
         t_calls = time.perf_counter() - t0
-        h = timed_run(lambda: run_harts(trajs), reset, sync, loads)
+        h = timed_run(lambda: run_harts(trajs), reset, sync, loads, repeats=args.repeats)
         h_peak = peak_gb()
-        b = timed_run(lambda: run_baseline(trajs), reset, sync, loads)
+        b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats)
         b_peak = peak_gb()
         reset()
         hb = pack(trajs, config=cfg)
