@@ -394,5 +394,6 @@ def drop_replay(batch):
         rounds.append(replace(r, cu_seqlens=new_cu, cu_seqlens_cpu=new_cu, gather=r.gather[keep],
                               output_positions=torch.nonzero(out[keep]).flatten(),
                               max_seqlen=max(lens), own_sizes=own,
-                              replay_sizes=replay, replay_rows=torch.as_tensor(replay_rows)))
+                              replay_sizes=replay, replay_rows=torch.as_tensor(replay_rows),
+                              replay_positions=torch.nonzero(~out[keep]).flatten()))
     return replace(batch, rounds=tuple(rounds))

@@ -5,9 +5,9 @@ the way the compiler does: e.g. a variable rebound from a bf16 to an fp32 pointe
 fine interpreted and is a CompilationError on the GPU. ``triton.compile`` with an explicit target runs
 the whole pipeline (frontend, TTGIR, LLVM, PTX, the wheel's ptxas) without a GPU, so CI catches those.
 The compile runs in a subprocess: this pytest process has TRITON_INTERPRET=1, under which ``triton.jit``
-builds interpreter objects instead of compilable functions. The four compile jobs (the round scans at K = 64
-and 128, the AdamW update, the MoE gather-sum) start together when the module's first test runs, one
-subprocess each, so that they share the machine's cores; each test waits for its own job.
+builds interpreter objects instead of compilable functions. The compile jobs (the round scans at K = 64
+and 128, the AdamW update, the MoE gather-sum, the attention merge) start together when the module's first
+test runs, one subprocess each, so that they share the machine's cores; each test waits for its own job.
 """
 import os
 import subprocess
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-JOBS = ("64", "128", "adamw", "gather_sum")  # the subprocess argument of each compile job
+JOBS = ("64", "128", "adamw", "gather_sum", "attn_merge")  # the subprocess argument of each compile job
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
@@ -151,8 +151,36 @@ def _compile_gather_sum() -> None:
         print("compiled gather_sum", K, D, idx, flush=True)
 
 
+def test_attn_merge_compiles_for_sm90(compile_jobs):
+    rc, out, err = compile_jobs("attn_merge")
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert out.count("compiled attn_merge") == 2, out
+
+
+def _compile_attn_merge() -> None:
+    """The merge of four groups into bf16 rows at Qwen3.5's value head (256) and of one group at Ling-3.0's
+    MLA value head (128), blocks as the launcher picks them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import harts.kernels.attn_merge as km
+
+    group = ["*bf16", "*fp32"] + ["i32"] * 8  # per group: o, lse, B, r0, then the o and lse strides
+    names = km.attn_merge_fwd_kernel.arg_names[6:6 + 10 * km.MAX_GROUPS]
+    for NG, Dv in ((4, 256), (1, 128)):
+        BD = triton.next_power_of_2(Dv)
+        consts = dict(NG=NG, BL=max(1, min(64, 8192 // BD)), BD=BD)
+        sig = {"out": "*bf16", "out_lse": "*fp32", "so_r": "i32", "so_h": "i32", "sl_r": "i32", "sl_h": "i32",
+               **dict(zip(names, group * 4)), "L": "i32", "DV": "i32", **{k: "constexpr" for k in consts}}
+        src = ASTSource(fn=km.attn_merge_fwd_kernel, signature=sig, constexprs=consts)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm["cubin"]
+        print("compiled attn_merge", NG, Dv, flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] in ("adamw", "gather_sum"):
-        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum}[sys.argv[1]]()
+    if sys.argv[1] in ("adamw", "gather_sum", "attn_merge"):
+        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum, "attn_merge": _compile_attn_merge}[sys.argv[1]]()
     else:
         _compile_all(int(sys.argv[1]))

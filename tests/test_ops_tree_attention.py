@@ -174,6 +174,59 @@ def test_split_reads_ancestor_runs_in_place_float64(monkeypatch, H, G):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
 
 
+def test_key_chunks_are_the_fewest_that_fill_the_sms():
+    """Against an exhaustive search over the admissible chunk counts (whole 128-key chunks of at least
+    MIN_CHUNK_KEYS): the fewest whose programs fill the SMs' waves to FILL_TARGET, else the best filling."""
+    import harts.ops.attention.split as split
+
+    def brute(rows, keys, heads, sms):
+        tiles = heads * -(-rows // split.QUERY_TILE)
+
+        def fill(b):
+            return tiles * b / (-(-tiles * b // sms) * sms)
+
+        ok = [b for b in range(1, keys // 128 + 1)
+              if keys % (b * 128) == 0 and (b == 1 or keys // b >= split.MIN_CHUNK_KEYS)]
+        good = [b for b in ok if fill(b) >= split.FILL_TARGET]
+        return min(good) if good else max(ok, key=lambda b: (fill(b), -b))
+
+    seen = set()
+    for rows in (1, 128, 129, 300, 896, 1408, 4352, 25856):
+        for keys in (128, 512, 1024, 4096, 9984, 10240, 24576):
+            for heads in (2, 16, 64):
+                b = split.key_chunks(rows, keys, heads, 132)
+                assert b == brute(rows, keys, heads, 132), (rows, keys, heads)
+                seen.add(b)
+    assert 1 in seen and len(seen) > 3  # the search above exercises both outcomes
+    assert split.key_chunks(25856, 24576, 16, 132) == 1  # many queries fill the SMs without chunks
+
+
+@pytest.mark.parametrize("La,L", [(300, 1), (1100, 9), (1100, 130)])
+def test_split_key_chunks_float64(monkeypatch, La, L):
+    """Unmasked pieces run as batched key chunks (the chunk minimum lowered so that small views chunk): values
+    and q/k/v gradients equal brute-force bottom-right causal attention in float64, and chunks did run."""
+    import harts.ops.attention.split as split
+
+    monkeypatch.setattr(split, "MIN_CHUNK_KEYS", 128)
+    chunks, key_chunks = [], split.key_chunks
+    monkeypatch.setattr(split, "key_chunks", lambda *a: chunks.append(key_chunks(*a)) or chunks[-1])
+    H, D, Dv, scale = 2, 16, 8, 0.3
+    lq, lk = [L, L + 2], [La + L, La + 1 + L + 2]
+    cu_q, cu_k = torch.tensor([0, *np.cumsum(lq)]), torch.tensor([0, *np.cumsum(lk)])
+    g = torch.Generator().manual_seed(La + L)
+    q = torch.randn(sum(lq), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(lk), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lk), H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    o = split.split_views_attention(q, k, v, cu_q, cu_k, scale, piece="math")
+    assert max(chunks) > 1, chunks
+    o_ref = varlen_attention_reference(q, k, v, cu_q, cu_k, scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
 def test_split_plan_refuses_inconsistent_views():
     from harts.ops.attention.split import split_plan
 

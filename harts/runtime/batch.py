@@ -42,6 +42,7 @@ class KDARound:
     own_sizes: tuple[int, ...] | None = None
     replay_sizes: tuple[int, ...] = ()
     replay_rows: torch.Tensor | None = None  # [sum replay_sizes] long
+    replay_positions: torch.Tensor | None = None  # [sum replay_sizes] long, their input positions
 
     @property
     def num_states(self) -> int:
@@ -305,7 +306,8 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
             gather=_t(r.gather), output_positions=_t(r.output_positions),
             phys_start=int(r.phys_start), phys_end=int(r.phys_end), init_source=_t(r.init_source),
             has_init=bool((r.init_source >= 0).any()), emit_seq=_t(r.emit_seq), emit_chunk=_t(r.emit_chunk),
-            own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows)))
+            own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows),
+            replay_positions=_t(np.flatnonzero(~r.is_output))))
     C, P = lay.num_rows, lay.num_phys
     pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens,
                                                      lay.logprob_rows, lay.logprob_targets)

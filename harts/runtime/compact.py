@@ -93,10 +93,11 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
                         "log decay)")
     gate_kw = dict(use_gate_in_kernel=True, A_log=A_log.to(state_dtype), dt_bias=dt_bias.to(state_dtype),
                    safe_gate=True, lower_bound=lower_bound) if in_kernel else {}
-    own = _round_own_rows((q, k, v, g, beta), batch)
+    own = [_round_inputs(t, batch) for t in (q, k, v, g, beta)]
+    own = None if own[0] is None else own
     for i, r in enumerate(batch.rounds):
-        if own is not None:  # the round's own rows cut per sequence, replay rows gathered in between
-            qr, kr, vr, gr, br = (_round_input(t, parts[i], r) for t, parts in zip((q, k, v, g, beta), own))
+        if own is not None:  # the round's own rows, with each sequence's replay rows in front
+            qr, kr, vr, gr, br = (x[i] for x in own)
         else:  # the no-replay ablation's segments
             qr, kr, vr, gr, br = (t.index_select(0, r.gather) for t in (q, k, v, g, beta))
         init = None
@@ -124,27 +125,54 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
     return o_PHV
 
 
-def _round_own_rows(tensors, batch: CompactBatch):
-    """Each per-row tensor cut into the rounds' own row ranges, which follow each other from row 0 (one split
-    per tensor, so the backward joins the rounds' gradients with one concatenation), or None for rounds that
-    are not described as pieces (the no-replay ablation: its gathers run instead)."""
+class _RoundInputs(torch.autograd.Function):
+    """The rounds' inputs of one per-row tensor: a round without replay reads its own row range (a slice), a
+    round with replay gathers its input rows (``KDARound.gather``: per sequence the replay rows, then its own
+    rows). Why one Function for all rounds: the own ranges partition the rows, so the gradient of the tensor is
+    written once, each round's own-row gradients copied into their range and the few replay-row gradients added
+    after; as separate gathers each replaying round would add a full-size zero-filled gradient (index_select's
+    backward) and autograd a full-size sum of it into the others'."""
+
+    @staticmethod
+    def forward(ctx, t, rounds):
+        ctx.rounds, ctx.shape = rounds, t.shape
+        ctx.set_materialize_grads(False)
+        return tuple(t.index_select(0, r.gather) if r.replay_rows.numel() else t[r.phys_start:r.phys_end]
+                     for r in rounds)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        some = next((g for g in grads if g is not None), None)
+        if some is None:
+            return None, None
+        g_t = some.new_empty(ctx.shape)
+        for r, g in zip(ctx.rounds, grads):
+            own = g_t[r.phys_start:r.phys_end]
+            if g is None:
+                own.zero_()
+            elif r.replay_rows.numel():
+                torch.index_select(g, 0, r.output_positions, out=own)
+            else:
+                own.copy_(g)
+        g_t[ctx.rounds[-1].phys_end:].zero_()  # alignment padding rows
+        for r, g in zip(ctx.rounds, grads):
+            if g is not None and r.replay_rows.numel():
+                g_t.index_add_(0, r.replay_rows, g.index_select(0, r.replay_positions))
+        return g_t, None
+
+
+def _round_inputs(t, batch: CompactBatch):
+    """``_RoundInputs`` of ``t`` over the batch's rounds, or None where the rounds do not partition the rows in
+    order (the no-replay ablation: its segments run in their own order and gather)."""
     rounds = batch.rounds
-    if not rounds or batch.kda_output_perm is not None or any(r.own_sizes is None or r.replay_rows is None
-                                                               for r in rounds):
+    if (not rounds or batch.kda_output_perm is not None
+            or any(r.own_sizes is None or r.replay_positions is None for r in rounds)):
         return None
-    sizes = [r.phys_end - r.phys_start for r in rounds] + [batch.num_phys - batch.num_rows]
-    return [t.split(sizes) for t in tensors]
-
-
-def _round_input(t_own, round_own, r):
-    """A round's input rows of one tensor: per sequence, its replay rows (gathered) and its own rows (a slice
-    of ``round_own``, the round's own range). ``t_own``: the whole tensor, for the gather."""
-    if not r.replay_rows.numel():
-        return round_own
-    parts = []
-    for rep, own in zip(t_own.index_select(0, r.replay_rows).split(r.replay_sizes), round_own.split(r.own_sizes)):
-        parts += [rep, own] if rep.shape[0] else [own]
-    return torch.cat(parts)
+    ends = [0] + [r.phys_end for r in rounds[:-1]]
+    if [r.phys_start for r in rounds] != ends:
+        raise ValueError(f"kda_rounds: the rounds' own rows {[(r.phys_start, r.phys_end) for r in rounds]} do not "
+                         "follow each other from row 0")
+    return _RoundInputs.apply(t, rounds)
 
 
 def _round_output(o, r) -> list:

@@ -16,6 +16,12 @@ prefixes are DFS ranges of the trie), so ``split_plan`` gives each long run its 
 the key rows: no per-view copy of the shared keys and values, and their gradients accumulate into the slice, no
 index_add scatter. Short runs and the remainders are gathered (one unmasked piece of them and the causal piece).
 
+Key chunks and the merge. An unmasked piece with few queries over many keys (a short branch under a long
+shared prefix) leaves most SMs idle in the forward, whose programs are (query tile, head) pairs; its forward
+runs as one batched call over key chunks (``key_chunks``), each chunk's partial output one more term of the
+same merge. On the cuDNN path the merge is one Triton kernel (``harts.kernels.attn_merge``) that reads each
+piece once and writes the view's rows of the output and lse; the math path merges with tensor ops.
+
 Why dense pieces: the flash varlen kernel behind the views needs one head dim (V zero-padded 128 -> 192 in
 Ling-3.0's MLA), and cuDNN's fused attention, which takes the two head dims as they are, aligns its causal
 diagonal top-left; the split leaves cuDNN only the masks it has. Shapes are bucketed like the packed path's
@@ -98,8 +104,9 @@ def _math_bwd(do_1HLDv, q_1HLD, k_1HSD, v_1HSDv, o_1HLDv, lse_1HL, aux, causal: 
 
 
 def _cudnn_fwd(q_1HLD, k_1HSD, v_1HSDv, causal: bool, scale: float):
+    B = q_1HLD.shape[0]  # > 1: key chunks of one piece (_chunked)
     note_cudnn_shape("causal" if causal else "full", q_1HLD.shape[2], k_1HSD.shape[2], q_1HLD.shape[1],
-                     q_1HLD.shape[3], v_1HSDv.shape[3], q_1HLD.dtype, k_1HSD.shape[1])
+                     q_1HLD.shape[3], v_1HSDv.shape[3], q_1HLD.dtype, k_1HSD.shape[1], *((B,) if B > 1 else ()))
     r = torch.ops.aten._scaled_dot_product_cudnn_attention(q_1HLD, k_1HSD, v_1HSDv, None, True, 0.0, causal, False,
                                                            scale=scale)
     o, lse = r[0], r[1]
@@ -151,6 +158,73 @@ def _bucket_floor(n: int) -> int:
 # prints how many key rows are read in place).
 IN_PLACE_MIN_ROWS = 1024
 IN_PLACE_MAX_PIECES = 2  # per view, the longest runs first
+
+
+# Key chunks of an unmasked piece's forward. A dense call runs one program per (query tile, head): a view with
+# few queries over many keys (a short branch below a long shared prefix) gives fewer programs than the GPU has
+# SMs, and the forward's programs each walk all the keys. Cut into B chunks of keys, the piece is one batched
+# call with B times the programs, whose B partial outputs join the view's merge (the backward keeps one call
+# per piece: given the merged output and lse its gradients are the chunks' summed). B is the fewest whole
+# 128-key chunks, each at least MIN_CHUNK_KEYS, that fill the SMs' waves to FILL_TARGET (or fill them best).
+QUERY_TILE = 128  # query rows per program of cuDNN's Hopper forward
+MIN_CHUNK_KEYS = 512
+FILL_TARGET = 0.9
+DEFAULT_SMS = 132  # an H100 / H200: the chunking the tests run on the CPU is the GPU's
+
+
+def _fill(programs: int, sms: int) -> float:
+    """Busy share of the SMs over the waves ``programs`` take."""
+    return programs / (-(-programs // sms) * sms)
+
+
+def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -> int:
+    """How many key chunks the forward of an unmasked piece of ``query_rows`` x ``keys`` runs as (1: one call)."""
+    tiles = heads * -(-query_rows // QUERY_TILE)
+    best = 1
+    for b in range(1, keys // MIN_CHUNK_KEYS + 1):
+        if _fill(tiles * best, sms) >= FILL_TARGET:
+            break
+        if keys % (b * 128) == 0 and _fill(tiles * b, sms) > _fill(tiles * best, sms) + 1e-9:
+            best = b
+    return best
+
+
+def _chunked(q_LHD, k_SGD, v_SGDv, B: int):
+    """The dense operands [B, heads, rows, dim] of an unmasked piece cut into B key chunks (views of the key
+    rows; the queries repeated per chunk)."""
+    q = _heads_first(q_LHD)
+    if B == 1:
+        return q, _heads_first(k_SGD), _heads_first(v_SGDv)
+    S = k_SGD.shape[0]
+    k, v = (x.view(B, S // B, *x.shape[1:]).transpose(1, 2) for x in (k_SGD, v_SGDv))
+    return q.expand(B, *q.shape[1:]).contiguous(), k, v
+
+
+def _merge_math(out_LHDv, lse_LH, groups) -> None:
+    """The log-sum-exp merge of ``groups`` ((o [B, H, rows, Dv], lse [B, H, rows], r0): the L rows from r0)
+    into ``out_LHDv`` and ``lse_LH``, as tensor ops in the accumulation dtype (``harts.kernels.attn_merge``
+    is the fused kernel of the cuDNN path)."""
+    L = out_LHDv.shape[0]
+    if len(groups) == 1 and groups[0][0].shape[0] == 1:
+        o, lse, r0 = groups[0]
+        out_LHDv.copy_(o[0, :, r0:r0 + L].transpose(0, 1))
+        lse_LH.copy_(lse[0, :, r0:r0 + L].transpose(0, 1))
+        return
+    lses = torch.cat([lse[:, :, r0:r0 + L] for _, lse, r0 in groups])
+    lse = torch.logsumexp(lses, 0)
+    o = sum((o[:, :, r0:r0 + L].to(lse.dtype) * torch.exp(lse_i[:, :, r0:r0 + L] - lse)[..., None]).sum(0)
+            for (o, lse_i, r0) in groups)
+    out_LHDv.copy_(o.transpose(0, 1))
+    lse_LH.copy_(lse.transpose(0, 1))
+
+
+def _merge_fused(out_LHDv, lse_LH, groups) -> None:
+    from harts.kernels.attn_merge import attn_merge
+
+    attn_merge(out_LHDv, lse_LH, groups)
+
+
+MERGES = {"math": _merge_math, "cudnn": _merge_fused}
 
 
 @dataclass(frozen=True)
@@ -283,28 +357,22 @@ def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: str):
-        fwd = PIECES[piece][0]
+        fwd, merge = PIECES[piece][0], MERGES[piece]
         idx = plan.index_on(q_CHD.device)
-        o_CHDv = v_XHDv.new_zeros(q_CHD.shape[0], q_CHD.shape[1], v_XHDv.shape[-1])
-        lse_CH = torch.full(q_CHD.shape[:2], float("-inf"), dtype=_acc(q_CHD), device=q_CHD.device)
+        H = q_CHD.shape[1]
+        sms = torch.cuda.get_device_properties(q_CHD.device).multi_processor_count if q_CHD.is_cuda else DEFAULT_SMS
+        o_CHDv = v_XHDv.new_empty(q_CHD.shape[0], H, v_XHDv.shape[-1])
+        lse_CH = q_CHD.new_empty(q_CHD.shape[:2], dtype=_acc(q_CHD))
         auxes = []
         for view in plan.views:
-            L, R = view.L, view.R
             causal, free = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
             o, lse, aux = fwd(*(_heads_first(t) for t in causal[:3]), True, scale)
-            outs, lses, aux_v = [o[0, :, R:R + L].to(lse_CH.dtype)], [lse[0, :, R:R + L]], [aux]
+            groups, aux_v = [(o, lse, view.R)], [aux]
             for q, k, v, _ in free:
-                o, lse, aux = fwd(*(_heads_first(t) for t in (q, k, v)), False, scale)
-                outs.append(o[0, :, :L].to(lse_CH.dtype))
-                lses.append(lse[0, :, :L])
+                o, lse, aux = fwd(*_chunked(q, k, v, key_chunks(q.shape[0], k.shape[0], H, sms)), False, scale)
+                groups.append((o, lse, 0))
                 aux_v.append(aux)
-            if len(outs) == 1:
-                o, lse = outs[0], lses[0]
-            else:
-                lse = torch.logsumexp(torch.stack(lses), 0)
-                o = sum(o_i * torch.exp(lse_i - lse)[..., None] for o_i, lse_i in zip(outs, lses))
-            o_CHDv[view.q0:view.q0 + L] = o.transpose(0, 1).to(o_CHDv.dtype)
-            lse_CH[view.q0:view.q0 + L] = lse.transpose(0, 1)
+            merge(o_CHDv[view.q0:view.q0 + view.L], lse_CH[view.q0:view.q0 + view.L], groups)
             auxes.append(aux_v)
         ctx.save_for_backward(q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH)
         ctx.plan, ctx.scale, ctx.piece, ctx.auxes = plan, scale, piece, auxes
