@@ -143,6 +143,14 @@ def _rows(x_LHX, front: int, total: int):
     return F.pad(x_LHX, (0, 0, 0, 0, front, total - front - x_LHX.shape[0]))
 
 
+def _gather_rows(x_XHX, idx, total: int):
+    """Rows ``idx`` of x, then zero rows up to ``total``: gathered straight into the padded buffer."""
+    out = x_XHX.new_empty(total, *x_XHX.shape[1:])
+    torch.index_select(x_XHX, 0, idx, out=out[:idx.shape[0]])
+    out[idx.shape[0]:].zero_()
+    return out
+
+
 def _bucket_floor(n: int) -> int:
     """The largest length bucket <= n (0 below the smallest): n rounded down to the step ``_bucket`` uses at
     n, a multiple of the step at every smaller length, so ``_bucket`` maps it to itself."""
@@ -341,7 +349,7 @@ def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
     o0, m = view.causal
     ci = idx[o0:o0 + m]
     n = view.own_rows
-    causal = (_rows(qv, view.R, n), _rows(k_XHD.index_select(0, ci), 0, n), _rows(v_XHDv.index_select(0, ci), 0, n), ci)
+    causal = (_rows(qv, view.R, n), _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
     free = []
     if view.slices or view.gather[1]:
         qa = _rows(qv, 0, view.anc_rows)
@@ -383,7 +391,8 @@ class _Split(torch.autograd.Function):
         q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH = ctx.saved_tensors
         plan, scale, bwd = ctx.plan, ctx.scale, PIECES[ctx.piece][1]
         idx = plan.index_on(q_CHD.device)
-        dq, dk, dv = torch.zeros_like(q_CHD), torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
+        dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
+        dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
         do_CHDv = do_CHDv.contiguous()
         for view, aux_v in zip(plan.views, ctx.auxes):
             L, R, q0 = view.L, view.R, view.q0
@@ -394,7 +403,7 @@ class _Split(torch.autograd.Function):
             merged = (do_CHDv[q0:q0 + L], o_CHDv[q0:q0 + L], lse_CH[q0:q0 + L, :, None])
             go, o, lse = (_heads_first(_rows(t, R, view.own_rows)) for t in merged)
             g = bwd(go.contiguous(), *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
-            dq[q0:q0 + L] += g[0][0, :, R:R + L].transpose(0, 1)
+            dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
             dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
             dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
             if free:

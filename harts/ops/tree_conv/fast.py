@@ -16,16 +16,53 @@ import torch
 from harts.ops.tuning import tuned
 
 
+class _TreeConv(torch.autograd.Function):
+    """fla's varlen convolution forward and backward kernels, with the ancestor windows gathered inside. Why not
+    fla's autograd Function on a gathered initial state: the gather's backward would give x a second, full-size
+    zero-filled gradient for a few context rows, summed by autograd into the convolution's (a fill and an add
+    over [C, P] per call); here the initial state's gradient is added into those rows of dx in place."""
+
+    @staticmethod
+    def forward(ctx, x_CP, weight_PW, seq_cu, context_QW1, activation):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+        from fla.ops.utils import prepare_chunk_indices
+
+        C, P = x_CP.shape
+        Q, W1 = context_QW1.shape
+        rows = context_QW1.clamp_min(0).flatten()
+        valid_QW1 = (context_QW1 >= 0).to(x_CP.dtype)
+        ctx_QW1P = x_CP.index_select(0, rows).view(Q, W1, P) * valid_QW1[..., None]
+        init_QPW = torch.cat([ctx_QW1P.new_zeros(Q, 1, P), ctx_QW1P], dim=1).transpose(1, 2).contiguous()
+        cu = seq_cu.to(torch.long)
+        chunks = prepare_chunk_indices(cu, CHUNK)
+        w = weight_PW.to(x_CP.dtype)
+        x = x_CP.unsqueeze(0).contiguous()
+        y, _ = causal_conv1d_fwd(x=x, weight=w, bias=None, residual=None, initial_state=init_QPW,
+                                 output_final_state=False, activation=activation, cu_seqlens=cu,
+                                 chunk_indices=chunks, chunk_size=CHUNK)
+        ctx.save_for_backward(x, w, init_QPW, rows, valid_QW1, cu, chunks)
+        ctx.activation, ctx.weight_dtype = activation, weight_PW.dtype
+        return y.squeeze(0)
+
+    @staticmethod
+    def backward(ctx, dy_CP):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+        x, w, init_QPW, rows, valid_QW1, cu, chunks = ctx.saved_tensors
+        dx, dw, _, _, dh0_QPW = causal_conv1d_bwd(x=x, dy=dy_CP.unsqueeze(0).contiguous(), dht=None, weight=w,
+                                                   bias=None, residual=None, initial_state=init_QPW,
+                                                   activation=ctx.activation, cu_seqlens=cu, chunk_indices=chunks,
+                                                   chunk_size=CHUNK)
+        dx_CP = dx.view(x.shape[1:])
+        dctx_QW1P = dh0_QPW[:, :, 1:].transpose(1, 2) * valid_QW1[..., None]  # column 0 of the window is unused
+        dx_CP.index_add_(0, rows, dctx_QW1P.reshape(rows.shape[0], -1).to(dx_CP.dtype))
+        return dx_CP, dw.to(ctx.weight_dtype), None, None, None
+
+
+CHUNK = 64  # rows per program of fla's convolution kernels (its default)
+
+
 @tuned("fla.modules.causal_conv1d")
 def tree_short_conv_fast(x_CP: torch.Tensor, weight_PW: torch.Tensor, seq_cu: torch.Tensor,
                          context_QW1: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    C, P = x_CP.shape
-    Q, W1 = context_QW1.shape
-    valid = (context_QW1 >= 0).to(x_CP.dtype)  # [Q, W-1]
-    ctx_QW1P = x_CP.index_select(0, context_QW1.clamp_min(0).flatten()).view(Q, W1, P) * valid[..., None]
-    init_QPW = torch.cat([ctx_QW1P.new_zeros(Q, 1, P), ctx_QW1P], dim=1).transpose(1, 2).contiguous()
-    y, _ = causal_conv1d(x_CP.unsqueeze(0), weight=weight_PW.to(x_CP.dtype), bias=None,
-                         initial_state=init_QPW, activation=activation, cu_seqlens=seq_cu.to(torch.long))
-    return y.squeeze(0)
+    return _TreeConv.apply(x_CP, weight_PW, seq_cu, context_QW1, activation)
