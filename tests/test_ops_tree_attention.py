@@ -227,6 +227,35 @@ def test_split_key_chunks_float64(monkeypatch, La, L):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
 
 
+def test_split_shares_in_place_runs_between_views_float64():
+    """Views that read the same run of key rows in place share one unmasked piece, with their query rows stacked
+    (here not adjacent: another view sits between them in query order). Values and q/k/v gradients equal the
+    reference over each view's gathered keys in float64."""
+    import harts.ops.attention.split as split
+
+    anc = [np.arange(640), np.arange(900), np.r_[np.arange(640), np.arange(1000, 1040)], np.arange(900)]
+    own = [np.arange(640, 700), np.arange(1000, 1040), np.arange(1040, 1100), np.arange(1100, 1110)]
+    kv_rows = np.concatenate([np.r_[a, o] for a, o in zip(anc, own)])
+    cu_q = torch.tensor([0, *np.cumsum([len(o) for o in own])])
+    cu_k = torch.tensor([0, *np.cumsum([len(a) + len(o) for a, o in zip(anc, own)])])
+    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=1300, min_in_place=256)
+    runs = {(p.start, p.keys): [q0 for q0, _ in p.ranges] for p in plan.shared}
+    assert runs == {(0, 640): [0, 100], (0, 896): [60, 160]}, runs  # each run once, for two views
+    H, D, Dv, scale = 2, 16, 8, 0.3
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(int(cu_q[-1]), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1300, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1300, H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    o = split.split_attention(q, k, v, plan, scale, piece="math")
+    rows = torch.as_tensor(kv_rows)
+    o_ref = varlen_attention_reference(q, k.index_select(0, rows), v.index_select(0, rows), cu_q, cu_k, scale)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
 def test_split_plan_refuses_inconsistent_views():
     from harts.ops.attention.split import split_plan
 

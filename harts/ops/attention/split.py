@@ -15,6 +15,9 @@ Keys in place. In a compact layout a view's ancestors are a few runs of contiguo
 prefixes are DFS ranges of the trie), so ``split_plan`` gives each long run its own unmasked piece on a slice of
 the key rows: no per-view copy of the shared keys and values, and their gradients accumulate into the slice, no
 index_add scatter. Short runs and the remainders are gathered (one unmasked piece of them and the causal piece).
+A run read by several views (a shared prompt under many branches) is one piece for all their queries, stacked:
+its keys are read once, where a piece per view would read them once per view and leave most of the GPU idle
+for a short branch.
 
 Key chunks and the merge. An unmasked piece with few queries over many keys (a short branch under a long
 shared prefix) leaves most SMs idle in the forward, whose programs are (query tile, head) pairs; its forward
@@ -44,7 +47,7 @@ rows (Lq), R the ancestors in its causal piece.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -238,7 +241,8 @@ MERGES = {"math": _merge_math, "cudnn": _merge_fused}
 @dataclass(frozen=True)
 class _View:
     """One view's pieces, as key rows of the keys/values handed to ``split_attention``:
-    - ``slices``: unmasked pieces read in place, (first key row, rows), each a length bucket;
+    - ``slices``: the shared in-place pieces it reads, (index into the plan's ``shared``, row of its first
+      query among that piece's queries);
     - ``gather``: (offset, A) into the plan's ``index``: the unmasked piece of A gathered ancestors (A a length
       bucket, or 0);
     - ``causal``: (offset, R + L) into ``index``: the other R ancestors, then the L own rows; the L queries go
@@ -263,15 +267,46 @@ class _View:
         return _bucket(self.L)
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """An unmasked piece over the key rows [start, start + keys) read in place, for the queries of every view
+    that reads that run: the views' query rows ``ranges`` ((q0, L) each, in view order) stacked, padded at the end
+    to ``query_rows`` (a length bucket)."""
+    start: int
+    keys: int
+    ranges: tuple
+
+    @property
+    def rows(self) -> int:
+        return sum(L for _, L in self.ranges)
+
+    @property
+    def query_rows(self) -> int:
+        return _bucket(self.rows)
+
+    @property
+    def spans(self) -> tuple:
+        """``ranges`` with adjacent ones joined (views that follow each other read one slice of the queries)."""
+        out = []
+        for q0, L in self.ranges:
+            if out and out[-1][0] + out[-1][1] == q0:
+                out[-1] = (out[-1][0], out[-1][1] + L)
+            else:
+                out.append((q0, L))
+        return tuple(out)
+
+
 @dataclass(frozen=True, eq=False)
 class SplitPlan:
     """Where each view's keys come from (built on the host once per layout, shared by every layer):
     ``index`` the gathered key rows of all views (int64, host), ``views`` the pieces of each view with queries,
-    ``num_queries`` C, ``num_keys`` the key rows the plan indexes into."""
+    ``shared`` the in-place pieces (each for all the views that read its run), ``num_queries`` C, ``num_keys``
+    the key rows the plan indexes into."""
     views: tuple
     index: np.ndarray
     num_queries: int
     num_keys: int
+    shared: tuple = ()
     _device_index: dict = field(default_factory=dict, repr=False, compare=False)
 
     def index_on(self, device) -> torch.Tensor:
@@ -284,7 +319,7 @@ class SplitPlan:
     @property
     def in_place_rows(self) -> int:
         """Key rows read in place (not copied), summed over views."""
-        return sum(n for v in self.views for _, n in v.slices)
+        return sum(p.keys * len(p.ranges) for p in self.shared)
 
 
 def _host(x) -> np.ndarray:
@@ -311,7 +346,7 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
     num_keys = int(kv.max(initial=-1)) + 1 if num_keys is None else num_keys
     if kv.size and (kv.min() < 0 or kv.max() >= num_keys):
         raise ValueError(f"split_plan: key rows in [{kv.min()}, {kv.max()}], outside [0, {num_keys})")
-    views, index, at = [], [], 0
+    views, index, at, runs = [], [], 0, {}  # runs: (first key row, keys) -> [(view, q0, L)]
     for n in range(cq.size - 1):
         L, Lk = int(cq[n + 1] - cq[n]), int(ck[n + 1] - ck[n])
         if L < 0 or L > Lk:
@@ -328,6 +363,7 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
             B = _bucket_floor(int(ends[r] - starts[r]))
             if B >= max(min_in_place, 1):
                 slices.append((int(anc[starts[r]]), B))
+                runs.setdefault(slices[-1], []).append((len(views), int(cq[n]), L))
                 rest[starts[r]:starts[r] + B] = False
         rest_rows = anc[rest]
         A = _bucket_floor(rest_rows.size)
@@ -337,29 +373,47 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
         causal = (at + A, rest_rows.size - A + L)
         at += rest_rows.size + L
         views.append(_View(int(cq[n]), L, tuple(slices), gather, causal))
+    # one in-place piece per run, for all its views' queries: the run's keys are read once per layer
+    shared, where = [], {}
+    for (start, B), readers in runs.items():
+        offset = 0
+        for view, _, L in readers:
+            where[view, start, B] = (len(shared), offset)
+            offset += L
+        shared.append(_Shared(start, B, tuple((q0, L) for _, q0, L in readers)))
+    views = [replace(v, slices=tuple(where[i, s, B] for s, B in v.slices)) for i, v in enumerate(views)]
     idx = np.concatenate(index) if index else np.zeros(0, dtype=np.int64)
-    return SplitPlan(tuple(views), idx, int(cq[-1]), int(num_keys))
+    return SplitPlan(tuple(views), idx, int(cq[-1]), int(num_keys), tuple(shared))
 
 
 # ------------------------------------------------------------------------------------------ the function
 def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
-    """(causal, unmasked pieces) of one view, each (q, k, v, key rows): key rows a slice start (int) or an
-    index tensor, for the backward's accumulation."""
+    """(causal, gathered) pieces of one view, each (q, k, v, key rows) with key rows an index tensor for the
+    backward's accumulation; gathered is None when the view has no gathered unmasked piece."""
     qv = q_CHD[view.q0:view.q0 + view.L]
     o0, m = view.causal
     ci = idx[o0:o0 + m]
     n = view.own_rows
     causal = (_rows(qv, view.R, n), _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
-    free = []
-    if view.slices or view.gather[1]:
-        qa = _rows(qv, 0, view.anc_rows)
-        for s, B in view.slices:
-            free.append((qa, k_XHD[s:s + B], v_XHDv[s:s + B], s))
-        g0, A = view.gather
-        if A:
-            gi = idx[g0:g0 + A]
-            free.append((qa, k_XHD.index_select(0, gi), v_XHDv.index_select(0, gi), gi))
-    return causal, free
+    g0, A = view.gather
+    if not A:
+        return causal, None
+    gi = idx[g0:g0 + A]
+    return causal, (_rows(qv, 0, view.anc_rows), k_XHD.index_select(0, gi), v_XHDv.index_select(0, gi), gi)
+
+
+def _stacked(x_CHX, ranges, total: int):
+    """The rows ``ranges`` ((first, count) each) of x one after the other, then zero rows up to ``total``."""
+    if len(ranges) == 1:
+        q0, L = ranges[0]
+        return _rows(x_CHX[q0:q0 + L], 0, total)
+    out = x_CHX.new_empty(total, *x_CHX.shape[1:])
+    at = 0
+    for q0, L in ranges:
+        out[at:at + L] = x_CHX[q0:q0 + L]
+        at += L
+    out[at:].zero_()
+    return out
 
 
 class _Split(torch.autograd.Function):
@@ -371,12 +425,18 @@ class _Split(torch.autograd.Function):
         sms = torch.cuda.get_device_properties(q_CHD.device).multi_processor_count if q_CHD.is_cuda else DEFAULT_SMS
         o_CHDv = v_XHDv.new_empty(q_CHD.shape[0], H, v_XHDv.shape[-1])
         lse_CH = q_CHD.new_empty(q_CHD.shape[:2], dtype=_acc(q_CHD))
-        auxes = []
+        shared, auxes = [], []
+        for sp in plan.shared:  # each in-place run once, for the queries of all the views that read it
+            q = _stacked(q_CHD, sp.spans, sp.query_rows)
+            k, v = k_XHD[sp.start:sp.start + sp.keys], v_XHDv[sp.start:sp.start + sp.keys]
+            shared.append(fwd(*_chunked(q, k, v, key_chunks(sp.query_rows, sp.keys, H, sms)), False, scale))
         for view in plan.views:
-            causal, free = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
+            causal, gathered = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
             o, lse, aux = fwd(*(_heads_first(t) for t in causal[:3]), True, scale)
             groups, aux_v = [(o, lse, view.R)], [aux]
-            for q, k, v, _ in free:
+            groups += [(shared[i][0], shared[i][1], offset) for i, offset in view.slices]
+            if gathered is not None:
+                q, k, v, _ = gathered
                 o, lse, aux = fwd(*_chunked(q, k, v, key_chunks(q.shape[0], k.shape[0], H, sms)), False, scale)
                 groups.append((o, lse, 0))
                 aux_v.append(aux)
@@ -384,6 +444,7 @@ class _Split(torch.autograd.Function):
             auxes.append(aux_v)
         ctx.save_for_backward(q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH)
         ctx.plan, ctx.scale, ctx.piece, ctx.auxes = plan, scale, piece, auxes
+        ctx.shared_auxes = [r[2] for r in shared]
         return o_CHDv
 
     @staticmethod
@@ -394,30 +455,38 @@ class _Split(torch.autograd.Function):
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
         dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
         do_CHDv = do_CHDv.contiguous()
+        # the merged output gradient, output and lse at each piece's query rows (zero on dropped and padded rows).
+        # dO heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
+        # passes (see _cudnn_bwd)
+        merged = (do_CHDv, o_CHDv, lse_CH[..., None])
         for view, aux_v in zip(plan.views, ctx.auxes):
             L, R, q0 = view.L, view.R, view.q0
-            causal, free = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
-            # the merged output gradient, output and lse at each piece's query rows (zero on dropped rows). dO
-            # heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
-            # passes (see _cudnn_bwd)
-            merged = (do_CHDv[q0:q0 + L], o_CHDv[q0:q0 + L], lse_CH[q0:q0 + L, :, None])
-            go, o, lse = (_heads_first(_rows(t, R, view.own_rows)) for t in merged)
+            causal, gathered = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
+            go, o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
             g = bwd(go.contiguous(), *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
             dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
             dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
-            if free:
-                go, o, lse = (_heads_first(_rows(t, 0, view.anc_rows)) for t in merged)
-                go = go.contiguous()
-                for (q, k, v, rows), aux in zip(free, aux_v[1:]):
-                    g = bwd(go, *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux, False, scale)
-                    dq[q0:q0 + L] += g[0][0, :, :L].transpose(0, 1)
-                    if isinstance(rows, int):
-                        dk[rows:rows + k.shape[0]] += g[1][0].transpose(0, 1)
-                        dv[rows:rows + k.shape[0]] += g[2][0].transpose(0, 1)
-                    else:
-                        dk.index_add_(0, rows, g[1][0].transpose(0, 1))
-                        dv.index_add_(0, rows, g[2][0].transpose(0, 1))
+            if gathered is not None:
+                q, k, v, rows = gathered
+                go, o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
+                g = bwd(go.contiguous(), *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux_v[1], False, scale)
+                dq[q0:q0 + L] += g[0][0, :, :L].transpose(0, 1)
+                dk.index_add_(0, rows, g[1][0].transpose(0, 1))
+                dv.index_add_(0, rows, g[2][0].transpose(0, 1))
+        for sp, aux in zip(plan.shared, ctx.shared_auxes):
+            spans = sp.spans
+            go, o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
+            q = _stacked(q_CHD, spans, sp.query_rows)
+            keys = slice(sp.start, sp.start + sp.keys)
+            g = bwd(go.contiguous(), _heads_first(q), _heads_first(k_XHD[keys]), _heads_first(v_XHDv[keys]), o,
+                    lse[..., 0], aux, False, scale)
+            at = 0
+            for q0, L in spans:
+                dq[q0:q0 + L] += g[0][0, :, at:at + L].transpose(0, 1)
+                at += L
+            dk[keys] += g[1][0].transpose(0, 1)
+            dv[keys] += g[2][0].transpose(0, 1)
         return dq, dk, dv, None, None, None
 
 
