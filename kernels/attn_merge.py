@@ -39,7 +39,8 @@ def _fold_group(acc, m, s, o, lse, B, r0, so_b, so_h, so_r, sl_b, sl_h, sl_r, i_
     return acc, m, s
 
 
-@triton.jit
+# Row counts, row offsets and chunk counts change with every view: compiled once, not per divisibility class
+@triton.jit(do_not_specialize=['L', 'B0', 'r00', 'B1', 'r01', 'B2', 'r02', 'B3', 'r03'])
 def attn_merge_fwd_kernel(out, out_lse, so_r, so_h, sl_r, sl_h,
                           o0, l0, B0, r00, s0b, s0h, s0r, t0b, t0h, t0r,
                           o1, l1, B1, r01, s1b, s1h, s1r, t1b, t1h, t1r,

@@ -49,6 +49,34 @@ def test_timed_run_median_of_clean_repeats(monkeypatch):
     r = timed_run(fn, lambda: None, lambda: None, loads, repeats=3)
     assert r["runs"] == 4 and r["clean"] and r["all_s"] == [3.0, 1.0, 2.0] and r["s"] == 2.0 and r["first_s"] == 9.0
 
+    # a run that loads between clean ones is not among them, and the result stays clean
+    durations[:], now[0], fn.calls, loads.n = [1.0, 7.0, 2.0, 5.0], 0.0, 0, 0
+
+    def fn2():
+        fn2.calls += 1
+        now[0] += durations[fn2.calls - 1]
+        if fn2.calls == 2:
+            loads.n += 1
+
+    fn2.calls = 0
+    r = timed_run(fn2, lambda: None, lambda: None, loads, repeats=3)
+    assert r["runs"] == 4 and r["clean"] and r["loads"] == 0 and r["all_s"] == [1.0, 2.0, 5.0] and r["s"] == 2.0
+    with pytest.raises(ValueError, match="repeats=0"):
+        timed_run(fn2, lambda: None, lambda: None, loads, repeats=0)
+
+
+def test_profile_record_lists_host_ops_by_excess():
+    """The host-op table: per op the HARTS and baseline seconds of the kernels under it, the ideal (baseline /
+    compression) and the excess, largest |excess| first (2x compression here)."""
+    from harts.bench.speedup import profile_record
+
+    harts = ({}, None, {}, {"_Split": 0.3, "aten::mm": 1.0, "aten::cat": 0.2})
+    base = ({}, None, {}, {"aten::mm": 2.2, "aten::cat": 0.4, "SDPABackward": 0.5})
+    ops = profile_record(0, 200, 100, harts, base)["host_ops"]
+    assert [o["name"] for o in ops] == ["_Split", "SDPABackward", "aten::mm", "aten::cat"]
+    assert ops[0] == {"name": "_Split", "harts_s": 0.3, "baseline_s": 0.0, "ideal_s": 0.0, "excess_s": 0.3}
+    assert abs(ops[2]["ideal_s"] - 1.1) < 1e-12 and abs(ops[2]["excess_s"] + 0.1) < 1e-12
+
 
 def _small_profile() -> dict:
     """profile_families of a HARTS-like and a baseline-like CPU workload (matrix products and elementwise ops,

@@ -355,13 +355,15 @@ def test_flex_bf16_within_bf16_noise_of_views_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Dv,G", [(192, 128, 4), (256, 256, 4), (256, 256, 2)])  # Ling-3.0's MLA, Qwen3.5's GQA
-def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv, G):
+def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch, D, Dv, G):
     """bf16 views through the cuDNN split (the default view kernel) against a float64 truth, next
     to the bf16 flash view path's own error: outputs and all three gradients within 2x of it (plus 1e-3 of
     the largest value). The trees' views have 0 to over 256 ancestors, so both pieces run, with and without
     ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
     shares cuDNN backward graphs between calls with equal q/k/v layouts. G < 4: grouped key / value heads, which
-    cuDNN reads unrepeated (the truth and flash repeat them)."""
+    cuDNN reads unrepeated (the truth and flash repeat them). Then with the key-chunk minimum lowered, so that
+    unmasked pieces run their forward as batched cuDNN calls over key chunks, merged by the Triton kernel."""
+    import harts.ops.attention.split as split_mod
     from harts.ops.attention.fast import _cudnn_per_sequence
     from harts.ops.attention.split import split_plan
     from harts.ops.attention.tree import view_attention_impl
@@ -393,11 +395,17 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(D, Dv, G):
     plan = split_plan(batch.cu_seqlens_q, batch.cu_seqlens_k, batch.mla_kv_rows, batch.num_phys, min_in_place=128)
     assert plan.in_place_rows > 0
     in_place = run(torch.bfloat16, "fast", plan=plan)
-    for name, t, a, c, b in zip(("o", "dq", "dk", "dv"), truth, split, in_place, flash):
-        err, err_in_place, err_flash = ((x - t).abs().max().item() for x in (a, c, b))
+    monkeypatch.setattr(split_mod, "MIN_CHUNK_KEYS", 128)
+    chunks, key_chunks = [], split_mod.key_chunks
+    monkeypatch.setattr(split_mod, "key_chunks", lambda *a: chunks.append(key_chunks(*a)) or chunks[-1])
+    chunked = run(torch.bfloat16, "fast", plan=plan)
+    assert max(chunks) > 1, chunks
+    for name, t, a, c, h, b in zip(("o", "dq", "dk", "dv"), truth, split, in_place, chunked, flash):
+        err, err_in_place, err_chunked, err_flash = ((x - t).abs().max().item() for x in (a, c, h, b))
         bound = 2 * err_flash + 1e-3 * t.abs().max().item()
         assert err <= bound, f"{name}: split {err:.3g}, flash {err_flash:.3g}"
         assert err_in_place <= bound, f"{name}: split in place {err_in_place:.3g}, flash {err_flash:.3g}"
+        assert err_chunked <= bound, f"{name}: split in key chunks {err_chunked:.3g}, flash {err_flash:.3g}"
 
 
 @pytest.mark.parametrize("path", ["flex", "split_in_place"])

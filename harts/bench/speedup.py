@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -206,12 +207,14 @@ class KernelLoads:
 
 
 def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1) -> dict:
-    """Seconds of ``fn()`` once no kernel load happens during it (at most ``max_runs`` runs until one is clean;
-    ``reset()`` before each), then the median of ``repeats`` clean runs (``all_s`` lists them): one run of a
-    2 s microbatch moves by a few per cent between runs. ``first_s`` keeps the first run's time when it was
-    repeated; ``clean`` is False when even the last run loaded kernels."""
-    out, clean_s = {"runs": 0}, []
-    for _ in range(max_runs + repeats - 1):
+    """Seconds of ``fn()`` once no kernel load happens during it (runs until one is clean, at most ``max_runs``
+    of them loading; ``reset()`` before each), then the median of ``repeats`` clean runs in all (``all_s`` lists
+    them): one run of a 2 s microbatch moves by a few per cent between runs. ``first_s`` keeps the first run's
+    time when it was repeated; ``clean`` is False when no run was clean (``s`` is then the last run's)."""
+    if repeats < 1 or max_runs < 1:
+        raise ValueError(f"timed_run: max_runs={max_runs} and repeats={repeats} must be >= 1")
+    out, clean_s, loading = {"runs": 0}, [], 0
+    while len(clean_s) < repeats and loading < max_runs:
         reset()
         n0, s0 = loads.n, loads.seconds
         sync()
@@ -221,18 +224,17 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1) -> di
         t = time.perf_counter() - t0
         out["runs"] += 1
         out.setdefault("first_s", t)
-        out["s"], out["loads"], out["clean"] = t, loads.n - n0, loads.n == n0
         if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded and the seconds it took
             out["loaded"] = sorted(set(loads.names[n0:loads.n]))
             out["load_s"] = loads.seconds - s0
-        if out["clean"]:
+        if loads.n == n0:
             clean_s.append(t)
-            if len(clean_s) == repeats:
-                break
-        elif out["runs"] >= max_runs:
-            break
+        else:
+            loading += 1
+            out["s"], out["loads"] = t, loads.n - n0
+    out["clean"] = bool(clean_s)
     if clean_s:
-        out["s"] = sorted(clean_s)[len(clean_s) // 2]
+        out["s"], out["loads"] = statistics.median(clean_s), 0
         if len(clean_s) > 1:
             out["all_s"] = clean_s
     if out["runs"] == 1:
@@ -379,6 +381,8 @@ def main(argv=None) -> int:
                          "meta-device model and print the ceiling speedup / compression = FLOP compression / row "
                          "compression that a HARTS running every op at the baseline's efficiency would reach")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: time each microbatch at least once")
     if args.merge:
         return merge(args.merge, args.out)
     if args.flops_only:

@@ -341,11 +341,11 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
 def round_pieces(cu_seqlens: np.ndarray, is_output: np.ndarray, gather: np.ndarray, phys_start: int):
     """(own_sizes, replay_sizes, replay_rows) of one planned round: its input is, sequence by sequence, replay
     positions (ancestor rows, ``replay_rows`` in order) and then the sequence's own rows, the next ones of
-    [phys_start, phys_end). Why pieces: the round's input is then one slice of each per-row tensor, cut per
-    sequence, with the few replay rows gathered in between, and its outputs are the own pieces of the kernel's
-    output; both backward passes are slices and concatenations, where a gather of every input row (and the
-    output positions' gather) scatter their gradients back with atomic index_adds. Checked against the layout's
-    gather (a ValueError names the first position that disagrees)."""
+    [phys_start, phys_end). Why pieces: a round's outputs are then the own pieces of the kernel's output (its
+    backward a concatenation, where a gather of the output positions scatters with atomic index_adds), and the
+    rounds' inputs of a tensor need only its own ranges and the replay rows (``harts.runtime.compact``'s
+    ``_RoundInputs`` writes their gradient once). Checked against the layout's gather (a ValueError names the
+    first position that disagrees)."""
     lens = np.diff(cu_seqlens)
     outs = np.concatenate([[0], np.cumsum(is_output, dtype=np.int64)])
     own = outs[cu_seqlens[1:]] - outs[cu_seqlens[:-1]]

@@ -59,7 +59,9 @@ class _TreeConv(torch.autograd.Function):
         return dx_CP, dw.to(ctx.weight_dtype), None, None, None
 
 
-CHUNK = 64  # rows per program of fla's convolution kernels (its default)
+# Rows per program of fla's convolution kernels. It must stay fla's default, 64: for SiLU, fla's backward
+# recomputes the forward with our chunk indices but its own default chunk size.
+CHUNK = 64
 
 
 @tuned("fla.modules.causal_conv1d")
