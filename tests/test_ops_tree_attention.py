@@ -94,6 +94,16 @@ def test_flex_matches_views_values_and_grads(dtype, tol, B, block, pad):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"d{name}: {m}")
 
 
+def _assert_same_float64(o, o_ref, inputs, generator):
+    """o equals o_ref, and for random weights w (drawn from ``generator``) the gradients of sum(o * w) and
+    sum(o_ref * w) with respect to q, k, v are equal, to float64 rounding."""
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(o.shape, generator=generator, dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), inputs, retain_graph=True),
+                          torch.autograd.grad((o_ref * w).sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("B,pad", [(4, 3), (3, 1)])
 def test_split_views_equal_views_float64(B, pad):
     """The views as two pieces merged by log-sum-exp, with the math pieces: the same attention as the reference
@@ -109,11 +119,7 @@ def test_split_views_equal_views_float64(B, pad):
         0, batch.mla_kv_rows)
     o = split_views_attention(qv, kv, vv, batch.cu_seqlens_q, batch.cu_seqlens_k, scale, piece="math")
     o_ref = varlen_attention_reference(qv, kv, vv, batch.cu_seqlens_q, batch.cu_seqlens_k, scale)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
-                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    _assert_same_float64(o, o_ref, (q, k, v), torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("La,L", [(0, 7), (5, 1), (128, 3), (128, 130), (300, 1), (300, 40), (1100, 9)])
@@ -135,11 +141,7 @@ def test_split_views_ancestor_piece_float64(La, L):
     v = torch.randn(sum(lk), H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
     o = split_views_attention(q, k, v, cu_q, cu_k, scale, piece="math")
     o_ref = varlen_attention_reference(q, k, v, cu_q, cu_k, scale)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
-    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
-                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    _assert_same_float64(o, o_ref, (q, k, v), g)
 
 
 @pytest.mark.parametrize("H,G", [(2, 2), (6, 2)])
@@ -167,11 +169,7 @@ def test_split_reads_ancestor_runs_in_place_float64(monkeypatch, H, G):
     k_ref, v_ref = (t.repeat_interleave(H // G, dim=1).index_select(0, batch.mla_kv_rows) for t in (k, v))
     o_ref = varlen_attention_reference(q.index_select(0, batch.mla_q_rows), k_ref, v_ref, batch.cu_seqlens_q,
                                        batch.cu_seqlens_k, scale)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
-                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    _assert_same_float64(o, o_ref, (q, k, v), torch.Generator().manual_seed(1))
 
 
 def test_key_chunks_are_the_fewest_that_fill_the_sms():
@@ -220,11 +218,7 @@ def test_split_key_chunks_float64(monkeypatch, La, L):
     o = split.split_views_attention(q, k, v, cu_q, cu_k, scale, piece="math")
     assert max(chunks) > 1, chunks
     o_ref = varlen_attention_reference(q, k, v, cu_q, cu_k, scale)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
-    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
-                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    _assert_same_float64(o, o_ref, (q, k, v), g)
 
 
 def test_split_shares_in_place_runs_between_views_float64():
@@ -249,11 +243,7 @@ def test_split_shares_in_place_runs_between_views_float64():
     o = split.split_attention(q, k, v, plan, scale, piece="math")
     rows = torch.as_tensor(kv_rows)
     o_ref = varlen_attention_reference(q, k.index_select(0, rows), v.index_select(0, rows), cu_q, cu_k, scale)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    w = torch.randn(o.shape, generator=g, dtype=torch.float64)
-    for name, a, b in zip("qkv", torch.autograd.grad((o * w).sum(), (q, k, v), retain_graph=True),
-                          torch.autograd.grad((o_ref * w).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    _assert_same_float64(o, o_ref, (q, k, v), g)
 
 
 def test_split_plan_refuses_inconsistent_views():

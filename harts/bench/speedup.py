@@ -104,13 +104,15 @@ def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: t
     (fam_h, idle_h, names_h, ops_h), (fam_b, idle_b, names_b, ops_b) = harts, baseline
     c0 = raw / compact
     kernels, ops = excess_table(names_h, names_b, c0), excess_table(ops_h, ops_b, c0)
-    worst = sorted(kernels, key=lambda k: -abs(kernels[k]["excess_s"]))[:top]
-    worst_ops = sorted(ops, key=lambda k: -abs(ops[k]["excess_s"]))[:top]
+
+    def worst(table):
+        return sorted(table, key=lambda k: -abs(table[k]["excess_s"]))[:top]
+
     return {"index": index, "raw": raw, "compact": compact, "compression": c0,
             "device_idle": {"harts": idle_h, "baseline": idle_b},
             "families": excess_table(fam_h, fam_b, c0),
-            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst],
-            "host_ops": [{"name": k, **ops[k]} for k in worst_ops]}
+            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst(kernels)],
+            "host_ops": [{"name": k, **ops[k]} for k in worst(ops)]}
 
 
 def planned_microbatches(args):
@@ -312,18 +314,15 @@ def report(res: dict) -> None:
         print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
         for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
             print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
-        if p.get("kernels"):
-            print(f"\nkernels by |excess| (s): {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  "
-                  "family  name")
-            for v in p["kernels"][:20]:
-                print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
-                      f"{v['family']}  {v['name'][:100]}")
-        if p.get("host_ops"):
-            print(f"\nhost ops by |excess| of the kernels under them (nested ops repeat their children's time): "
-                  f"{'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  name")
-            for v in p["host_ops"][:20]:
-                print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} {v['excess_s']:8.4f}  "
-                      f"{v['name'][:100]}")
+        for key, title, label in (("kernels", "kernels by |excess| (s):", "family  name"),
+                                  ("host_ops", "host ops by |excess| of the kernels under them (nested ops repeat "
+                                               "their children's time):", "name")):
+            if p.get(key):
+                print(f"\n{title} {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  {label}")
+                for v in p[key][:20]:
+                    fam = f"{v['family']}  " if "family" in v else ""
+                    print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} "
+                          f"{v['excess_s']:8.4f}  {fam}{v['name'][:100]}")
         for path, idle in (p.get("device_idle") or {}).items():
             if idle:
                 ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])

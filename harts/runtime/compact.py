@@ -93,8 +93,7 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
                         "log decay)")
     gate_kw = dict(use_gate_in_kernel=True, A_log=A_log.to(state_dtype), dt_bias=dt_bias.to(state_dtype),
                    safe_gate=True, lower_bound=lower_bound) if in_kernel else {}
-    own = [_round_inputs(t, batch) for t in (q, k, v, g, beta)]
-    own = None if own[0] is None else own
+    own = _round_inputs((q, k, v, g, beta), batch)
     for i, r in enumerate(batch.rounds):
         if own is not None:  # the round's own rows, with each sequence's replay rows in front
             qr, kr, vr, gr, br = (x[i] for x in own)
@@ -161,9 +160,9 @@ class _RoundInputs(torch.autograd.Function):
         return g_t, None
 
 
-def _round_inputs(t, batch: CompactBatch):
-    """``_RoundInputs`` of ``t`` over the batch's rounds, or None where the rounds do not partition the rows in
-    order (the no-replay ablation: its segments run in their own order and gather)."""
+def _round_inputs(tensors, batch: CompactBatch):
+    """``_RoundInputs`` of each tensor over the batch's rounds, or None where the rounds do not partition the rows
+    in order (the no-replay ablation: its segments run in their own order and gather)."""
     rounds = batch.rounds
     if (not rounds or batch.kda_output_perm is not None
             or any(r.own_sizes is None or r.replay_positions is None for r in rounds)):
@@ -172,7 +171,7 @@ def _round_inputs(t, batch: CompactBatch):
     if [r.phys_start for r in rounds] != ends:
         raise ValueError(f"kda_rounds: the rounds' own rows {[(r.phys_start, r.phys_end) for r in rounds]} do not "
                          "follow each other from row 0")
-    return _RoundInputs.apply(t, rounds)
+    return [_RoundInputs.apply(t, rounds) for t in tensors]
 
 
 def _round_output(o, r) -> list:

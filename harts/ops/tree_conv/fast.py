@@ -27,7 +27,7 @@ class _TreeConv(torch.autograd.Function):
         from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
         from fla.ops.utils import prepare_chunk_indices
 
-        C, P = x_CP.shape
+        P = x_CP.shape[1]
         Q, W1 = context_QW1.shape
         rows = context_QW1.clamp_min(0).flatten()
         valid_QW1 = (context_QW1 >= 0).to(x_CP.dtype)
