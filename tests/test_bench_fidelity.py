@@ -10,7 +10,7 @@ def test_fidelity_bench_cpu_fp32(tmp_path):
                           "float32", "--scale", "1", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "fidelity.json").read_text())
     cos = res["mean_token_cosine"]
-    assert set(cos) == {"baseline_B", "baseline_C", "harts_replay", "harts_no_replay",
+    assert set(cos) == {"baseline_B", "baseline_C", "baseline_D", "harts_replay", "harts_no_replay",
                          "harts_replay_recompute"}
     assert all(abs(c - 1) < 1e-6 for c in cos.values()), cos
     assert sum(res["tokens_by_depth"]) > 0 and res["tokens_by_depth"][1] > 0  # some positions behind a handoff

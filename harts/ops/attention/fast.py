@@ -97,12 +97,30 @@ def cudnn_attention_unsupported(q_THD: torch.Tensor, Dv: int) -> str | None:
     return _cudnn_sdpa_available(q_THD.device.index or 0)
 
 
+PACKED_KERNELS = ("cudnn", "varlen")
+
+
+def packed_kernel() -> str:
+    """The requested kernel of packed self-attention, ``HARTS_PACKED_ATTENTION``: ``cudnn`` (the default: cuDNN
+    per sequence where it takes the shapes, see ``packed_self_attention_impl``) or ``varlen`` (the one packed
+    varlen call of ``attention_fast_impl``). Both are valid bf16 executions of the same attention; the fidelity
+    bench runs the trajectory-wise baseline on each to measure how far a change of fused kernel moves it."""
+    import os
+
+    k = os.environ.get("HARTS_PACKED_ATTENTION", "cudnn")
+    if k not in PACKED_KERNELS:
+        raise ValueError(f"HARTS_PACKED_ATTENTION={k!r}: expected one of {PACKED_KERNELS}")
+    return k
+
+
 def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv: torch.Tensor,
                                num_sequences: int = 1) -> tuple[str, str]:
     """(kernel, reason) for attention of ``num_sequences`` packed sequences over themselves: 'cudnn_sdpa' or
     the varlen kernel of ``attention_fast_impl``."""
     D, Dv = q_THD.shape[-1], v_THDv.shape[-1]
-    if q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
+    if packed_kernel() == "varlen":
+        why = "HARTS_PACKED_ATTENTION=varlen"
+    elif q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
         why = f"sequences shorter than {CUDNN_MIN_MEAN_LEN} rows on average"
     elif Dv > D:  # accuracy checked on the GPU at Dv < D (MLA's 192 / 128) and Dv == D (Qwen3.5's 256 / 256)
         why = f"head dims {D}/{Dv}: cuDNN checked for value heads up to the q/k head dim"
