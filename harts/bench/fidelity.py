@@ -8,10 +8,10 @@ Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-l
   the numerical noise floor of the baseline itself);
 - Baseline C: trajectory-wise with one trajectory per call (what a conventional trainer with a smaller
   microbatch computes). On the H200 B reproduces A exactly (the kernels are deterministic and per-row
-  results do not depend on order within a call), so B's floor is 0; C changes the call shapes, which on
-  random-init 128-expert routers flips near-tied top-k choices (mean cosine 0.938 against A on
-  Ling-3.0-tiny). C is the floor that says how far two valid bf16 executions of the same model drift
-  when only the call shapes change;
+  results do not depend on order within a call), so B's floor is 0; C changes the call shapes, and any
+  kernel whose rounding depends on them flips near-tied top-k choices of random-init routers. C is the
+  floor that says how far two valid bf16 executions of the same model drift when only the call shapes
+  change;
 - Baseline D: trajectory-wise as A with packed self-attention on the other fused kernel
   (``HARTS_PACKED_ATTENTION=varlen``: one packed flash call instead of cuDNN per sequence), what a
   conventional trainer with flash attention computes. Where the kernels are batch-invariant and the
