@@ -111,3 +111,42 @@ def test_grpo_gradient_over_shared_prefixes_on_gpu():
     print(f"GRPO over shared prefixes, rel. gradient error vs fp32 truth: HARTS {err_h:.3e}, baseline "
           f"{err_b:.3e}; grad norms truth {g_t.norm():.4e}, HARTS {g_h.norm():.4e}, baseline {g_b.norm():.4e}")
     assert err_h <= 1.5 * err_b + 1e-4, (err_h, err_b)
+
+
+def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu(monkeypatch):
+    """HARTS's compact execution in bf16 gives the trajectory-wise baseline's hidden states bit for bit when
+    both run their attention on the same kernel (HARTS's views and the baseline's packed calls on the varlen
+    kernel): the rounds with replay restore the baseline's chunk grid, the handoffs carry the boundary states,
+    the tree convolution reads the true ancestors, and every row-wise op rounds a row the same whichever rows
+    share its call. On the default split (cuDNN pieces merged by log-sum-exp) the rows past a fork round
+    differently; ``python -m harts.bench.fidelity`` holds that drift to a change of attention kernel
+    (baseline D). Qwen3.5-8l's head shapes, 4 layers (3 GDN + 1 gated attention), forks on and off the chunk
+    grid, nested forks."""
+    from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+
+    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
+    monkeypatch.setenv("HARTS_PACKED_ATTENTION", "varlen")
+    cfg = Qwen35Config.preset("qwen3.5-8l", num_hidden_layers=4, num_experts=16, vocab_size=1024)
+    model = Qwen35ForCausalLM(cfg).init_weights(seed=0).cuda().cast_(torch.bfloat16)
+    rng = np.random.default_rng(3)
+
+    def tokens(n):
+        return rng.integers(3, cfg.vocab_size, n).tolist()
+
+    root = tokens(2500)
+    a = root + tokens(900)
+    trajs = [a, root[:1700] + tokens(800), root[:1701] + tokens(650), root[:1664] + tokens(700),
+             a[:3000] + tokens(500), a[:2900] + tokens(300), tokens(1200)]
+    hb = pack(trajs, config=cfg).to("cuda")
+    bb = pack(trajs, config=cfg, prefix_sharing=False).to("cuda")
+    assert hb.stats["replay_tokens"] > 0 and hb.stats["boundary_states"] > 0
+    with torch.no_grad():
+        h_h = hidden_states(model, hb)[hb.logprob_rows]
+        h_b = hidden_states(model, bb)[bb.logprob_rows]
+        nb = pack(trajs, config=cfg, replay=False).to("cuda")
+        h_n = hidden_states(model, nb)[nb.logprob_rows]
+    differ = (h_h != h_b).any(dim=-1)
+    assert not differ.any(), (f"{int(differ.sum())} of {differ.numel()} positions differ, max |dh| "
+                              f"{(h_h.float() - h_b.float()).abs().max().item():.3e}")
+    # the check sees a rounding change: without replay the branches' chunk grids restart at the fork
+    assert (h_n != h_b).any(dim=-1).any()
