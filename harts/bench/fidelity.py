@@ -64,7 +64,7 @@ def handoff_depth_of_rows(batch) -> np.ndarray:
 
 @contextlib.contextmanager
 def packed_attention(kernel: str):
-    """``HARTS_PACKED_ATTENTION=kernel`` inside the block (as it was after)."""
+    """``HARTS_PACKED_ATTENTION=kernel`` inside the block, restored after it."""
     before = os.environ.get("HARTS_PACKED_ATTENTION")
     os.environ["HARTS_PACKED_ATTENTION"] = kernel
     try:
