@@ -32,9 +32,9 @@ makes on the way to the position's row; 5 means >= 5), plus the scalar loss diff
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
+from unittest import mock
 
 import numpy as np
 import torch
@@ -60,20 +60,6 @@ def handoff_depth_of_rows(batch) -> np.ndarray:
         row_depth[rows] = seq_depth[seq_of_pos]
         depth_of_state.extend(seq_depth[r.emit_seq.numpy()].tolist())
     return row_depth
-
-
-@contextlib.contextmanager
-def packed_attention(kernel: str):
-    """``HARTS_PACKED_ATTENTION=kernel`` inside the block, restored after it."""
-    before = os.environ.get("HARTS_PACKED_ATTENTION")
-    os.environ["HARTS_PACKED_ATTENTION"] = kernel
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["HARTS_PACKED_ATTENTION"]
-        else:
-            os.environ["HARTS_PACKED_ATTENTION"] = before
 
 
 class KernelLog(logging.Handler):
@@ -140,7 +126,7 @@ def main(argv=None) -> int:
 
     def other_kernel_hidden():
         """Baseline D: ``base_hidden()`` with packed self-attention on the varlen kernel."""
-        with packed_attention("varlen"):
+        with mock.patch.dict(os.environ, HARTS_PACKED_ATTENTION="varlen"):
             return base_hidden()
 
     res = {"args": vars(args), "model": type(model).__name__, "stats": harts_r.stats,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +106,6 @@ def packed_kernel() -> str:
     per sequence where it takes the shapes, see ``packed_self_attention_impl``) or ``varlen`` (the one packed
     varlen call of ``attention_fast_impl``). Both are valid bf16 executions of the same attention; the fidelity
     bench runs the trajectory-wise baseline on each to measure how far a change of fused kernel moves it."""
-    import os
-
     k = os.environ.get("HARTS_PACKED_ATTENTION", "cudnn")
     if k not in PACKED_KERNELS:
         raise ValueError(f"HARTS_PACKED_ATTENTION={k!r}: expected one of {PACKED_KERNELS}")
