@@ -1,7 +1,7 @@
 """The trainer's model: ``LingForCausalLM`` or ``Qwen35ForCausalLM`` itself, built with deterministic weights.
 
-The ``[ling]`` section's preset names the family (``harts.bench.common.model_config``: ``qwen3.5-*`` presets
-are Qwen3.5-MoE, every other name Ling-3.0). There is no trainer copy of the model: the trainer calls the
+The ``[ling]`` section's preset names the family (``harts.models.family.model_config``: ``qwen3.5-*`` presets
+are Qwen3.5-MoE, ``ling3-*`` presets Ling-3.0). There is no trainer copy of the model: the trainer calls the
 model's ``logprobs(batch, router)``, the same forward the benchmarks and library users run, and
 harts.train.parallelize applies every parallelism from outside (TP/SP as DTensor parallel styles on Ling's
 mixers, FFNs, embeddings and final norm; expert parallelism as the MoE's ``expert_parallel`` dispatch;
@@ -27,15 +27,15 @@ def is_qwen35(cfg) -> bool:
 
 
 def model_config(ling) -> LingConfig | Qwen35Config:
-    """The ``[ling]`` section's model: the preset (``qwen3.5-*``: a Qwen35Config, any other name a LingConfig)
+    """The ``[ling]`` section's model: the preset (``qwen3.5-*``: a Qwen35Config, ``ling3-*``: a LingConfig)
     with its backend and size overrides; ``ling.kda_chunk_size`` sets the linear mixer's chunk size (KDA's, or
     GDN's ``gdn_chunk_size``). The trainer applies recomputation from outside (harts.train.parallelize.apply_ac)."""
-    from harts.bench.common import QWEN35_PREFIX
-    from harts.bench.common import model_config as preset_config
+    from harts.models.family import QWEN35, family_of
+    from harts.models.family import model_config as preset_config
 
     if not isinstance(ling.preset, str) or not ling.preset:
         raise ValueError(f"ling.preset = {ling.preset!r} must name a model preset")
-    qwen = ling.preset.startswith(QWEN35_PREFIX)
+    qwen = family_of(ling.preset) is QWEN35
     overrides = {"backend": ling.backend, "recompute": False}
     if ling.num_hidden_layers:
         overrides["num_hidden_layers"] = ling.num_hidden_layers
@@ -70,7 +70,7 @@ def build_policy(cfg: LingConfig | Qwen35Config, *, device: torch.device, dtype:
                  on_meta: bool = False) -> LingForCausalLM | Qwen35ForCausalLM:
     """Build with deterministic weights: on the host (identical full tensors on every rank), or on the
     meta device (the caller shards, then ``init_sharded``)."""
-    from harts.bench.common import model_class
+    from harts.models.family import model_class
 
     with torch.device("meta"):
         model = model_class(cfg)(cfg)

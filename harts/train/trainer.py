@@ -358,7 +358,7 @@ class Trainer:
 
     def _whole_model(self):
         """The whole model on the meta device (parameter counts, the HF export; a pipeline stage holds a part)."""
-        from harts.bench.common import model_class
+        from harts.models.family import model_class
 
         with torch.device("meta"):
             return model_class(self.model_cfg)(self.model_cfg)
