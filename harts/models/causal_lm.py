@@ -67,6 +67,14 @@ class CausalLM(nn.Module):
         if rows_S is None:
             rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
         weight_VD = self.lm_head.weight
+        if (hidden_TD.dtype != weight_VD.dtype and not torch.is_autocast_enabled(hidden_TD.device.type)):
+            raise TypeError(f"token_logprobs: hidden states are {hidden_TD.dtype} but lm_head.weight is "
+                            f"{weight_VD.dtype}: run the model in one dtype (model.to(dtype)) or under torch.autocast")
+        if rows_S.shape[0] == 0:
+            # No positions: an empty result that is still on the graph (a zero-sized product with the hidden
+            # states and the head), so a loss over it backpropagates, giving zero gradients
+            empty = hidden_TD[:0] @ weight_VD[:1].t()
+            return empty.view(0).to(torch.promote_types(hidden_TD.dtype, torch.float32))
         if resolve("logprobs", self.config.op_backend("logprobs"), hidden_TD.device, hidden_TD.dtype) == "fast":
             from harts.ops.logprobs import compact_logprobs
 
@@ -94,11 +102,32 @@ class CausalLM(nn.Module):
         """The MoE blocks of this module's layers, in layer order: each model family defines which they are."""
         raise NotImplementedError(f"{type(self).__name__} does not define moe_layers()")
 
-    def router_stats(self) -> list:
-        """Statistics of the last forward, one entry per MoE layer (in layer order)."""
-        return [m.last_stats for m in self.moe_layers()]
+    def router_stats(self, *, require_grad: bool = False) -> list:
+        """Router statistics of the last forward, one ``RouterStats`` per MoE layer (in layer order; [] for a
+        model without MoE layers), weighted by the rows' multiplicities.
+
+        "The last forward" is the last call of this module's forward, whatever its grad mode: a forward under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` (old or reference log-probs, evaluation, each
+        decoding step of ``harts.models.ling.generate``) replaces the statistics like any other, and its
+        ``z_loss`` / ``P_E`` carry no graph. So read them right after the forward they belong to (before its
+        backward, as the trainer does per microbatch); ``moe_counts`` and ``update_expert_bias`` read the same
+        statistics. A recomputation inside backward (activation checkpointing) keeps the forward's.
+        ``require_grad=True`` raises if the statistics have no graph (they came from a forward without grad),
+        for code that adds ``z_loss`` or ``P_E`` to a loss. Before any forward this raises."""
+        stats = [m.last_stats for m in self.moe_layers()]
+        if any(s is None for s in stats):
+            raise RuntimeError(f"{type(self).__name__}.router_stats(): no forward has run yet; call the model "
+                               "(model(...) or model.logprobs(batch)) first")
+        if require_grad and stats and not stats[0].z_loss.requires_grad:
+            raise RuntimeError(f"{type(self).__name__}.router_stats(require_grad=True): the last forward ran "
+                               "without grad (torch.no_grad / inference_mode); run the forward with grad enabled")
+        return stats
 
     def moe_counts(self) -> torch.Tensor:
-        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward (what the
-        expert-bias update consumes; all-reduce over DP before using them)."""
-        return torch.stack([m.last_stats.counts_E for m in self.moe_layers()])
+        """[MoE layers, E] multiplicity-weighted expert assignment counts of the last forward, whatever its
+        grad mode (see ``router_stats``; what the expert-bias update consumes; all-reduce over DP before using
+        them). [0, E] for a model without MoE layers; raises before any forward."""
+        stats = self.router_stats()
+        if not stats:
+            return torch.zeros(0, self.config.num_experts)
+        return torch.stack([s.counts_E for s in stats])

@@ -139,8 +139,13 @@ class CompactBatch:
         return self.input_ids.device
 
     def split(self, values_S: torch.Tensor) -> list[torch.Tensor]:
-        """Per-trajectory views of a tensor over nonterminal semantic positions (e.g. log-probs)."""
+        """Per-trajectory views of a tensor over nonterminal semantic positions (e.g. log-probs): its first
+        dimension must be S', the length of ``logprob_rows`` (what ``model.logprobs(batch)`` returns)."""
         o = self.logprob_offsets
+        got = f"{values_S.shape[0]} entries along dim 0" if getattr(values_S, "ndim", 0) else "no dim 0"
+        if not getattr(values_S, "ndim", 0) or values_S.shape[0] != o[-1]:
+            raise ValueError(f"CompactBatch.split: values has {got}, expected {o[-1]} entries (one per nonterminal "
+                             "semantic position, as model.logprobs(batch) returns)")
         return [values_S[o[i] : o[i + 1]] for i in range(len(o) - 1)]
 
     def semantic(self, name: str, *, dtype=torch.float64, default: float | None = None) -> torch.Tensor:
@@ -172,7 +177,15 @@ class CompactBatch:
         return replace(self, cp=ContextParallel.create(group, self.num_phys))
 
     def to(self, device, non_blocking: bool = False) -> "CompactBatch":
-        """Move every index tensor to ``device`` (the host copies of cu_seqlens stay on the CPU)."""
+        """Move every index tensor to ``device`` (the host copies of cu_seqlens stay on the CPU). Only a device:
+        the tensors are indices, whose dtype is fixed; the model's dtype is the model's own."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"CompactBatch.to({device}): expected a device such as 'cuda' or torch.device('cuda:0'), "
+                            "got a dtype; the batch holds index tensors, so cast the model instead (model.to(dtype))")
+        if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
+            raise TypeError(f"CompactBatch.to({device!r}): expected a device such as 'cuda' or torch.device('cuda:0'), "
+                            f"got {type(device).__name__}")
+
         def mv(x):
             return x.to(device, non_blocking=non_blocking) if isinstance(x, torch.Tensor) else x
 

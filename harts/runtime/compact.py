@@ -36,13 +36,17 @@ __all__ = ["check_batch", "compact_hidden", "hidden_states", "logprobs", "kda_tr
            "mla_tree_attention", "mla_tree_mask"]
 
 
-def check_batch(batch: CompactBatch, cfg) -> None:
+def check_batch(batch: CompactBatch, cfg, device: torch.device | None = None) -> None:
     """Refuse a batch planned for another model: the rounds' chunk grid (replay restores the grid of
     ``batch.chunk_size``) and the convolution's ancestor windows (``batch.conv_width``) must be the
     model's ``layout_geometry``, else log-probs are silently wrong. Trajectory-wise batches use neither
-    (the model runs its own chunking on them)."""
+    (the model runs its own chunking on them). ``device`` (the model's): the batch's index tensors must be
+    there (``batch.to(device)``)."""
     if not isinstance(batch, CompactBatch):
         raise TypeError(f"layout must be a harts.CompactBatch (from harts.pack), got {type(batch).__name__}")
+    if device is not None and batch.input_ids.device != device:
+        raise ValueError(f"CompactBatch is on {batch.input_ids.device} but the model is on {device}: move it with "
+                         f"batch.to({str(device)!r})")
     if not batch.prefix_sharing:
         return
     for name, have, want in zip(("chunk_size", "conv_width"), (batch.chunk_size, batch.conv_width),

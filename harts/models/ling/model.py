@@ -40,7 +40,14 @@ AC_POLICIES = ("none", "selective", "full")
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "expert_bias")
 
 
-def _check_packed(input_ids_T, position_ids_T, cu_seqlens):
+def _check_packed(input_ids_T, position_ids_T, cu_seqlens, device: torch.device | None = None):
+    """Shapes, dtypes and devices of packed inputs (no device read); ``device``: the model's."""
+    for name, t in (("input_ids", input_ids_T), ("position_ids", position_ids_T), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the model is on {device}: move the inputs with "
+                             f".to({str(device)!r})")
     if input_ids_T.dim() != 1:
         raise ValueError(f"input_ids must be a packed 1-D stream [T], got shape {tuple(input_ids_T.shape)}")
     if position_ids_T.shape != input_ids_T.shape:
@@ -49,6 +56,20 @@ def _check_packed(input_ids_T, position_ids_T, cu_seqlens):
         raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32/int64, got {cu_seqlens.dtype}")
+
+
+def _check_cu_seqlens(cu_cpu: torch.Tensor, T: int) -> None:
+    """Sequence offsets on their host copy (made once per forward anyway): 0, non-decreasing, ending at T."""
+    if torch.compiler.is_compiling():
+        return
+    first, last = int(cu_cpu[0]), int(cu_cpu[-1])
+    if first != 0 or last != T:
+        raise ValueError(f"cu_seqlens must run from 0 to T = len(input_ids) = {T}, got {first} .. {last}: it holds "
+                         "the sequences' start offsets followed by the total token count")
+    if cu_cpu.numel() > 2 and bool((cu_cpu.diff() < 0).any()):
+        i = int((cu_cpu.diff() < 0).nonzero()[0, 0])
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu_cpu[i])} > "
+                         f"cu_seqlens[{i + 1}] = {int(cu_cpu[i + 1])}")
 
 
 def _packed(position_ids_T, cu_seqlens, max_seqlen) -> Packed:
@@ -130,18 +151,21 @@ class DecoderStack(nn.Module):
         states of a pipeline stage without embeddings. ``forward(batch)`` is ``forward(layout=batch)``."""
         if layout is None and input_ids_T is not None and not isinstance(input_ids_T, torch.Tensor):
             layout, input_ids_T = input_ids_T, None
+        param = next(self.parameters(), None)
+        device = None if param is None else param.device
         if layout is not None:
             from harts.runtime.compact import check_batch
 
-            check_batch(layout, self.cfg)
+            check_batch(layout, self.cfg, device)
             batch, input_ids_T = layout, layout.local_rows(layout.input_ids)
             token_weight_T = layout.local_rows(layout.multiplicity)
             checked = layout.vocab_size is not None and layout.vocab_size <= self.cfg.vocab_size  # by pack
         else:
             if input_ids_T is None or position_ids_T is None or cu_seqlens is None:
                 raise TypeError("forward needs (input_ids_T, position_ids_T, cu_seqlens) or layout=CompactBatch")
-            _check_packed(input_ids_T, position_ids_T, cu_seqlens)
+            _check_packed(input_ids_T, position_ids_T, cu_seqlens, device)
             batch, checked = _packed(position_ids_T, cu_seqlens, max_seqlen), False
+            _check_cu_seqlens(batch.cu_seqlens_cpu, input_ids_T.shape[0])
         embedding = getattr(self, self.embedding_attr)
         if embedding is not None:
             if not checked and batch.prefix_sharing:
@@ -151,6 +175,9 @@ class DecoderStack(nn.Module):
             h_TD = embedding(input_ids_T)
         elif hidden_PD is None:
             raise ValueError("this pipeline stage has no embeddings: pass the previous stage's hidden_PD")
+        elif device is not None and hidden_PD.device != device:
+            raise ValueError(f"hidden_PD is on {hidden_PD.device} but the model is on {device}: move it with "
+                             f".to({str(device)!r})")
         else:
             h_TD = hidden_PD
         return self.run_layers(h_TD, batch, token_weight_T, router)
