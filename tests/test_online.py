@@ -166,3 +166,78 @@ def test_online_grpo_raises_the_reward(tmp_path):
     noise = max(np.std(np.diff(first)), np.std(np.diff(last))) / math.sqrt(2)
     rise = last.mean() - first.mean()
     assert rise > 0.2 and rise > 6 * noise, (first.round(3).tolist(), last.round(3).tolist(), noise)
+
+
+class _FakeTrainRun:
+    """Stands in for one ``train.py`` process of ``python -m harts.rl.online``: each poll logs one more step to
+    the run's metrics.jsonl (the last one first as a torn line, completed at the next poll) and its console
+    line to the run.log the driver opened for it."""
+
+    def __init__(self, cmd, stdout, stderr=None):
+        self.folder = [a.split("=", 1)[1] for a in cmd if a.startswith("--job.dump_folder=")][-1]  # the last wins
+        self.harts = "--harts.enabled=true" in cmd
+        self.log = open(stdout.name, "a")
+        self.steps, self.step, self.torn, self.returncode = 3, 0, None, None
+
+    def record(self, step: int) -> dict:
+        return {"step": step, "loss": 0.25 * step + self.harts, "reward": 0.125 * step, "raw_tok_s": 1000.0 * step,
+                "step_s": 0.5, "compression": 3.0 if self.harts else 1.0, "rollout_s": 0.1}
+
+    def poll(self):
+        import json
+
+        with open(Path(self.folder) / "metrics.jsonl", "a") as f:
+            if self.torn is not None:
+                f.write(self.torn)
+                self.torn = None
+            elif self.step < self.steps:
+                self.step += 1
+                line = json.dumps(self.record(self.step)) + "\n"
+                if self.step == self.steps:
+                    f.write(line[:10])
+                    self.torn = line[10:]
+                else:
+                    f.write(line)
+                self.log.write(f"step {self.step}\n")
+            else:
+                self.returncode = 0
+                self.log.close()
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            pass
+        return self.returncode
+
+
+def test_online_driver_prints_one_progress_line_per_step(tmp_path, monkeypatch, capsys):
+    """``python -m harts.rl.online`` prints a line per step of each run (step, loss, reward, tok/s, s/step) while
+    the runs train, and each run's console output is in <dump folder>/<run>/run.log."""
+    import json
+    import subprocess
+
+    from harts.rl import online
+
+    real = subprocess.Popen
+
+    def popen(cmd, *args, **kw):  # train.py runs are faked; any other process (e.g. git) is real
+        is_train = isinstance(cmd, list) and len(cmd) > 1 and str(cmd[1]).endswith("train.py")
+        return _FakeTrainRun(cmd, *args, **kw) if is_train else real(cmd, *args, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(online, "_POLL_S", 0.0, raising=False)
+    out = tmp_path / "fig.png"
+    assert online.main(["--config", CONFIG, "--out", str(out), f"--job.dump_folder={tmp_path}",
+                        "--training.steps=3", "--jobs", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": step " in line]
+    for label, harts in (("HARTS", True), ("baseline", False)):
+        mine = [line for line in lines if line.startswith(f"{label}: step ")]
+        assert len(mine) == 3, lines  # every step once, the torn last line included once completed
+        for step, line in enumerate(mine, 1):
+            assert line.startswith(f"{label}: step {step}/3")
+            assert f"loss {0.25 * step + harts:.4f}" in line and f"reward {0.125 * step:.3f}" in line
+            assert f"{1000 * step} tok/s" in line and "0.50 s/step" in line
+        folder = tmp_path / label.lower()
+        assert (folder / "run.log").read_text().splitlines() == ["step 1", "step 2", "step 3"]
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["runs"]["HARTS"]["reward"] == [0.125, 0.25, 0.375]

@@ -14,7 +14,10 @@ on the lookup task::
 
 runs ``train.py`` on the config with ``harts.enabled`` true, then false (checkpoints off), plus one baseline
 per extra sampler seed, as processes (``--jobs`` at a time), and plots every reward curve in one PNG; a JSON
-beside it holds each run's reward, compression, tokens/s and step time per step. In float64 the rollouts and
+beside it holds each run's reward, compression, tokens/s and step time per step. Each run writes its console
+output to ``<job.dump_folder>/<run>/run.log`` (``harts``, ``baseline``, ``baseline_seed<s>``) and its step records
+to ``metrics.jsonl`` beside it; while they train, this command prints one line per step of each run on stdout
+(step, loss, reward, tokens/s, seconds per step). In float64 the rollouts and
 losses of HARTS and the baseline agree step by step (tests/test_online.py), so their curves coincide; the
 extra seeds' spread is the run-to-run noise against which a bf16 difference between them is judged.
 """
@@ -24,6 +27,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -36,6 +40,7 @@ __all__ = ["OnlineSource", "plot_rewards", "main"]
 log = logging.getLogger("harts.train")
 
 _SEED_STRIDE = 1_000_003  # episode seeds of (seed, step) never collide for fewer episodes per step
+_POLL_S = 1.0  # seconds between looks at the running runs' metrics
 
 
 class OnlineSource:
@@ -100,6 +105,38 @@ def _read_metrics(folder: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+class _Progress:
+    """Follows one run's ``metrics.jsonl`` while it trains: each call returns one line per step logged since
+    the last call (a partly written last line waits for the next call)."""
+
+    def __init__(self, label: str, folder: str, steps: int):
+        self.label, self.path, self.steps, self.offset = label, os.path.join(folder, "metrics.jsonl"), steps, 0
+
+    def lines(self) -> list[str]:
+        import json
+
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                r = json.loads(raw)
+            except ValueError:
+                continue
+            parts = [f"{self.label}: step {r.get('step', '?')}/{self.steps}"]
+            for key, fmt in (("loss", "loss {:.4f}"), ("reward", "reward {:.3f}"), ("raw_tok_s", "{:.0f} tok/s"),
+                             ("step_s", "{:.2f} s/step")):
+                if isinstance(r.get(key), (int, float)):
+                    parts.append(fmt.format(r[key]))
+            out.append("  ".join(parts))
+        return out
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / max(len(xs), 1)
 
@@ -140,15 +177,24 @@ def main(argv=None) -> int:
         while pending and len(running) < args.jobs:
             label, enabled, seed, folder = pending.pop(0)
             os.makedirs(folder, exist_ok=True)
+            metrics = os.path.join(folder, "metrics.jsonl")
+            if os.path.exists(metrics):  # train.py starts it afresh (checkpoints are off); removed first so the
+                os.remove(metrics)        # progress lines never show an earlier run's steps
             cmd = [sys.executable, train_py, *_run_argv(args.config, extra, enabled, seed, folder)]
             log.info("%s: %s (log %s/run.log)", label, " ".join(cmd[1:]), folder)
             with open(os.path.join(folder, "run.log"), "w") as logf:
-                running.append((label, folder, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)))
-        label, folder, proc = running[0]
-        proc.wait()
-        running.pop(0)
-        if proc.returncode:
-            failed.append(f"{label} (exit {proc.returncode}, {folder}/run.log)")
+                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+            running.append((label, folder, proc, _Progress(label, folder, base.training.steps)))
+        # one progress line per logged step of every running run, then the finished runs leave
+        time.sleep(_POLL_S)
+        for label, folder, proc, progress in list(running):
+            done = proc.poll() is not None
+            for line in progress.lines():
+                print(line, flush=True)
+            if done:
+                running.remove((label, folder, proc, progress))
+                if proc.returncode:
+                    failed.append(f"{label} (exit {proc.returncode}, {folder}/run.log)")
     if failed:
         raise SystemExit("online runs failed: " + "; ".join(failed))
     curves, summary = {}, {"config": args.config, "overrides": extra, "runs": {}}
