@@ -87,8 +87,8 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()
     if world > 1:
         # gloo + FSDP2 workers occasionally abort in interpreter teardown after destroy_process_group
-        # (../shared/notes/cpu-env.md section 4), and after an error the other ranks may sit in a
-        # collective; everything is written and closed by now
+        # (SIGABRT: "terminate called without an active exception"; os._exit avoids it), and after
+        # an error the other ranks may sit in a collective; everything is written and closed by now
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
