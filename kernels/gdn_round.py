@@ -37,7 +37,7 @@ MMA result or otherwise. fla issue #640 traced a Hopper miscompile of fla's gate
 3.7.1) to ``tl.trans`` of an MMA result at block width BK = 64. This kernel has no such transpose, but whether it
 is free of that miscompile has not been measured on a Hopper GPU, so the launcher keeps the refusal of that
 configuration (``fla_640_affected``) until a GPU run against a float64 truth (``python -m
-harts.bench.gdn_round``) shows it is not needed. Interpreter-safe: one autotune config under TRITON_INTERPRET=1,
+benchmarks.gdn_round``) shows it is not needed. Interpreter-safe: one autotune config under TRITON_INTERPRET=1,
 no casts of loop variables.
 
 Legend: T packed tokens, N sequences, H key heads, HV value heads (each key head serves G = HV / H of them),

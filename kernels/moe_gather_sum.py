@@ -5,7 +5,7 @@ backward of the slot gather are this one operation; the slot gather and the comb
 K = 1 case. Inductor lowered the gather-then-sum at a fifth of the memory bandwidth on the H200 (T=65536,
 K=8, D=1536 bf16: 1.90 ms, 0.96 TB/s). Here each program reads the K indices of a few tokens, then the K
 source rows as contiguous 16-byte loads of BD columns, adds them in fp32 in slot order and writes the
-rounded row once: 0.42 ms, 4.3 TB/s, the speed of a device copy (``python -m harts.bench.kernels --only
+rounded row once: 0.42 ms, 4.3 TB/s, the speed of a device copy (``python -m benchmarks.kernels --only
 moe_gather``). No atomics, so the result is deterministic, and it is the fp32 sum in k order bitwise.
 
 ``moe_gather_sum`` is the launcher, the differentiable op ``harts::moe_gather_sum`` (registered on first

@@ -33,7 +33,7 @@ def kind(name):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python scripts/compare_grad_norms.py", description=__doc__.split("\n")[0])
     ap.add_argument("ref")
     ap.add_argument("run")
     ap.add_argument("--top", type=int, default=15)

@@ -2,7 +2,7 @@
 both paths agree with a float64 run of the same weights, and the floor control is the baseline itself."""
 import json
 
-from harts.bench import compact
+from benchmarks import compact
 
 
 def test_compact_bench_cpu_fp32_against_float64_truth(tmp_path):

@@ -2,7 +2,7 @@
 rounding, the depth bins partition the compared positions, and the figure is written."""
 import json
 
-from harts.bench import fidelity
+from benchmarks import fidelity
 
 
 def test_fidelity_bench_cpu_fp32(tmp_path):

@@ -3,7 +3,7 @@ one compact row whose MLA query attends exactly its own ancestors (itself includ
 import numpy as np
 import pytest
 
-from harts.bench.flops import batch_forward_flops, causal_pairs, forward_flops
+from benchmarks.flops import batch_forward_flops, causal_pairs, forward_flops
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.runtime import pack
 
@@ -53,7 +53,7 @@ def test_causal_pairs_rejects_more_queries_than_keys():
 
 def test_kernel_families_of_h200_kernel_names():
     """Kernel names as an H200 profile of the model bench reports them land in the right family."""
-    from harts.bench.common import family
+    from benchmarks.common import family
 
     cutlass_grouped = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
                        "GemmUniversalINS5_17GroupProblemShapeINS_5tupleIJiiiEEEEENS5_10collective13CollectiveMmaI")
@@ -67,11 +67,11 @@ def test_kernel_families_of_h200_kernel_names():
 
 
 def test_speedup_flops_only_ceiling(tmp_path):
-    """`harts.bench.speedup --flops-only`: counts both paths' FLOPs on a meta model, no timing. Matmuls
+    """`benchmarks.speedup --flops-only`: counts both paths' FLOPs on a meta model, no timing. Matmuls
     compress like rows and causal attention over shared paths less, so the ceiling is in (0, 1]."""
     import json
 
-    from harts.bench.speedup import main
+    from benchmarks.speedup import main
 
     assert main(["--flops-only", "--preset", "ling3-tiny-debug", "--workload", "swe-small", "--scale", "0.2",
                  "--capacity", "2048", "--microbatches", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0

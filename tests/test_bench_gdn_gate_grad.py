@@ -1,7 +1,7 @@
-"""harts.bench.gdn_gate_grad at its CPU smoke settings (Triton interpreter, float32, float64 truth)."""
+"""benchmarks.gdn_gate_grad at its CPU smoke settings (Triton interpreter, float32, float64 truth)."""
 import json
 
-from harts.bench import gdn_gate_grad
+from benchmarks import gdn_gate_grad
 
 
 def test_gdn_gate_grad_bench_cpu(tmp_path, fla_interpreter_patches):

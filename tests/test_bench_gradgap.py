@@ -1,8 +1,8 @@
-"""harts.bench.gradgap: the shared-row masks against brute-force prefix matching, and HARTS vs baseline step
+"""benchmarks.gradgap: the shared-row masks against brute-force prefix matching, and HARTS vs baseline step
 gradients equal part by part in float64 on CPU (the equality the GPU run's bf16 gap is measured against)."""
 import numpy as np
 
-from harts.bench import gradgap
+from benchmarks import gradgap
 from harts.data.synthetic import generate
 from harts.train.config import load_config
 
@@ -55,11 +55,11 @@ def test_bf16_paths_against_the_fp32_truth(tmp_path):
 
 
 def test_bf16_depth_bench_runs_and_both_paths_sit_near_the_truth(tmp_path):
-    """harts.bench.bf16_depth at a small size: both bf16 gradients a few percent from the fp32 one, and the
+    """benchmarks.bf16_depth at a small size: both bf16 gradients a few percent from the fp32 one, and the
     JSON is written."""
     import json
 
-    from harts.bench import bf16_depth
+    from benchmarks import bf16_depth
 
     assert bf16_depth.main(["--layers", "4", "--experts", "16", "--top-k", "4", "--length", "64",
                             "--out", str(tmp_path)]) == 0
@@ -74,7 +74,7 @@ def test_bf16_depth_variants_are_the_same_gradient_in_float64():
     by rounding: in float64 they agree."""
     import torch
 
-    from harts.bench.bf16_depth import gradients_at_depth
+    from benchmarks.bf16_depth import gradients_at_depth
 
     r = gradients_at_depth(4, 16, 4, 48, 0.75, low=torch.float64, high=torch.float64)
     for pair in ("harts_baseline", "harts_truth", "baseline_truth", "baseline_split_truth"):
@@ -86,7 +86,7 @@ def test_compare_figures_match_numpy_on_flattened_vectors():
     """compare() accumulates per tensor and per group; check it against numpy on the concatenated vectors."""
     import torch
 
-    from harts.bench.gradgap import compare
+    from benchmarks.gradgap import compare
 
     g = torch.Generator().manual_seed(3)
     shapes = [(3, 4), (5,), (2, 2, 2)]

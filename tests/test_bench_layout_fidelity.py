@@ -1,9 +1,9 @@
-"""harts.bench.layout_fidelity's merge and metrics against direct computations (the end-to-end check
+"""benchmarks.layout_fidelity's merge and metrics against direct computations (the end-to-end check
 against a one-process run is in tests/test_train_distributed.py)."""
 import pytest
 import torch
 
-from harts.bench import layout_fidelity as lf
+from benchmarks import layout_fidelity as lf
 
 
 def _dump(path, keys, hidden, targets, weight=None, harts=True):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.bench.flops import active_matmul_params, batch_forward_flops
+from benchmarks.flops import active_matmul_params, batch_forward_flops
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 from harts.runtime import pack
 from tests.test_bench_flops import _trajs
@@ -57,7 +57,7 @@ def test_qwen35_flops_by_hand():
 
 
 def test_speedup_qwen35_debug(tmp_path):
-    from harts.bench.speedup import main, planned_microbatches
+    from benchmarks.speedup import main, planned_microbatches
 
     assert main(["--preset", "qwen3.5-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "2",
                  "--device", "cpu", "--dtype", "float64", "--no-profile", "--out", str(tmp_path)]) == 0
@@ -84,8 +84,8 @@ def test_speedup_qwen35_debug(tmp_path):
 
 def test_fidelity_qwen35_checkpoint_cpu_fp32(tmp_path):
     """The checkpoint's config.json decides the model (the default --preset is a Ling one)."""
-    from harts.bench import fidelity
-    from harts.bench.common import build_model
+    from benchmarks import fidelity
+    from benchmarks.common import build_model
 
     build_model("qwen3.5-debug", "cpu", torch.float32, seed=3).save_pretrained(tmp_path / "ckpt")
     assert fidelity.main(["--checkpoint", str(tmp_path / "ckpt"), "--workload", "tiny", "--device", "cpu",
@@ -100,7 +100,7 @@ def test_fidelity_qwen35_checkpoint_cpu_fp32(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fork_requests_match_pairwise_brute_force(seed):
-    from harts.bench.gdn_round import fork_requests
+    from benchmarks.gdn_round import fork_requests
 
     trajs = _trajs(seed) + [_trajs(seed)[1][:50]]  # a prefix trajectory ending inside another's path
     arrays = [np.asarray(t) for t in trajs]
@@ -116,7 +116,7 @@ def test_fork_requests_match_pairwise_brute_force(seed):
 
 
 def test_gdn_round_bench_reference_backend(tmp_path):
-    from harts.bench import gdn_round
+    from benchmarks import gdn_round
 
     assert gdn_round.main(["--preset", "qwen3.5-debug", "--workload", "tiny", "--capacity", "256", "--max-tokens",
                            "200", "--backend", "reference", "--reps", "1", "--warmup", "0", "--rounds", "1",
@@ -149,7 +149,7 @@ def test_gdn_round_bench_when_fla_refuses_its_backward(tmp_path, monkeypatch):
     lifted fla's gradient errors without using them as a reference, and says so."""
     from fla.ops.common import chunk_o
 
-    from harts.bench import gdn_round
+    from benchmarks import gdn_round
 
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
 
@@ -188,7 +188,7 @@ def test_gdn_round_bench_when_fla_refuses_its_backward(tmp_path, monkeypatch):
 def test_gdn_round_bench_gpu_numerics(tmp_path):
     """On the GPU, the Triton round kernel with the broadcast decay and fla's GDN kernel on qwen3.5-8l shapes:
     both within bf16 noise of the float64 truth."""
-    from harts.bench import gdn_round
+    from benchmarks import gdn_round
 
     assert gdn_round.main(["--preset", "qwen3.5-8l", "--workload", "swe-small", "--capacity", "8192", "--scale", "1",
                            "--max-tokens", "8192", "--reps", "1", "--warmup", "1", "--rounds", "1", "--check-tokens",

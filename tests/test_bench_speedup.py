@@ -1,11 +1,11 @@
-"""The timed speedup bench (`harts.bench.speedup`) on CPU: sharding and merging keep every microbatch once, the
+"""The timed speedup bench (`benchmarks.speedup`) on CPU: sharding and merging keep every microbatch once, the
 merged report's rows and FLOPs equal a direct count, and a run that loaded kernels is timed again."""
 import json
 
 import pytest
 import torch
 
-from harts.bench.speedup import main, parse_shard, timed_run
+from benchmarks.speedup import main, parse_shard, timed_run
 
 
 class _Loads:
@@ -32,7 +32,7 @@ def test_timed_run_repeats_until_no_kernel_load():
 def test_timed_run_median_of_clean_repeats(monkeypatch):
     """With repeats, the loading runs are not among the timed ones, and the reported time is the median of
     the clean runs (fake clock: run i takes durations[i] seconds)."""
-    import harts.bench.speedup as sp
+    import benchmarks.speedup as sp
 
     durations, now, loads = [9.0, 3.0, 1.0, 2.0], [0.0], _Loads()
     loads.n = 0
@@ -68,7 +68,7 @@ def test_timed_run_median_of_clean_repeats(monkeypatch):
 def test_profile_record_lists_host_ops_by_excess():
     """The host-op table: per op the HARTS and baseline seconds of the kernels under it, the ideal (baseline /
     compression) and the excess, largest |excess| first (2x compression here)."""
-    from harts.bench.speedup import profile_record
+    from benchmarks.speedup import profile_record
 
     harts = ({}, None, {}, {"_Split": 0.3, "aten::mm": 1.0, "aten::cat": 0.2})
     base = ({}, None, {}, {"aten::mm": 2.2, "aten::cat": 0.4, "SDPABackward": 0.5})
@@ -81,7 +81,7 @@ def test_profile_record_lists_host_ops_by_excess():
 def _small_profile() -> dict:
     """profile_families of a HARTS-like and a baseline-like CPU workload (matrix products and elementwise ops,
     the baseline doing 2x the work), as the bench's report records them."""
-    from harts.bench.speedup import profile_families, profile_record
+    from benchmarks.speedup import profile_families, profile_record
 
     a = torch.randn(96, 96, dtype=torch.float64)
 
@@ -110,9 +110,10 @@ def test_parse_shard_errors():
 
 
 def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
-    from harts.bench.common import subbatches
-    from harts.bench.speedup import planned_microbatches
+    from benchmarks.common import in_subbatch_order, subbatches
+    from benchmarks.speedup import planned_microbatches
     from harts.runtime import pack
+    from harts.train.data import plan_trajectory_wise
 
     # no profiler here (on a CPU its event parsing of the per-token reference cores takes most of a minute):
     # shard 0's profile is a real one of a small workload (test_profile_families_on_cpu's), carried by the merge
@@ -137,10 +138,16 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     assert (r["raw_rows"], r["compact_rows"]) == (raw, compact) and r["compression"] == raw / compact
     assert r["speedup_fbgrad"] == r["fbgrad_baseline_s"] / r["fbgrad_harts_s"]
     assert r["fbgrad_baseline_s"] == sum(rec["baseline_s"] for rec in r["records"])
-    # the baseline's sub-batches hold every trajectory once, each within capacity unless alone
+    # the baseline's sub-batches are the trainer's baseline grouping: every trajectory once, each within capacity
     for m in mbs:
-        idx = [i for sb in subbatches(m, 128) for i in sb]
-        assert sorted(idx) == list(range(len(m)))
+        groups = subbatches(m, 128)
+        assert groups == plan_trajectory_wise([len(t) for t in m], dp_degree=1, capacity=128).microbatches
+        assert sorted(i for sb in groups for i in sb) == list(range(len(m)))
+        assert all(sum(len(m[i]) for i in sb) <= 128 for sb in groups)
+        # in sub-batch order the groups are contiguous runs over the same trajectories
+        ordered, runs = in_subbatch_order(m, 128)
+        assert [i for r in runs for i in r] == list(range(len(m)))
+        assert [[ordered[i] for i in r] for r in runs] == [[m[i] for i in sb] for sb in groups]
     assert r["profile"] == s0["profile"] and r["shards"] == 2
     with pytest.raises(SystemExit, match="every shard"):
         main(["--merge", shards[0], "--out", str(tmp_path)])

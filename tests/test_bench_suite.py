@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from harts.bench import results, suite
+from benchmarks import results, suite
 
 
 def test_cpu_smoke_records_carry_date_commit_device_command(tmp_path):
@@ -20,7 +20,7 @@ def test_cpu_smoke_records_carry_date_commit_device_command(tmp_path):
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", rec["date"])
         assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", rec["commit"])
         assert rec["device"].startswith("cpu")
-        assert rec["command"].startswith(f"python -m harts.bench.{name} ")
+        assert rec["command"].startswith(f"python -m benchmarks.{name} ")
         assert rec["raw"] and rec["values"]  # the module's JSON and its headline numbers
     # the planner's headline numbers are its own summary's, not recomputed
     rec = json.loads((tmp_path / "planner.json").read_text())
@@ -52,7 +52,7 @@ def test_every_committed_record_is_complete():
 
 
 def test_configuration_md_is_generated_from_the_config_classes():
-    from harts.bench import docgen
+    from benchmarks import docgen
 
     with open(docgen.CONFIG_MD) as f:
         assert f.read() == docgen.render()

@@ -1,7 +1,7 @@
 """trace_summary's device-idle analysis on a hand-made chrome trace with known answers."""
 import pytest
 
-from harts.bench.trace_summary import device_idle, summarize
+from benchmarks.trace_summary import device_idle, summarize
 
 
 def _x(cat, name, ts, dur):

@@ -124,3 +124,34 @@ def test_recompute_in_backward_refuses_double_backward():
     (gS,) = torch.autograd.grad(o, S, torch.ones_like(o, requires_grad=True), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gS.sum().backward()
+
+
+_LIBRARY_IMPORTS = """
+import sys
+import harts, harts.models, harts.ops, harts.runtime, harts.train, harts.planning
+import harts.models.family, harts.train.trainer, harts.train.model, harts.data
+print(sorted(name for name in sys.modules if name == "benchmarks" or name.startswith("benchmarks.")))
+"""
+
+
+def test_library_does_not_import_the_benchmarks():
+    """The benchmarks and tools (top-level ``benchmarks``, run from a checkout, not installed) use the library;
+    the library never imports them."""
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_no_library_module_imports_the_benchmarks():
+    """No import of ``benchmarks`` anywhere in the library's source, function-level imports included."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted([*(root / "harts").rglob("*.py"), *(root / "kernels").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not bad, bad

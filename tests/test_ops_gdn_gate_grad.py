@@ -5,7 +5,7 @@ cancel exactly; chunk_gdn_round forms dg without them (harts.kernels.gdn_round.g
 """
 import pytest
 
-from harts.bench.gdn_gate_grad import GRAD_NAMES, errors, make_inputs, run_impl
+from benchmarks.gdn_gate_grad import GRAD_NAMES, errors, make_inputs, run_impl
 
 
 @pytest.mark.parametrize("chunk_size,log_decay", [(16, -20.0), (64, -20.0), (32, -3.0), (32, -0.05)])

@@ -20,9 +20,9 @@ from harts.ops.gdn_round import chunk_gdn_round_reference
 CUDA = torch.cuda.is_available()
 # These build their inputs on the CPU for the Triton interpreter (float32). On a GPU the compiled kernels are
 # checked against a float64 truth by tests/test_qwen35_tree.py's gpu test (the model with both GDN round
-# implementations), python -m harts.bench.gdn_round (outputs and input gradients) and harts.bench.gdn_gate_grad.
+# implementations), python -m benchmarks.gdn_round (outputs and input gradients) and benchmarks.gdn_gate_grad.
 INTERPRETER_ONLY = ("interpreter case (CPU inputs); on CUDA the compiled kernels are checked by the gpu test in "
-                    "tests/test_qwen35_tree.py and by harts.bench.gdn_round / gdn_gate_grad against float64")
+                    "tests/test_qwen35_tree.py and by benchmarks.gdn_round / gdn_gate_grad against float64")
 H, HV, K, V = 2, 4, 32, 16  # grouped value attention: each key head serves two value heads
 
 

@@ -451,7 +451,7 @@ def test_model_on_fast_tree_attention_equals_trajectory_wise(monkeypatch, path):
 def test_tree_attention_bench_counts_the_pairs_of_the_bottom_right_mask():
     """The bench's attention work per path: pairs counted from the lengths equal the visible entries of the
     bottom-right causal masks, built one by one."""
-    from harts.bench.tree_attention import causal_pairs
+    from benchmarks.tree_attention import causal_pairs
 
     cu_q, cu_k = [0, 3, 3, 10, 11], [0, 5, 9, 16, 20]
     brute = 0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from harts.bench.plan_calls_cli import main
+from benchmarks.plan_calls_cli import main
 from harts.data.trie import build_trie
 from harts.planning.calls import (
     min_calls_dp,

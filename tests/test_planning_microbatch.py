@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harts.bench.plan_microbatches_cli import main
+from benchmarks.plan_microbatches_cli import main
 from harts.data.trajectory import RolloutBatch
 from harts.planning import MicrobatchPlan, plan_microbatches
 from harts.planning.exact_dp import exact_partitions, exact_partitions_pairwise, first_feasible_start

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from harts.bench import planner as bench
+from benchmarks import planner as bench
 from harts.data.synthetic import generate
 from harts.data.trie import build_trie
 

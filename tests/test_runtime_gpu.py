@@ -119,7 +119,7 @@ def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu(mon
     kernel): the rounds with replay restore the baseline's chunk grid, the handoffs carry the boundary states,
     the tree convolution reads the true ancestors, and every row-wise op rounds a row the same whichever rows
     share its call. On the default split (cuDNN pieces merged by log-sum-exp) the rows past a fork round
-    differently; ``python -m harts.bench.fidelity`` holds that drift to a change of attention kernel
+    differently; ``python -m benchmarks.fidelity`` holds that drift to a change of attention kernel
     (baseline D). Qwen3.5-8l's head shapes, 4 layers (3 GDN + 1 gated attention), forks on and off the chunk
     grid, nested forks."""
     from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM

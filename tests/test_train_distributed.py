@@ -9,7 +9,7 @@ rests on the split-invariant objective. The runs of one process count share one 
 - two processes: FSDP2 (DP = 2), also under selective checkpointing; EP = 2 (experts sharded over the DP
   ranks, tokens exchanged by all-to-all); PP = 2 with full activation checkpointing on steps planned as one
   microbatch and replanned to fill the two stages (harts.fill_pipeline); PP = 2 with PPO recomputing old
-  log-probs; TP = 2 + SP dumping hidden states for harts.bench.layout_fidelity;
+  log-probs; TP = 2 + SP dumping hidden states for benchmarks.layout_fidelity;
 - four processes: FSDP2 x TP x EP (with AC), FSDP2 x PP x EP (PP at the default capacity), TP + SP x PP x EP
   (with AC);
 - eight processes: the paper's three 8-GPU layouts at full degree (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
@@ -212,11 +212,11 @@ def test_expert_major_order_matches_a_brute_force_reordering(ep, El):
 
 @pytest.mark.slow
 def test_layout_fidelity_dumps_equal_one_process_baseline(ref, two, tmp_path):
-    """debug.dump_hidden + harts.bench.layout_fidelity (paper Table 5 under a layout): HARTS under TP2 + SP
+    """debug.dump_hidden + benchmarks.layout_fidelity (paper Table 5 under a layout): HARTS under TP2 + SP
     (both TP ranks dump the same gathered rows, which must agree) against the one-process trajectory-wise
     baseline, float64: logit cosine 1 and |delta NLL| at rounding level at every predicted position. Dumps
     of different position sets are refused, naming the mismatch."""
-    from harts.bench import layout_fidelity as lf
+    from benchmarks import layout_fidelity as lf
 
     d, cfg, _ = ref
     base = tmp_path / "base"

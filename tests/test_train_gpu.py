@@ -2,7 +2,7 @@
 
 The trainer's policy (configs/ling3_tiny_1gpu.toml: built on the meta device, parallelised for one device,
 initialised shard-wise by harts.train, activation checkpointing on, gradients enabled) and a LingForCausalLM
-built the way a library user and the fidelity benchmark build it (harts.bench.common.build_model, under no_grad)
+built the way a library user and the fidelity benchmark build it (benchmarks.common.build_model, under no_grad)
 must give bit-identical log-probs on the same HARTS and trajectory-wise microbatches. Then the HARTS-vs-baseline
 agreement that the fidelity benchmark reports is, by construction, the trainer's."""
 from pathlib import Path
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.bench.common import build_model
+from benchmarks.common import build_model
 from harts.runtime import pack
 
 pytestmark = pytest.mark.gpu

@@ -118,7 +118,7 @@ def test_compile_and_profiler(make, harts_run, tmp_path):
     assert _close(a[0]["loss"], b[0]["loss"], 1e-12) and _close(a[0]["grad_norm"], b[0]["grad_norm"], 1e-12)
     trace = (tmp_path / "prof" / "profile" / "step1" / "rank0_trace.json").read_text()
     assert '"traceEvents"' in trace and "harts.microbatch." in trace and "harts.backward." in trace
-    from harts.bench.trace_summary import summarize
+    from benchmarks.trace_summary import summarize
 
     summ = summarize(json.loads(trace))
     assert summ["source"] == "cpu_ops_inclusive" and summ["total_s"] > 0
@@ -157,9 +157,9 @@ def test_ppo_with_kl_from_jsonl_harts_equals_baseline(make, tmp_path):
 
 @pytest.mark.slow
 def test_train_speedup_reads_both_runs(make, tmp_path):
-    """fbgrad_s is logged inside step_s, and harts.bench.train_speedup compares a HARTS and a baseline run of
+    """fbgrad_s is logged inside step_s, and benchmarks.train_speedup compares a HARTS and a baseline run of
     the same fixed step (and refuses runs that trained different rollouts)."""
-    from harts.bench import train_speedup
+    from benchmarks import train_speedup
 
     recs = {}
     for enabled in (True, False):
@@ -186,7 +186,7 @@ def test_train_speedup_reads_both_runs(make, tmp_path):
                                str(tmp_path / "runFalse" / "metrics.jsonl"), "--skip", "1", "--out", str(out),
                                *cfg]) == 0
     res = json.loads((out / "train_speedup.json").read_text())
-    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from benchmarks.flops import active_matmul_params, batch_forward_flops
     from harts.runtime import pack
     tr = make(**{"data.fixed_step": True, "job.dump_folder": str(tmp_path / "flops")})
     trajs, m = tr.builder.load(1), tr.model

@@ -12,7 +12,7 @@ Candidates (all with K a multiple of D, capacity-feasible, nonempty), in tie-bre
 Each candidate gets the greedy DP-replica/slot schedule and the winner minimises J of Eq. 4
 lexicographically (ties: the earlier candidate in the order above), so the additions can only lower J.
 
-CLI: ``python -m harts.bench.plan_microbatches_cli --input F.jsonl --dp D --capacity T [--json OUT]``.
+CLI: ``python -m benchmarks.plan_microbatches_cli --input F.jsonl --dp D --capacity T [--json OUT]``.
 """
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ def mla_tree_attention(q, k, v, batch: CompactBatch, scale: float, backend: str 
     ``view_attention_impl`` says where it applies) or one packed bottom-right causal varlen call on gathered keys
     and values; the exact reference otherwise. The alternative that reads every shared key in place, one
     FlexAttention call over all rows with the ancestry block mask (``tree_attention_flex`` with
-    ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m harts.bench.tree_attention,
+    ``mla_tree_mask``), is exact too but measured slower on an H200 (python -m benchmarks.tree_attention,
     ling3-tiny, a 65K-row microbatch of seed 9001, fwd+bwd: split 164 ms, varlen views 289 ms, flex 534 ms plus
     4.2 s to build the block mask on the device), so it is not the default."""
     from harts.ops.attention.api import check_heads

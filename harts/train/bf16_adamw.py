@@ -125,7 +125,7 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def free_grad_buffers(self) -> None:
         """Drop the fp32 gradient buffers (the next backward allocates them again); for tools that need the
-        memory between gradient evaluations, e.g. harts.bench.gradgap's fp32 truth."""
+        memory between gradient evaluations, e.g. benchmarks.gradgap's fp32 truth."""
         self._main.clear()
         self._fresh.clear()
 

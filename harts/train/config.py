@@ -388,7 +388,7 @@ class Debug:
     """Simulate a kill (tests): exit right after this step's checkpoint, without cleanup (0 = off)."""
     dump_hidden: str = ""
     """Path prefix: write step 1's final hidden state at every predicted position to PATH.rank<R>.pt and the LM
-    head to PATH.lm_head.pt, for `python -m harts.bench.layout_fidelity A B` ('' = off)."""
+    head to PATH.lm_head.pt, for `python -m benchmarks.layout_fidelity A B` ('' = off)."""
     dump_hidden_stride: int = 1
     """With dump_hidden: keep the positions with (trajectory + position) % k == 0 (smaller files)."""
     dump_grad_norms: str = ""

@@ -39,7 +39,7 @@ class DebugDumps(StepHooks):
     this rank computed, keyed by (trajectory index in the step, position in the trajectory), with its target,
     to ``PATH.rank<R>.pt``, and the LM head weight to ``PATH.lm_head.pt`` (by the lowest rank holding it);
     positions with (trajectory + position) % ``stride`` == 0 only (the files are positions x hidden x 2 bytes).
-    Compare two runs with ``python -m harts.bench.layout_fidelity``.
+    Compare two runs with ``python -m benchmarks.layout_fidelity``.
     ``grad_norms``: every parameter's gradient norm to ``PATH.rank<R>.json``; compare two runs with
     ``scripts/compare_grad_norms.py``."""
 

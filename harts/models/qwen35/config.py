@@ -64,7 +64,7 @@ class Qwen35Config:
     # the decay broadcast over K and q/k repeated to the value heads; "fla_pieces" runs fla's Gated DeltaNet
     # pieces with our boundary-state scans (harts.ops.gdn_round: scalar gate, q/k at the key heads). The
     # default: on the H200 its rounds run fwd+bwd 2.4x faster than the KDA-kernel rounds at the same float64
-    # error, and its gate gradients stay exact at fast decays (python -m harts.bench.gdn_round, gdn_gate_grad).
+    # error, and its gate gradients stay exact at fast decays (python -m benchmarks.gdn_round, gdn_gate_grad).
     gdn_round_impl: Literal["kda_kernels", "fla_pieces"] = "fla_pieces"
     recompute: bool = False  # full activation recomputation per block
     backend: str = "auto"  # "auto" | "reference" | "fast"; see harts.ops.backend

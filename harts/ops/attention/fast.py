@@ -7,7 +7,7 @@ PV product and of its gradient is spent on zeros; cuDNN's Hopper kernels take th
 are. On the H200 at Ling-3.0-tiny's MLA shape (16 heads, 65,536 packed rows in sequences of 5K-15K) the
 per-sequence cuDNN calls run forward in 0.42x and forward + backward in 0.61x the time of the padded
 varlen kernel. Where the head dims are equal (Qwen3.5's 256 / 256) flash pads nothing, and cuDNN is still
-faster: 0.735x flash's forward + backward (``python -m harts.bench.kernels --only attention``), with output
+faster: 0.735x flash's forward + backward (``python -m benchmarks.kernels --only attention``), with output
 and gradients as close to the float64 truth as flash's (GPU test). A value head wider than q/k (never in
 the supported models) keeps flash: cuDNN's accuracy there is unchecked.
 

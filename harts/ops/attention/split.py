@@ -165,7 +165,7 @@ def _bucket_floor(n: int) -> int:
 # this many keys; shorter runs are gathered with the view's other ancestors. Each in-place piece adds one
 # dense call and one merge pass over the view's queries, while copying a run costs in proportion to its length,
 # so short runs are cheaper to copy. Both limits are set by that argument, not tuned: on the Ling-3.0-tiny
-# bench microbatch every view's ancestors are at most two long runs (python -m harts.bench.tree_attention
+# bench microbatch every view's ancestors are at most two long runs (python -m benchmarks.tree_attention
 # prints how many key rows are read in place).
 IN_PLACE_MIN_ROWS = 1024
 IN_PLACE_MAX_PIECES = 2  # per view, the longest runs first

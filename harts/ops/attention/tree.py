@@ -23,7 +23,7 @@ Two implementations of the same attention:
   saves is the per-sequence copy of the shared keys and values (``mla_kv_rows`` is several times the rows on
   real trees), the index_add scatter of their gradients, and the memory of both. Block sparsity wastes
   little when a branch's ancestors are a few long runs of physical rows, as on the swe-step workload's
-  planned microbatches (visible / computed pairs about 0.99 at 128-row blocks; ``harts.bench.tree_attention``
+  planned microbatches (visible / computed pairs about 0.99 at 128-row blocks; ``benchmarks.tree_attention``
   prints it as the mask density).
 
 Compilation (CUDA): FlexAttention is fast only compiled. Rows are padded to a multiple of ``BLOCK`` (the
@@ -60,7 +60,7 @@ def view_kernel() -> str:
     """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
     per view, split into unmasked ancestor pieces (long shared runs read in place) and a causal own piece merged
     by log-sum-exp, ``harts.ops.attention.split``; no V padding, 1.76x the varlen path's fwd+bwd on Ling-3.0's MLA
-    views of a real microbatch on the H200, ``python -m harts.bench.tree_attention``) or ``varlen`` (one packed
+    views of a real microbatch on the H200, ``python -m benchmarks.tree_attention``) or ``varlen`` (one packed
     bottom-right causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split
     applies."""
     import os

@@ -13,11 +13,11 @@ The dq/dk/dw/dg step is ``harts.kernels.gdn_round.gdn_round_bwd_dqkwg``, written
 rule's backward (its module docstring has the math). It forms the gate gradient without the terms that cancel
 exactly (the intra-chunk diagonal and the chunk-end token's own state term): they are O(1) while the true dg is
 O(exp(g)), so at per-token log decays near -20 (Qwen3.5's scratch init) a float32 sum that includes them, as
-fla's ``chunk_gated_delta_rule`` does, is 10-25x off the true gate gradient (``python -m harts.bench.gdn_gate_grad``);
+fla's ``chunk_gated_delta_rule`` does, is 10-25x off the true gate gradient (``python -m benchmarks.gdn_gate_grad``);
 without them dg is accurate to the chunk-cumulative log decays' rounding (|g| x BT x 2^-24 relative). Its launcher
 refuses the one configuration of fla issue #640's Hopper miscompile (``fla_640_affected``: 3.4 <= Triton < 3.7.1,
 BK = 64; Qwen3.5's K = 128 gives BK = 128 on Hopper) until a GPU run shows the refusal is not needed; whether the
-result is right on a given GPU stack is measured (``python -m harts.bench.gdn_round`` checks outputs and input
+result is right on a given GPU stack is measured (``python -m benchmarks.gdn_round`` checks outputs and input
 gradients against a float64 truth), not assumed.
 
 Legend: T packed tokens, N sequences, H key heads, HV value heads, K/V head dims, M requested boundary

@@ -55,7 +55,7 @@ def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None
 def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
     """Why one permutation: writing each expert's rows into a full [T*K, D] buffer (index_put) copied the
     whole buffer once per expert, 128 copies per layer, which made the fp32 gradient truth on the GPU
-    (harts.bench.gradgap --truth) slow for 41K-token trajectories."""
+    (benchmarks.gradgap --truth) slow for 41K-token trajectories."""
     T, K = topk_idx_TK.shape
     flat_M = topk_idx_TK.reshape(-1)
     order_M = torch.argsort(flat_M, stable=True)  # slots grouped by expert, in slot order within an expert

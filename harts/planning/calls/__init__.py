@@ -12,7 +12,7 @@ Two passes over the segment tree, both linear:
    ``CallPlan``), with independent trees merged by round.
 ``validate`` checks a plan against the execution model; ``api`` holds the entry points.
 
-CLI: ``python -m harts.bench.plan_calls_cli --input F.jsonl --chunk-size 64 [--json OUT]``.
+CLI: ``python -m benchmarks.plan_calls_cli --input F.jsonl --chunk-size 64 [--json OUT]``.
 """
 from __future__ import annotations
 

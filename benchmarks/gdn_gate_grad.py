@@ -1,4 +1,4 @@
-"""Gated DeltaNet gate-gradient error at fast decays: ``python -m harts.bench.gdn_gate_grad --out DIR``.
+"""Gated DeltaNet gate-gradient error at fast decays: ``python -m benchmarks.gdn_gate_grad --out DIR``.
 
 The per-token log decay g of a Gated DeltaNet head can be very negative (Qwen3.5's scratch init reaches
 about -20 per token). This bench measures, per decay rate, how far each float32 implementation's input
@@ -122,7 +122,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gdn_gate_grad", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--T", type=int, default=None, help="packed tokens (default: 4096 on CUDA, 96 on CPU)")
     ap.add_argument("--H", type=int, default=None, help="key heads (default: 16 on CUDA, 2 on CPU)")
@@ -138,9 +138,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise SystemExit("harts.bench.gdn_gate_grad: no CUDA GPU here (--device cpu runs under the interpreter)")
+        raise SystemExit("benchmarks.gdn_gate_grad: no CUDA GPU here (--device cpu runs under the interpreter)")
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("harts.bench.gdn_gate_grad on CPU needs TRITON_INTERPRET=1 (and fla's interpreter shims: "
+        raise SystemExit("benchmarks.gdn_gate_grad on CPU needs TRITON_INTERPRET=1 (and fla's interpreter shims: "
                          "run it through tests/test_bench_gdn_gate_grad.py)")
     for name, gpu, cpu in (("T", 4096, 96), ("H", 16, 2), ("HV", 32, 4), ("K", 128, 16), ("chunk_size", 64, 32)):
         if getattr(args, name) is None:
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     res = run(args)
     res["wall_s"] = time.perf_counter() - t0
     _print(res)
-    from harts.bench.output import write_results
+    from benchmarks.output import write_results
 
     write_results(args.out, "gdn_gate_grad", res)
     print(f"\nwrote {os.path.join(args.out, 'gdn_gate_grad.json')} ({res['wall_s']:.0f} s)")

@@ -1,6 +1,6 @@
 """Trainer-level speedup (paper Table 4 at the trainer, any parallel layout, e.g. FSDP2 + EP2 on two GPUs).
 
-``python -m harts.bench.train_speedup --harts RUN_A/metrics.jsonl --baseline RUN_B/metrics.jsonl --out DIR``
+``python -m benchmarks.train_speedup --harts RUN_A/metrics.jsonl --baseline RUN_B/metrics.jsonl --out DIR``
 
 Compares two runs of ``train.py`` with the same config and data except ``--harts.enabled`` (use
 ``data.fixed_step = true`` so every step trains the same rollouts). Per run, over the steps after
@@ -12,12 +12,12 @@ over HARTS's; "of compression" divides by the non-replay compression raw / compa
 ``train_speedup.json`` and ``train_speedup.png``.
 
 ``--config X.toml [--section.key=value ...]`` (the runs' config and overrides) also counts the step's
-forward FLOPs of both paths on a meta-device model (harts.bench.flops; the trainer's planners, the DP
+forward FLOPs of both paths on a meta-device model (benchmarks.flops; the trainer's planners, the DP
 degree of the runs) and reports the speedups against the FLOP compression too: causal attention over long
 branch paths does not compress like rows, so FLOP compression / row compression is the most a HARTS that
 matched the baseline's per-FLOP efficiency could reach.
 
-The single-device ``harts.bench.speedup`` also charges planner time (Core) and profiles where HARTS
+The single-device ``benchmarks.speedup`` also charges planner time (Core) and profiles where HARTS
 loses; this one measures what a user of ``train.py`` gets, with the communication of the layout.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import argparse
 import json
 import statistics
 
-from harts.bench.output import write_results
+from benchmarks.output import write_results
 
 
 def load_metrics(path: str) -> list[dict]:
@@ -96,8 +96,8 @@ def step_flops(cfg, dp: int, pp: int = 1) -> dict:
 
     import torch
 
-    from harts.bench.flops import active_matmul_params, batch_forward_flops
-    from harts.models.ling import LingForCausalLM
+    from benchmarks.flops import active_matmul_params, batch_forward_flops
+    from harts.models.family import model_class
     from harts.runtime import pack
     from harts.train.data import StepBuilder
     from harts.train.model import model_config
@@ -105,9 +105,9 @@ def step_flops(cfg, dp: int, pp: int = 1) -> dict:
     if not cfg.data.fixed_step:
         raise ValueError("--config: FLOPs are counted for one step, so the runs need data.fixed_step = true")
     with torch.device("meta"):
-        model = LingForCausalLM(model_config(cfg.ling))
-    mc = model.config
-    B, W, act = mc.kda_chunk_size, mc.short_conv_kernel_size, active_matmul_params(model)
+        mc = model_config(cfg.ling)
+        model = model_class(mc)(mc)
+    (B, W), act = mc.layout_geometry, active_matmul_params(model)
     out, trajs = {}, None
     for name, enabled in (("harts", True), ("baseline", False)):
         run_cfg = dataclasses.replace(cfg, harts=dataclasses.replace(cfg.harts, enabled=enabled))
@@ -122,7 +122,7 @@ def step_flops(cfg, dp: int, pp: int = 1) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.train_speedup", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.train_speedup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--harts", required=True, help="metrics.jsonl of the harts.enabled = true run")
     ap.add_argument("--baseline", required=True, help="metrics.jsonl of the harts.enabled = false run")
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")

@@ -1,8 +1,8 @@
-"""Where a profiled training step spends its device time: ``python -m harts.bench.trace_summary TRACE.json``.
+"""Where a profiled training step spends its device time: ``python -m benchmarks.trace_summary TRACE.json``.
 
 Reads a torch.profiler chrome trace (``train.py --profile.enable`` writes
 ``<dump_folder>/profile/step<N>/rank<R>_trace.json``) and sums the GPU kernel time by op family (the
-families of ``harts.bench.speedup``), plus the wall span of the ``harts.microbatch.*`` and
+families of ``benchmarks.speedup``), plus the wall span of the ``harts.microbatch.*`` and
 ``harts.backward.*`` ranges, and where the device sits idle: the idle time between the first and the last
 kernel (kernel intervals merged over streams), attributed to the innermost host op running at each gap
 (e.g. ``aten::_local_scalar_dense`` = a host sync, ``cudaLaunchKernel`` = launch-bound, an all-to-all),
@@ -16,7 +16,7 @@ import heapq
 import json
 from collections import defaultdict
 
-from harts.bench.common import family
+from benchmarks.common import family
 
 
 def summarize(trace: dict) -> dict:
@@ -99,7 +99,7 @@ def device_idle(events: list, *, min_gap_us: float = 5.0, top: int = 8, top_ops:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.trace_summary", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.trace_summary", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="chrome trace JSON written by torch.profiler")
     ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Calibration table of a synthetic preset: ``python -m harts.bench.workload --preset swe-step --seeds 0-9``.
+"""Calibration table of a synthetic preset: ``python -m benchmarks.workload --preset swe-step --seeds 0-9``.
 
 Per seed: paths, raw tokens, compact tokens, whole-step compression, mean path, median tree unique
 tokens, generation and trie time; with ``--plan`` also raw / planned compact work at the given capacity
@@ -21,7 +21,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.workload", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.workload", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="swe-step")
     ap.add_argument("--seeds", default="0-9")
     ap.add_argument("--scale", type=float, default=1.0)

@@ -1,4 +1,4 @@
-"""Planning benchmark (paper Tables 2-3 analogue): ``python -m harts.bench.planner --preset swe-step --steps 10
+"""Planning benchmark (paper Tables 2-3 analogue): ``python -m benchmarks.planner --preset swe-step --steps 10
 --dp 4 --capacity 65536``.
 
 Per step it plans the same trajectories four ways and reports compact work, planning time and DP balance:
@@ -267,7 +267,7 @@ def _pct(v, q):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.planner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="swe-step")
     ap.add_argument("--steps", type=int, default=10, help="seeds 0..steps-1")
     ap.add_argument("--dp", type=int, nargs="+", default=[4, 2])

@@ -1,4 +1,4 @@
-"""Training-speed benchmark (paper Table 4 analogue): ``python -m harts.bench.speedup --out DIR``.
+"""Training-speed benchmark (paper Table 4 analogue): ``python -m benchmarks.speedup --out DIR``.
 
 On the same microbatches (the microbatch planner's plan of a SWE-like step at ``--capacity``, DP 1), with
 full-layer activation recomputation on both paths:
@@ -14,7 +14,7 @@ full-layer activation recomputation on both paths:
   the HARTS time against the ideal (baseline time / compression) says where HARTS loses.
 
 ``--preset`` picks the model (``qwen3.5-8l``: the reduced-depth Qwen3.5-MoE that trains on one H200; see
-``harts.bench.common``). Writes ``speedup.json`` and ``speedup.png``.
+``benchmarks.common``). Writes ``speedup.json`` and ``speedup.png``.
 """
 from __future__ import annotations
 
@@ -27,18 +27,17 @@ from collections import defaultdict
 
 import torch
 
-from harts.bench.common import (
+from benchmarks.common import (
     add_workload_args,
     build_model,
     chunk_size_of,
     family,
-    model_class,
-    model_config,
     subbatches,
     workload_step,
 )
-from harts.bench.output import write_results
-from harts.bench.trace_summary import device_idle
+from benchmarks.output import write_results
+from benchmarks.trace_summary import device_idle
+from harts.models.family import model_class, model_config
 
 
 def flops_per_row(model) -> float:
@@ -129,7 +128,7 @@ def planned_microbatches(args):
 
 def baseline_flops(model, trajs, capacity: int, act: int) -> float:
     """Forward FLOPs of the trajectory-wise baseline's sub-batches of one microbatch."""
-    from harts.bench.flops import batch_forward_flops
+    from benchmarks.flops import batch_forward_flops
     from harts.runtime import pack
 
     return sum(batch_forward_flops(model, pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False),
@@ -137,7 +136,7 @@ def baseline_flops(model, trajs, capacity: int, act: int) -> float:
 
 
 def flops_only(args) -> int:
-    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from benchmarks.flops import active_matmul_params, batch_forward_flops
     from harts.runtime import pack
 
     mbs, _, _ = planned_microbatches(args)
@@ -275,7 +274,7 @@ def summarize(meta: dict, records: list[dict], profile: dict | None) -> dict:
         # training FLOPs = 3 x forward (recomputation not counted, as MFU conventions do)
         "mfu_baseline": 3 * meta["flops_per_row"] * raw / t_b / peak,
         "mfu_harts_useful": 3 * meta["flops_per_row"] * compact / t_h / peak,
-        # FLOP compression (harts.bench.flops): what a HARTS running every op at the baseline's efficiency
+        # FLOP compression (benchmarks.flops): what a HARTS running every op at the baseline's efficiency
         # would reach; speedup / FLOP compression is the implementation's share of the gap to row compression.
         "forward_flops_harts": sums["flops_harts"], "forward_flops_baseline": sums["flops_baseline"],
         "flop_compression": fcomp,
@@ -356,7 +355,7 @@ def merge(paths: list[str], out: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.speedup", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.speedup", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
     ap.add_argument("--microbatches", type=int, default=16, help="how many planned microbatches to time")
     ap.add_argument("--repeats", type=int, default=1,
@@ -388,7 +387,7 @@ def main(argv=None) -> int:
         return flops_only(args)
     t_proc = time.perf_counter()
 
-    from harts.bench.flops import active_matmul_params, batch_forward_flops
+    from benchmarks.flops import active_matmul_params, batch_forward_flops
     from harts.planning.calls import plan_calls
     from harts.runtime import pack
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet rounds against fla's GDN kernel: ``python -m harts.bench.gdn_round --out DIR``.
+"""Gated DeltaNet rounds against fla's GDN kernel: ``python -m benchmarks.gdn_round --out DIR``.
 
 Qwen3.5's GDN core runs on a compact batch as ``harts.runtime.compact.kda_rounds``, in one of two round
 implementations (the model's ``gdn_round_impl``): ``kda_kernels``, the KDA round kernels
@@ -55,9 +55,10 @@ import time
 import numpy as np
 import torch
 
-from harts.bench.common import add_workload_args, fullest_microbatch, model_config, workload_step
-from harts.bench.kernels import _time_ms
-from harts.bench.output import write_results
+from benchmarks.common import add_workload_args, fullest_microbatch, workload_step
+from benchmarks.kernels import _time_ms
+from benchmarks.output import write_results
+from harts.models.family import model_config
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
 
@@ -475,7 +476,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.gdn_round", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gdn_round", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
     ap.set_defaults(preset="qwen3.5-8l")
     ap.add_argument("--chunk-size", type=int, default=0, help="GDN chunk size (default: the preset's)")
@@ -503,9 +504,9 @@ def main(argv=None) -> int:
         os.environ["HARTS_AUTOTUNE"] = args.autotune
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("harts.bench.gdn_round: no CUDA GPU here (--device cpu runs the interpreter smoke run)")
+        raise SystemExit("benchmarks.gdn_round: no CUDA GPU here (--device cpu runs the interpreter smoke run)")
     if dev.type != "cuda" and args.backend == "fast" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("harts.bench.gdn_round on CPU needs TRITON_INTERPRET=1 (and fla's interpreter shims: "
+        raise SystemExit("benchmarks.gdn_round on CPU needs TRITON_INTERPRET=1 (and fla's interpreter shims: "
                          "run it through tests/test_bench_qwen35.py)")
     t0 = time.perf_counter()
     res = run(args)

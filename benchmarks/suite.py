@@ -1,14 +1,14 @@
 """The standard benchmark set in one command.
 
-    python -m harts.bench.suite --out DIR                 # on one GPU: the full set
-    python -m harts.bench.suite --out DIR --cpu-smoke     # on CPU: every benchmark at toy size (CI)
-    python -m harts.bench.suite --out DIR --only model,kernels
+    python -m benchmarks.suite --out DIR                 # on one GPU: the full set
+    python -m benchmarks.suite --out DIR --cpu-smoke     # on CPU: every benchmark at toy size (CI)
+    python -m benchmarks.suite --out DIR --only model,kernels
 
-Each benchmark runs its own module (``harts.bench.<name>``) with the arguments listed in ``BENCHMARKS``;
+Each benchmark runs its own module (``benchmarks.<name>``) with the arguments listed in ``BENCHMARKS``;
 its raw output goes to ``DIR/raw/<name>/`` and the suite writes ``DIR/<name>.json``: one record with
 ``benchmark``, ``date``, ``commit``, ``device``, ``command`` (the exact module command line, which reruns
 it), ``values`` (the headline numbers, named with units) and ``raw`` (the module's whole JSON). PNGs the
-module draws are copied to ``DIR/<name>*.png``. ``python -m harts.bench.results`` turns such records,
+module draws are copied to ``DIR/<name>*.png``. ``python -m benchmarks.results`` turns such records,
 committed under ``benchmarks/results/``, into ``benchmarks/RESULTS.md``.
 
 ``--cpu-smoke`` runs the same code paths at toy sizes on CPU (debug model, float32, the Triton
@@ -170,7 +170,7 @@ def run_one(name: str, out: str, cpu: bool) -> dict:
         shutil.rmtree(raw_dir)
     os.makedirs(raw_dir)
     argv = [a.replace("{raw}", raw_dir) for a in (cpu_args if cpu else gpu_args)]
-    module = f"harts.bench.{name}"
+    module = f"benchmarks.{name}"
     rec = {"benchmark": name, "title": title,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
            "commit": git_commit(), "device": device_name(cpu),
@@ -216,7 +216,8 @@ def parse_only(text: str | None) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for NAME.json records, PNGs and raw/ outputs")
     ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the code, measures nothing")
     ap.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHMARKS))

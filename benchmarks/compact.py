@@ -1,13 +1,14 @@
 """HARTS vs the trajectory-wise baseline on the same microbatch: time, memory and logit fidelity.
 
-``python -m harts.bench.compact --preset ling3-tiny --scale 0.1 --capacity 65536 --out DIR``
+``python -m benchmarks.compact --preset ling3-tiny --scale 0.1 --capacity 65536 --out DIR``
 
 Generates a SWE-like step, plans microbatches at ``capacity`` (DP 1) and takes the first microbatch.
-HARTS runs it as one compact batch; the baseline runs the same trajectories trajectory-wise, packed
-greedily into sub-batches of at most ``capacity`` raw tokens (what a conventional trainer with the same
-capacity does). Both use full-layer activation recomputation and the same fast backends. Reports
-forward+backward time, peak memory, compression, replay rows, MLA view size, and the mean token
-cosine of full-vocabulary logits and max |delta log-prob| between the two paths (paper Eq. 27).
+HARTS runs it as one compact batch; the baseline runs the same trajectories trajectory-wise, in the
+trainer's baseline sub-batches of at most ``capacity`` raw tokens (``benchmarks.common.subbatches``; the
+trajectories are taken in sub-batch order, so each sub-batch is a contiguous run of positions). Both use
+full-layer activation recomputation and the same fast backends. Reports forward+backward time, peak memory,
+compression, replay rows, MLA view size, and the mean token cosine of full-vocabulary logits and max
+|delta log-prob| between the two paths (paper Eq. 27).
 Writes ``compact.json`` under ``--out``.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import time
 
 import torch
 
-from harts.bench.common import add_workload_args, build_model, fullest_microbatch, subbatches, workload_step
-from harts.bench.output import write_results
+from benchmarks.common import add_workload_args, build_model, fullest_microbatch, in_subbatch_order, workload_step
+from benchmarks.output import write_results
 
 
 def _sync(dev):
@@ -93,8 +94,8 @@ def _timing(res, model, hb, subs, run_harts, run_base, args, dev):
     model.zero_grad(set_to_none=True)
     res["speedup"] = res["baseline"]["fwd_bwd_s"] / res["harts"]["fwd_bwd_s"]
     write_results(args.out, "compact", res)
-    # What the method allows: attention of shared-prefix suffixes still spans the prefix (harts.bench.flops)
-    from harts.bench.flops import batch_forward_flops
+    # What the method allows: attention of shared-prefix suffixes still spans the prefix (benchmarks.flops)
+    from benchmarks.flops import batch_forward_flops
 
     f_h = batch_forward_flops(model, hb)
     f_b = {k: sum(batch_forward_flops(model, b)[k] for b in subs) for k in f_h}
@@ -111,7 +112,7 @@ def loss_fn(lp, adv):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.compact", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compact", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--truth", choices=("none", "float32", "float64"), default="none",
@@ -133,14 +134,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
     t_mb = time.perf_counter() - t0
-    trajs = fullest_microbatch(step, plan)
+    trajs, groups = in_subbatch_order(fullest_microbatch(step, plan), args.capacity)  # sub-batches contiguous
     model = build_model(args.preset, dev, dtype, args.seed)
     t0 = time.perf_counter()
     hb = pack(trajs, config=model.config)
     t_pack = time.perf_counter() - t0
     hb = hb.to(dev)
     subs = [pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False).to(dev)
-            for idx in subbatches(trajs, args.capacity)]
+            for idx in groups]
     print(f"fullest microbatch: {len(trajs)} trajectories, raw {hb.stats['raw_tokens']:,}, compact "
           f"{hb.num_rows:,} (x{hb.stats['raw_tokens'] / hb.num_rows:.2f}), KDA calls {hb.stats['kda_calls']}, "
           f"replay {hb.stats['replay_tokens']:,}, MLA KV rows {hb.stats['mla_kv_rows']:,}; baseline "

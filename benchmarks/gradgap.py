@@ -1,6 +1,6 @@
 """Where the step gradients of HARTS and the trajectory-wise baseline part: shared rows vs own rows.
 
-``python -m harts.bench.gradgap --config configs/ling3_tiny_1gpu.toml [--section.key=value ...] --out DIR``
+``python -m benchmarks.gradgap --config configs/ling3_tiny_1gpu.toml [--section.key=value ...] --out DIR``
 
 One-GPU trainer runs of Ling-3.0-tiny can log step-1 gradient norms of HARTS and the baseline that differ
 by over 10 % before any update, on four GRPO trajectories of one group whose loss tokens lie mostly in prefixes
@@ -36,9 +36,9 @@ import time
 import numpy as np
 import torch
 
-from harts.bench.output import write_results
+from benchmarks.output import write_results
 
-log = logging.getLogger("harts.bench.gradgap")
+log = logging.getLogger("benchmarks.gradgap")
 
 PARTS = ("all", "shared", "own")
 
@@ -293,7 +293,7 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gradgap", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/gradgap")
     ap.add_argument("--truth", action="store_true", help="also the fp32 gradient of the same weights")
     ap.add_argument("--truth-kda", default="auto", choices=("auto", "reference"),

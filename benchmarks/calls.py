@@ -1,4 +1,4 @@
-"""Minimum-call planner benchmark: ``python -m harts.bench.calls [--max-segments 1000000] [--out out/bench_calls]``.
+"""Minimum-call planner benchmark: ``python -m benchmarks.calls [--max-segments 1000000] [--out out/bench_calls]``.
 
 Two parts:
 * Scaling curve of Algorithm 1 (DP + recovery, ``plan_segment_tree``) on synthetic segment trees of
@@ -178,7 +178,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.calls", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.calls", description=__doc__.split("\n")[0])
     ap.add_argument("--max-segments", type=int, default=1_000_000)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -1,7 +1,7 @@
 """Trajectory-wise training step of the full Ling-3.0-tiny on one GPU: forward + backward, bf16, a packed
 microbatch of whole trajectories (varlen, no padding), under an activation checkpointing policy.
 
-    python -m harts.bench.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--compile]
+    python -m benchmarks.model [--tokens 65536] [--lens uniform:4096:16384] [--iters 3] [--compile]
                                 [--ac {none,selective,full}] [--out DIR]
 
 ``--ac`` (default full, the paper's setting): the model's ``checkpoint_policy`` (harts.models.ling.model);
@@ -17,7 +17,7 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward under
   ``--ac full`` (4x fwd); ``selective`` recomputes no matrix product, attention or KDA core (3x fwd);
 - peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family, and the device's idle
-  time in that step with the host ops it waited on (``harts.bench.trace_summary.device_idle``);
+  time in that step with the host ops it waited on (``benchmarks.trace_summary.device_idle``);
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
   [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
   spent in the compile backend, and the number of compilations over all steps run.
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from harts.bench.common import build_model, family
-from harts.bench.trace_summary import device_idle
+from benchmarks.common import build_model, family
+from benchmarks.trace_summary import device_idle
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.model import AC_POLICIES
 
@@ -59,8 +59,8 @@ def trajectory_lengths(total: int, spec: str, seed: int) -> list[int]:
 
 
 def forward_flops_per_step(cfg: LingConfig, model: LingForCausalLM, lens: list[int]) -> dict[str, float]:
-    """Forward FLOPs of one packed step of whole trajectories (harts.bench.flops, one causal view each)."""
-    from harts.bench.flops import active_matmul_params, forward_flops
+    """Forward FLOPs of one packed step of whole trajectories (benchmarks.flops, one causal view each)."""
+    from benchmarks.flops import active_matmul_params, forward_flops
 
     act = active_matmul_params(model)
     T = sum(lens)
@@ -222,7 +222,8 @@ def print_table(r: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="ling3-tiny")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--lens", default="uniform:4096:16384", help="trajectory lengths: uniform:LO:HI")
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA alloc
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("harts.bench.model: no CUDA GPU here (--device cpu runs a smoke run)")
+        print("benchmarks.model: no CUDA GPU here (--device cpu runs a smoke run)")
         return 2
     # If a fast backend fails on this machine, say so and measure with that op on the reference path.
     base = {"backend": args.backend} if args.backend else {}

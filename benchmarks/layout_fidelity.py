@@ -1,6 +1,6 @@
 """Fidelity of two trainer runs at step 1 (paper Table 5 under any parallel layout).
 
-``python -m harts.bench.layout_fidelity A B [--out DIR]``
+``python -m benchmarks.layout_fidelity A B [--out DIR]``
 
 A and B are the ``--debug.dump_hidden`` prefixes of two ``train.py`` runs of the same config, data and initial
 weights (e.g. HARTS and the trajectory-wise baseline of one layout, or the baseline twice for its self-rerun
@@ -21,7 +21,7 @@ import glob
 
 import torch
 
-from harts.bench.output import write_results
+from benchmarks.output import write_results
 
 
 def load_run(prefix: str) -> dict:
@@ -97,7 +97,7 @@ def compare(a: dict, b: dict, chunk: int = 2048, device=None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.layout_fidelity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.layout_fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("a", help="debug.dump_hidden prefix of run A (e.g. the baseline)")
     ap.add_argument("b", help="debug.dump_hidden prefix of run B (e.g. HARTS)")
     ap.add_argument("--out", default="out/bench_layout_fidelity")

@@ -1,8 +1,8 @@
 """How far a bf16 GRPO gradient is from the fp32 one, for HARTS and the baseline, as the model gets deeper.
 
-``python -m harts.bench.bf16_depth [--layers 4 8 12 24] [--experts 128 --top-k 8] [--length 400] --out DIR``
+``python -m benchmarks.bf16_depth [--layers 4 8 12 24] [--experts 128 --top-k 8] [--length 400] --out DIR``
 
-The bf16 step-1 gradients of HARTS and the baseline can be far apart (``harts.bench.gradgap`` on one
+The bf16 step-1 gradients of HARTS and the baseline can be far apart (``benchmarks.gradgap`` on one
 GPU: cosine 0.62; 0.75 on positions that share nothing), on the full 24-layer Ling-3.0-tiny at random
 initialisation. This asks whether that is a property of bf16 at that depth, common to both layouts, rather
 than of HARTS: a Ling debug model (hidden 64, the real layer pattern and MoE routing) is built at each
@@ -11,7 +11,7 @@ depth with random weights, rounded to bf16; four trajectories share the first ``
 as in the trainer's step. Per depth: the gradient of sum(adv * logp) in bf16 through the HARTS layout and
 the trajectory-wise one, and in fp32 (the same bf16-rounded weights upcast, trajectory-wise), all with the
 reference kernels on the CPU; reported as the relative distances between the three, overall and by
-parameter group (harts.bench.gradgap). In float64 the HARTS and baseline gradients agree to ~1e-15
+parameter group (benchmarks.gradgap). In float64 the HARTS and baseline gradients agree to ~1e-15
 (tests/test_bench_gradgap.py), so what this shows is rounding, amplified by depth.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
-from harts.bench.gradgap import compare, param_groups
-from harts.bench.output import write_results
+from benchmarks.gradgap import compare, param_groups
+from benchmarks.output import write_results
 
 PAIRS = [("harts", "baseline"), ("harts", "truth"), ("baseline", "truth"), ("baseline_split", "truth")]
 
@@ -81,7 +81,7 @@ def gradients_at_depth(layers: int, experts: int, top_k: int, length: int, share
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.bf16_depth", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bf16_depth", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12, 24])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Training-engine fidelity (paper 5.4, Table 5, Figure 4): ``python -m harts.bench.fidelity --out DIR``.
+"""Training-engine fidelity (paper 5.4, Table 5, Figure 4): ``python -m benchmarks.fidelity --out DIR``.
 
 Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-like microbatch. Four runs:
 
@@ -39,8 +39,15 @@ from unittest import mock
 import numpy as np
 import torch
 
-from harts.bench.common import add_workload_args, build_model, fullest_microbatch, load_model, subbatches, workload_step
-from harts.bench.output import write_results
+from benchmarks.common import (
+    add_workload_args,
+    build_model,
+    fullest_microbatch,
+    in_subbatch_order,
+    load_model,
+    workload_step,
+)
+from benchmarks.output import write_results
 
 
 def handoff_depth_of_rows(batch) -> np.ndarray:
@@ -86,7 +93,7 @@ def _metrics(zx, za, tgt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.fidelity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.05)
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint folder, Ling-3.0 or Qwen3.5-MoE (its "
                     "config.json decides; --preset is then not used); default: the preset, seeded init")
@@ -105,10 +112,11 @@ def main(argv=None) -> int:
         model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
     cfg = model.config
     step = workload_step(args, vocab_size=cfg.vocab_size)
-    trajs = fullest_microbatch(step, plan_microbatches(step, dp_degree=1, capacity=args.capacity))
+    # in the baseline's sub-batch order, so that both paths' positions come in the same order
+    plan = plan_microbatches(step, dp_degree=1, capacity=args.capacity)
+    trajs, groups = in_subbatch_order(fullest_microbatch(step, plan), args.capacity)
     harts_r = pack(trajs, config=cfg).to(dev)
     harts_n = pack(trajs, config=cfg, replay=False).to(dev)
-    groups = subbatches(trajs, args.capacity)
     depth_rows = torch.as_tensor(handoff_depth_of_rows(harts_r))
     W = model.lm_head.weight
 

@@ -1,4 +1,4 @@
-"""Benchmarks of the HARTS kernels: ``python -m harts.bench.kernels [--out DIR] [--quick]``.
+"""Benchmarks of the HARTS kernels: ``python -m benchmarks.kernels [--out DIR] [--quick]``.
 
 1. ``chunk_kda_round`` fwd+bwd vs fla's ``chunk_kda`` on the same input (bf16, T = 64K, H = 16,
    K = V = 128), with one requested boundary per 4 chunks (and with none), for one 64K sequence and
@@ -169,8 +169,8 @@ def _kernel_times(fn, top: int = 12, trace: str | None = None) -> dict:
 
 def _device_gaps(trace: str, top: int = 8) -> list[dict]:
     """Largest device idle gaps of the profiled call, each with the next kernel and the innermost host op
-    running meanwhile (harts.bench.trace_summary.device_idle)."""
-    from harts.bench.trace_summary import device_idle
+    running meanwhile (benchmarks.trace_summary.device_idle)."""
+    from benchmarks.trace_summary import device_idle
 
     with open(trace) as f:
         return device_idle(json.load(f)["traceEvents"], min_gap_us=20.0, top=top)["gaps"]
@@ -336,7 +336,7 @@ def _table(rows, title):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
@@ -346,9 +346,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise SystemExit("harts.bench.kernels: no CUDA GPU here (--device cpu runs the log-probs smoke run)")
+        raise SystemExit("benchmarks.kernels: no CUDA GPU here (--device cpu runs the log-probs smoke run)")
     if not cuda and (a.only != "logprobs" or os.environ.get("TRITON_INTERPRET") != "1"):
-        raise SystemExit("harts.bench.kernels on CPU runs only --only logprobs, under TRITON_INTERPRET=1")
+        raise SystemExit("benchmarks.kernels on CPU runs only --only logprobs, under TRITON_INTERPRET=1")
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__

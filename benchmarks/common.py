@@ -1,17 +1,20 @@
 """What the model benchmarks share: the workload step, the model, the baseline's sub-batches and the
 op families of a profile, so every bench measures the same thing the same way.
 
-Model presets name their family: ``qwen3.5-*`` presets build a ``Qwen35ForCausalLM`` (Gated DeltaNet +
-gated attention), every other name a ``LingForCausalLM`` (KDA + MLA). Both have the same surface
-(``forward(layout=...)``, ``logprobs``, ``lm_head``, ``num_params``, ``cast_``, ``init_weights``), and a
+Model presets name their family (``harts.models.family``): ``qwen3.5-*`` presets build a ``Qwen35ForCausalLM``
+(Gated DeltaNet + gated attention), ``ling3-*`` presets a ``LingForCausalLM`` (KDA + MLA). Both have the same
+surface (``forward(layout=...)``, ``logprobs``, ``lm_head``, ``num_params``, ``cast_``, ``init_weights``), and a
 compact batch is planned from the model's ``config.layout_geometry`` (``harts.pack(config=...)``), so the
-benches need no model switch beyond ``model_config``."""
+benches need no model switch beyond ``harts.models.family.model_config``. The baseline's sub-batches are the
+trainer's trajectory-wise grouping (``harts.train.data.plan_trajectory_wise``)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
 import torch
+
+from harts.models.family import all_presets, model_class, model_config
 
 # Op families of a profile, by substrings of CUDA kernel / aten op names (lower-case); first match wins.
 FAMILIES = (
@@ -43,48 +46,13 @@ def family(name: str) -> str:
 def add_workload_args(ap: argparse.ArgumentParser, *, scale: float) -> None:
     """The arguments every model bench takes: model preset, synthetic step, capacity, precision, device."""
     ap.add_argument("--preset", default="ling3-tiny",
-                    help="model preset: a LingConfig preset (ling3-tiny, ling3-tiny-debug, ...) or a Qwen35Config "
-                         "one (qwen3.5-35b-a3b, qwen3.5-8l, qwen3.5-debug)")
+                    help=f"model preset (harts.models.family): {', '.join(all_presets())}")
     ap.add_argument("--workload", default="swe-step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=scale)
     ap.add_argument("--capacity", type=int, default=65536)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-
-
-QWEN35_PREFIX = "qwen3.5"
-
-
-def model_config(preset, **overrides):
-    """The model config of a preset name (``qwen3.5-*``: Qwen35Config, else LingConfig), or ``preset`` itself
-    when it already is a config (then ``overrides`` must be empty)."""
-    from harts.models.ling import LingConfig
-    from harts.models.qwen35 import Qwen35Config
-
-    if isinstance(preset, (LingConfig, Qwen35Config)):
-        if overrides:
-            raise TypeError(f"model_config: overrides {sorted(overrides)} given with a ready "
-                            f"{type(preset).__name__}; apply them to the config instead")
-        return preset
-    if not isinstance(preset, str):
-        raise TypeError(f"model preset must be a preset name or a LingConfig / Qwen35Config, got "
-                        f"{type(preset).__name__}")
-    if preset.startswith(QWEN35_PREFIX):
-        return Qwen35Config.preset(preset, **overrides)
-    return LingConfig.preset(preset, **overrides)
-
-
-def model_class(cfg):
-    """The causal-LM class of a config (LingForCausalLM or Qwen35ForCausalLM)."""
-    from harts.models.ling import LingConfig, LingForCausalLM
-    from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
-
-    if isinstance(cfg, Qwen35Config):
-        return Qwen35ForCausalLM
-    if isinstance(cfg, LingConfig):
-        return LingForCausalLM
-    raise TypeError(f"no model class for a {type(cfg).__name__}; expected LingConfig or Qwen35Config")
 
 
 def chunk_size_of(cfg) -> int:
@@ -112,22 +80,30 @@ def fullest_microbatch(step, plan) -> list:
 
 
 def subbatches(trajs, capacity: int) -> list[list[int]]:
-    """The baseline's packing: trajectories in order, a new sub-batch whenever ``capacity`` raw tokens fill."""
-    out, cur, n = [], [], 0
-    for i, t in enumerate(trajs):
-        if cur and n + len(t) > capacity:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += len(t)
-    out.append(cur)
-    return out
+    """The baseline's sub-batches of ``trajs`` (index lists): the trainer's trajectory-wise grouping at DP 1
+    (``harts.train.data.plan_trajectory_wise``: the fewest groups of <= ``capacity`` raw tokens by longest-first
+    assignment), so the benchmarks' baseline is the one ``harts.enabled = false`` trains."""
+    from harts.train.data import plan_trajectory_wise
+
+    return plan_trajectory_wise([len(t) for t in trajs], dp_degree=1, capacity=capacity).microbatches
+
+
+def in_subbatch_order(trajs, capacity: int) -> tuple[list, list[list[int]]]:
+    """``trajs`` reordered so that each baseline sub-batch is a contiguous run, and the sub-batches as index lists
+    into the reordered list: positions of the baseline's sub-batches, concatenated, are then in trajectory
+    order, as HARTS's log-prob positions are."""
+    order = [i for sb in subbatches(trajs, capacity) for i in sb]
+    out, groups, n = [trajs[i] for i in order], [], 0
+    for sb in subbatches(trajs, capacity):
+        groups.append(list(range(n, n + len(sb))))
+        n += len(sb)
+    return out, groups
 
 
 def build_model(preset, device, dtype, seed: int = 0, recompute: bool = True, **overrides):
     """A seeded model on ``device``: materialised from meta, initialised in fp32, cast to ``dtype`` (the
-    decay parameters and Ling's expert bias stay fp32). ``preset`` is a preset name (``qwen3.5-*`` builds a
-    Qwen35ForCausalLM, any other a LingForCausalLM) or a ready LingConfig / Qwen35Config."""
+    decay parameters and Ling's expert bias stay fp32). ``preset`` is a preset name (its family's model,
+    ``harts.models.family``) or a ready LingConfig / Qwen35Config."""
     if isinstance(preset, str):
         cfg = model_config(preset, recompute=recompute, **overrides)
     else:
@@ -141,18 +117,17 @@ def build_model(preset, device, dtype, seed: int = 0, recompute: bool = True, **
 
 
 def load_model(path, device, dtype, recompute: bool = False):
-    """An HF checkpoint folder as a model of its family (config.json's ``model_type``: ``qwen3_5_moe*`` loads a
-    Qwen35ForCausalLM, anything else goes to the Ling loader, which names what it cannot read)."""
+    """An HF checkpoint folder as a model of its family (config.json's ``model_type``, one of a family's
+    ``hf_model_types``; any other goes to the Ling-3.0 loader, which names what it cannot read)."""
     import json
     import os
+
+    from harts.models.family import FAMILIES as MODEL_FAMILIES
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint {path}: no config.json")
     with open(cfg_file) as f:
         model_type = str(json.load(f).get("model_type", ""))
-    if model_type.startswith("qwen3_5_moe"):
-        from harts.models.qwen35.checkpoint import load_pretrained
-    else:
-        from harts.models.ling.checkpoint import load_pretrained
-    return load_pretrained(path, device=device, dtype=dtype, recompute=recompute)
+    fam = next((f for f in MODEL_FAMILIES.values() if model_type in f.hf_model_types), MODEL_FAMILIES["ling3"])
+    return fam.load_pretrained(path, device=device, dtype=dtype, recompute=recompute)

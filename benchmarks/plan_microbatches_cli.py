@@ -1,6 +1,6 @@
 """Microbatch, DP-replica and slot plan of one step from a JSONL file (paper 3.2, ``harts.planning.microbatch``).
 
-``python -m harts.bench.plan_microbatches_cli --input F.jsonl --dp D --capacity T [--json OUT]
+``python -m benchmarks.plan_microbatches_cli --input F.jsonl --dp D --capacity T [--json OUT]
 [--exact-threshold N0]``: prints K, compact work, slot-critical and max-replica work, within-slot and
 step-total imbalance and the planning time. The input is the rollout JSONL of ``harts.data.jsonl``. Exit code
 2 with one ``error:`` line for bad input or an infeasible request.
@@ -35,7 +35,7 @@ def summarize(plan: MicrobatchPlan, seconds: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.plan_microbatches_cli",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plan_microbatches_cli",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--input", required=True, help="JSONL file, one trajectory per line")
     ap.add_argument("--dp", type=int, required=True, help="data-parallel degree D")

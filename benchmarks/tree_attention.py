@@ -1,6 +1,6 @@
-"""MLA tree attention on one realistic microbatch: ``python -m harts.bench.tree_attention [--out DIR]``.
+"""MLA tree attention on one realistic microbatch: ``python -m benchmarks.tree_attention [--out DIR]``.
 
-The fullest planned microbatch of the synthetic step (``harts.bench.workload`` presets, Ling-3.0-tiny MLA
+The fullest planned microbatch of the synthetic step (``benchmarks.workload`` presets, Ling-3.0-tiny MLA
 heads and head dims) runs fwd+bwd through
 1. ``views``: the per-sequence materialised KV views (index_select over ``mla_kv_rows``, V padded to the q/k
    head dim for the flash varlen kernel, index_add backward): the path the flex path replaces;
@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from harts.bench.common import add_workload_args, fullest_microbatch, subbatches, workload_step
-from harts.bench.kernels import _time_ms
-from harts.bench.output import write_results
+from benchmarks.common import add_workload_args, fullest_microbatch, subbatches, workload_step
+from benchmarks.kernels import _time_ms
+from benchmarks.output import write_results
 
 
 def _peak_mib(fn, device) -> float | None:
@@ -221,7 +221,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.tree_attention", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tree_attention", description=__doc__.split("\n\n")[0])
     add_workload_args(ap, scale=0.2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None, help="folder for tree_attention.json")

@@ -1,6 +1,6 @@
 """Minimum-call plan of one microbatch from a JSONL file, against the naive schedules.
 
-``python -m harts.bench.plan_calls_cli --input F.jsonl --chunk-size 64 [--json OUT]``: prints the rounds
+``python -m benchmarks.plan_calls_cli --input F.jsonl --chunk-size 64 [--json OUT]``: prints the rounds
 (calls) and replay tokens of Algorithm 1 (``harts.planning.calls``) next to one call per segment and
 segments packed by depth. The input is the rollout JSONL of ``harts.data.jsonl`` (one ``{"tokens": [...]}``
 object per line). Exit code 2 with one ``error:`` line for bad input.
@@ -16,7 +16,7 @@ from harts.planning.calls import naive_schedule, plan_calls
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harts.bench.plan_calls_cli", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plan_calls_cli", description=__doc__.split("\n")[0])
     ap.add_argument("--input", required=True, help="rollout JSONL, one {'tokens': [...]} object per line")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--json", help="write the plan (to_dict) and the summary here")
