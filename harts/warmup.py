@@ -8,7 +8,8 @@ kernels land in the persistent caches that later runs read:
 - Triton: ``TRITON_CACHE_DIR``, default ``~/.cache/harts/triton``;
 - inductor: ``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/harts/inductor``.
 
-(``harts.warmup.cache_dirs()`` sets those defaults; ``train.py`` calls it too, so both use one location.)
+(``harts.warmup.cache_dirs()``, defined in ``harts.env``, sets those defaults; ``train.py`` calls it too, so both
+use one location.)
 It prints the kernels as they compile and ends with a table of time per kernel family. With
 ``--record PATH`` it autotunes every config (``HARTS_AUTOTUNE=full``) and writes the autotune winners of every kernel
 that ran as a shipped table (see ``harts.ops.tuning``).
@@ -24,18 +25,11 @@ import sys
 import tempfile
 import time
 
+from harts.env import cache_dirs
+
 __all__ = ["cache_dirs", "main"]
 
-_REPORT_ENV = "HARTS_KERNEL_REPORT"
-
-
-def cache_dirs() -> dict[str, str]:
-    """Default the Triton and inductor caches to ``~/.cache/harts`` (persistent, unlike inductor's /tmp
-    default); a value already in the environment wins. Must run before triton or inductor is imported."""
-    root = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "harts")
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
-    return {"triton": os.environ["TRITON_CACHE_DIR"], "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+_REPORT_ENV = "HARTS_KERNEL_REPORT"  # read by the training processes through harts.env
 
 
 def family(kernel: str) -> str:

@@ -44,17 +44,16 @@ Legend: T packed tokens, N sequences, H key heads, HV value heads (each key head
 K/V head dims, BT chunk size, NT total chunks, BK/BV key/value block widths, NK key blocks; tile suffixes
 _TK [BT, BK], _TT [BT, BT], _VT [BV, BT], _VK [BV, BK], _TV [BT, BV], _T [BT], _K [BK].
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
-from fla.utils import check_shared_mem
 from packaging.version import Version
 
+from harts.env import ENV
 from harts.kernels.kda_round import _cols, _rows
+from harts.ops._fla import check_shared_mem
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = ENV.triton_interpret
 
 def _configs():
     if _INTERPRET:

@@ -32,13 +32,13 @@ Legend: T packed tokens, N sequences, HV value heads, H key heads (KDA: H == HV,
 to HV by fla's recompute_w_u; GDN: k/q at the key heads), K key dim, V value dim, BT chunk size, NT_total
 total chunks, M boundary states.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from harts.env import ENV
+
+_INTERPRET = ENV.triton_interpret
 
 
 def _configs():

@@ -60,11 +60,11 @@ def _register_op():
     """The launcher as the differentiable torch op ``harts::moe_gather_sum``. A triton_op enters
     torch.compile graphs without a break: AOTAutograd decomposes it into this body, so Inductor sees the
     Triton launch as a user-defined kernel; the fake implementation is the body itself, on fake tensors."""
-    import os
-
     import torch
 
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    from harts.env import ENV
+
+    interpreting = ENV.triton_interpret
 
     @torch.library.triton_op("harts::moe_gather_sum", mutates_args=())
     def moe_gather_sum(src_MD: torch.Tensor, idx_TK: torch.Tensor, inv_MJ: torch.Tensor) -> torch.Tensor:

@@ -156,18 +156,19 @@ def test_short_sequences_keep_the_packed_varlen_launch():
     assert kernel != "cudnn_sdpa" and "shorter than" in why
 
 
-def test_packed_kernel_switch(monkeypatch):
-    """HARTS_PACKED_ATTENTION=varlen sends packed self-attention to the varlen kernel whatever cuDNN could take
-    (the reason names the setting); an unknown value is refused with the value named."""
+def test_packed_kernel_switch():
+    """The kernel choice packed_attention='varlen' sends packed self-attention to the varlen kernel whatever
+    cuDNN could take (the reason names the choice); an unknown value is refused with the value named."""
+    import harts.ops
     from harts.ops.attention.fast import CUDNN_MIN_MEAN_LEN, packed_self_attention_impl
 
     q = torch.zeros(2 * CUDNN_MIN_MEAN_LEN, 2, 8)
-    monkeypatch.setenv("HARTS_PACKED_ATTENTION", "varlen")
-    kernel, why = packed_self_attention_impl(q, q, q, num_sequences=1)
-    assert kernel != "cudnn_sdpa" and why == "cuDNN not used: HARTS_PACKED_ATTENTION=varlen"
-    monkeypatch.setenv("HARTS_PACKED_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="HARTS_PACKED_ATTENTION='flash'"):
-        packed_self_attention_impl(q, q, q, num_sequences=1)
+    with harts.ops.use_kernel_choices(packed_attention="varlen"):
+        kernel, why = packed_self_attention_impl(q, q, q, num_sequences=1)
+    assert kernel != "cudnn_sdpa" and why == "cuDNN not used: kernel choice packed_attention='varlen'"
+    assert packed_self_attention_impl(q, q, q, num_sequences=1)[1] == "cuDNN not used: not on CUDA"
+    with pytest.raises(ValueError, match="packed_attention='flash'"):
+        harts.ops.set_kernel_choices(packed_attention="flash")
 
 
 @pytest.mark.parametrize("checkpointed,G", [(False, 2), (True, 2), (False, 1)])

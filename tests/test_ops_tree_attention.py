@@ -257,15 +257,17 @@ def test_split_plan_refuses_inconsistent_views():
         split_plan([0, 2], [0, 6], [0, 1, 2, 3, 4])
 
 
-def test_view_kernel_switch(monkeypatch):
+def test_view_kernel_switch():
+    import harts.ops
     from harts.ops.attention.tree import view_kernel
 
     assert view_kernel() == "cudnn_split"
-    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
-    assert view_kernel() == "varlen"
-    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="HARTS_VIEW_ATTENTION='flash'"):
-        view_kernel()
+    with harts.ops.use_kernel_choices(view_attention="varlen"):
+        assert view_kernel() == "varlen"
+    assert view_kernel() == "cudnn_split"
+    with pytest.raises(ValueError, match="view_attention='flash'"):
+        harts.ops.set_kernel_choices(view_attention="flash")
+    assert view_kernel() == "cudnn_split"
 
 
 def test_mask_is_built_once_per_batch_and_device():
@@ -461,7 +463,8 @@ def test_tree_attention_bench_counts_the_pairs_of_the_bottom_right_mask():
     assert causal_pairs(cu_q, cu_k) == brute
 
 
-def test_view_attention_impl_names_why_the_split_does_not_apply(monkeypatch):
+def test_view_attention_impl_names_why_the_split_does_not_apply():
+    import harts.ops
     from harts.ops.attention.tree import view_attention_impl
 
     q, v = torch.zeros(4, 2, 192, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
@@ -469,7 +472,7 @@ def test_view_attention_impl_names_why_the_split_does_not_apply(monkeypatch):
     wide = torch.zeros(4, 2, 264, dtype=torch.bfloat16)
     assert view_attention_impl(wide, wide)[1].startswith("cuDNN split not used: head dims 264/264")
     assert view_attention_impl(q, v, "varlen") == ("varlen", "requested")
-    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
-    assert view_attention_impl(q, v) == ("varlen", "requested")
+    with harts.ops.use_kernel_choices(view_attention="varlen"):
+        assert view_attention_impl(q, v) == ("varlen", "requested")
     with pytest.raises(ValueError, match="view kernel 'flash'"):
         view_attention_impl(q, v, "flash")

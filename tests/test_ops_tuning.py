@@ -67,11 +67,15 @@ def test_stale_config_is_ignored(caplog):
     assert "not among the kernel's candidates" in caplog.text
 
 
-def test_table_off_and_missing_table(monkeypatch, tmp_path):
-    monkeypatch.setenv("HARTS_AUTOTUNE", "sometimes")
-    with pytest.raises(ValueError, match="HARTS_AUTOTUNE"):
-        tuning.mode()
-    monkeypatch.setenv("HARTS_AUTOTUNE", "table")
+def test_table_off_and_missing_table(tmp_path):
+    import harts.ops
+
+    assert tuning.mode() == "table"
+    with harts.ops.use_kernel_choices(autotune="full"):
+        assert tuning.mode() == "full"
+    with pytest.raises(ValueError, match="autotune='sometimes'"):
+        harts.ops.set_kernel_choices(autotune="sometimes")
+    assert tuning.mode() == "table"
     assert tuning._load_table(str(tmp_path / "none.json")) is None
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"arch": "sm90", "kernels": {}}))

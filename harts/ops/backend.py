@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from harts.env import ENV
+
 __all__ = ["resolve", "attention_fast_impl", "has_fla", "log_once"]
 
 log = logging.getLogger("harts.ops.backend")
@@ -56,9 +58,7 @@ def attention_fast_impl() -> str | None:
 
 
 def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return ENV.triton_interpret
 
 
 def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str | None:

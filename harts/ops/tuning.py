@@ -15,8 +15,9 @@ every autotuner named in the table for the running device's architecture:
 
 Every config in the table is one of the kernel's own candidates (a recorded config that is no longer
 among them, e.g. after an fla upgrade, is ignored and said), so the result is one the full autotuner could
-have chosen: the numerics stay those of the kernel. ``HARTS_AUTOTUNE=full`` turns the table off (normal
-autotuning); GPUs without a table keep normal autotuning.
+have chosen: the numerics stay those of the kernel. The kernel choice ``autotune="full"``
+(``harts.ops.set_kernel_choices``; default from ``HARTS_AUTOTUNE``) turns the table off (normal autotuning)
+for the autotuners not restricted yet; GPUs without a table keep normal autotuning.
 
 Re-tune and rewrite the table (on the GPU to record, with an empty or any Triton cache)::
 
@@ -33,6 +34,8 @@ import os
 import sys
 from typing import Any
 
+from harts.env import ENV
+
 __all__ = ["autotuners", "record", "apply", "table_path", "mode", "tuned"]
 
 log = logging.getLogger("harts.ops.tuning")
@@ -42,11 +45,11 @@ _MODULE_PREFIXES = ("fla.", "harts.kernels.", "harts.ops.")
 
 
 def mode() -> str:
-    """``table`` (default: use the shipped winners where the device has a table) or ``full`` (autotune all)."""
-    m = os.environ.get("HARTS_AUTOTUNE", "table")
-    if m not in ("table", "full"):
-        raise ValueError(f"HARTS_AUTOTUNE={m!r}: expected 'table' (shipped autotune results) or 'full'")
-    return m
+    """``table`` (default: use the shipped winners where the device has a table) or ``full`` (autotune all):
+    ``harts.ops.kernel_choices().autotune``, default from ``HARTS_AUTOTUNE``."""
+    from harts.ops.choices import kernel_choices
+
+    return kernel_choices().autotune
 
 
 def autotuners() -> dict[str, Any]:
@@ -125,12 +128,9 @@ def record(path: str, command: str = "") -> dict[str, Any]:
 
 
 def _fla_version() -> str:
-    try:
-        from importlib.metadata import version
+    from harts.ops._fla import installed_version
 
-        return version("fla-core")
-    except Exception:  # an uninstalled source tree
-        return "unknown"
+    return installed_version() or "unknown"
 
 
 def _run_key(at, kwargs: dict) -> tuple:
@@ -207,13 +207,13 @@ def apply(path: str | None = None) -> dict[str, Any]:
         return dict(_summary)
     _modules_seen = len(sys.modules)
     _summary["mode"] = mode()
-    if first and os.environ.get("HARTS_KERNEL_REPORT"):  # set by harts.warmup for its training processes
+    if first and ENV.kernel_report:  # set by harts.warmup for its training processes
         from harts.warmup import install_kernel_report
 
-        install_kernel_report(os.environ["HARTS_KERNEL_REPORT"], os.environ.get("HARTS_AUTOTUNE_RECORD"))
+        install_kernel_report(ENV.kernel_report, ENV.autotune_record)
     if _summary["mode"] == "full":
         if first:
-            log.info("autotuning: full (HARTS_AUTOTUNE=full): every config of every new key is benchmarked")
+            log.info("autotuning: full (kernel choice autotune='full'): every config of every new key is benchmarked")
         return dict(_summary)
     path = path or table_path()
     table = _load_table(path)
@@ -230,7 +230,8 @@ def apply(path: str | None = None) -> dict[str, Any]:
         _summary["keys"] += n
     _summary["table"] = path
     if first:
-        log.info("autotuning: shipped table %s (%s, %s); HARTS_AUTOTUNE=full benchmarks every config instead",
+        log.info("autotuning: shipped table %s (%s, %s); autotune='full' (HARTS_AUTOTUNE=full) benchmarks every "
+                 "config instead",
                  path, table.get("device"), table.get("date"))
     return dict(_summary)
 
@@ -256,6 +257,8 @@ def tuned(*modules: str):
             if _cuda():
                 for m in modules:
                     if m not in sys.modules:
+                        if m.startswith("fla."):
+                            from harts.ops import _fla  # noqa: F401  (its version check, before any fla module)
                         importlib.import_module(m)
                 apply()
             return fn(*args, **kwargs)

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
 
 from harts.ops.backend import attention_fast_impl, log_once
+from harts.ops.choices import ALLOWED, kernel_choices
 
 
 def _max_len(cu: torch.Tensor) -> int:
@@ -98,18 +98,16 @@ def cudnn_attention_unsupported(q_THD: torch.Tensor, Dv: int) -> str | None:
     return _cudnn_sdpa_available(q_THD.device.index or 0)
 
 
-PACKED_KERNELS = ("cudnn", "varlen")
+PACKED_KERNELS = ALLOWED["packed_attention"]
 
 
 def packed_kernel() -> str:
-    """The requested kernel of packed self-attention, ``HARTS_PACKED_ATTENTION``: ``cudnn`` (the default: cuDNN
-    per sequence where it takes the shapes, see ``packed_self_attention_impl``) or ``varlen`` (the one packed
-    varlen call of ``attention_fast_impl``). Both are valid bf16 executions of the same attention; the fidelity
-    bench runs the trajectory-wise baseline on each to measure how far a change of fused kernel moves it."""
-    k = os.environ.get("HARTS_PACKED_ATTENTION", "cudnn")
-    if k not in PACKED_KERNELS:
-        raise ValueError(f"HARTS_PACKED_ATTENTION={k!r}: expected one of {PACKED_KERNELS}")
-    return k
+    """The requested kernel of packed self-attention, ``harts.ops.kernel_choices().packed_attention`` (default
+    from ``HARTS_PACKED_ATTENTION``): ``cudnn`` (the default: cuDNN per sequence where it takes the shapes, see
+    ``packed_self_attention_impl``) or ``varlen`` (the one packed varlen call of ``attention_fast_impl``). Both
+    are valid bf16 executions of the same attention; the fidelity bench runs the trajectory-wise baseline on
+    each to measure how far a change of fused kernel moves it."""
+    return kernel_choices().packed_attention
 
 
 def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv: torch.Tensor,
@@ -118,7 +116,7 @@ def packed_self_attention_impl(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THDv:
     the varlen kernel of ``attention_fast_impl``."""
     D, Dv = q_THD.shape[-1], v_THDv.shape[-1]
     if packed_kernel() == "varlen":
-        why = "HARTS_PACKED_ATTENTION=varlen"
+        why = "kernel choice packed_attention='varlen'"
     elif q_THD.shape[0] < CUDNN_MIN_MEAN_LEN * num_sequences:
         why = f"sequences shorter than {CUDNN_MIN_MEAN_LEN} rows on average"
     elif Dv > D:  # accuracy checked on the GPU at Dv < D (MLA's 192 / 128) and Dv == D (Qwen3.5's 256 / 256)

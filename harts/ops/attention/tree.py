@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.ops.backend import log_once
+from harts.ops.choices import ALLOWED, kernel_choices
 
 __all__ = ["BLOCK", "TreeMask", "tree_mask", "tree_attention_flex", "tree_attention_views", "view_kernel"]
 
@@ -53,22 +54,17 @@ BLOCK = 128  # rows per BlockMask block: FlexAttention's default, a multiple of 
 
 
 # ------------------------------------------------------------------------------------------ reference
-VIEW_KERNELS = ("varlen", "cudnn_split")
+VIEW_KERNELS = ALLOWED["view_attention"]
 
 
 def view_kernel() -> str:
-    """The requested fast kernel of the view path, ``HARTS_VIEW_ATTENTION``: ``cudnn_split`` (the default: cuDNN
-    per view, split into unmasked ancestor pieces (long shared runs read in place) and a causal own piece merged
-    by log-sum-exp, ``harts.ops.attention.split``; no V padding, 1.76x the varlen path's fwd+bwd on Ling-3.0's MLA
-    views of a real microbatch on the H200, ``python -m benchmarks.tree_attention``) or ``varlen`` (one packed
-    bottom-right causal flash call, V padded to the q/k head dim). ``view_attention_impl`` says where the split
-    applies."""
-    import os
-
-    k = os.environ.get("HARTS_VIEW_ATTENTION", "cudnn_split")
-    if k not in VIEW_KERNELS:
-        raise ValueError(f"HARTS_VIEW_ATTENTION={k!r}: expected one of {VIEW_KERNELS}")
-    return k
+    """The requested fast kernel of the view path, ``harts.ops.kernel_choices().view_attention`` (default from
+    ``HARTS_VIEW_ATTENTION``): ``cudnn_split`` (the default: cuDNN per view, split into unmasked ancestor pieces
+    (long shared runs read in place) and a causal own piece merged by log-sum-exp, ``harts.ops.attention.split``;
+    no V padding, 1.76x the varlen path's fwd+bwd on Ling-3.0's MLA views of a real microbatch on the H200,
+    ``python -m benchmarks.tree_attention``) or ``varlen`` (one packed bottom-right causal flash call, V padded
+    to the q/k head dim). ``view_attention_impl`` says where the split applies."""
+    return kernel_choices().view_attention
 
 
 def view_attention_impl(q_CHD: torch.Tensor, v_TkHDv: torch.Tensor, kernel: str | None = None) -> tuple[str, str]:

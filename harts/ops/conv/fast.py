@@ -9,7 +9,7 @@ from harts.ops.tuning import tuned
 @tuned("fla.modules.causal_conv1d")
 def short_conv_fast(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor,
                     activation: str | None = "silu", cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
-    from fla.modules.causal_conv1d import causal_conv1d
+    from harts.ops._fla import causal_conv1d
 
     y, _ = causal_conv1d(x_TC.unsqueeze(0), weight=weight_CW.to(x_TC.dtype), bias=None, activation=activation,
                          cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu)

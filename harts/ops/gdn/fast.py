@@ -62,8 +62,7 @@ def gated_delta_rule_rounds(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, *, s
 @tuned("fla.ops.gated_delta_rule")
 def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, *, scale=None, initial_state_NHKV=None,
                          output_final_state=False):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    from harts.ops._fla import chunk_gated_delta_rule
     from harts.ops.gdn.reference import check_inputs
 
     check_inputs(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial_state_NHKV, read_lengths=False)

@@ -26,15 +26,21 @@ states, BT chunk size, NT total chunks.
 from __future__ import annotations
 
 import torch
-from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
-from fla.ops.utils import chunk_local_cumsum
-from fla.ops.utils.constant import RCP_LN2
-from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
 from harts.kernels.gdn_round import gdn_round_bwd_dqkwg
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
+from harts.ops._fla import (
+    RCP_LN2,
+    autocast_custom_bwd,
+    autocast_custom_fwd,
+    chunk_bwd_dv_local,
+    chunk_fwd_o,
+    chunk_gated_delta_rule_fwd_intra,
+    chunk_local_cumsum,
+    input_guard,
+    prepare_wy_repr_bwd,
+)
+from harts.ops._fla import gdn_recompute_w_u_fwd as recompute_w_u_fwd
 from harts.ops.gdn_round.naive import check_gdn_round_inputs
 from harts.ops.kda_round.chunk import round_indices
 from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed

@@ -15,8 +15,7 @@ from harts.ops.tuning import tuned
 @tuned("fla.ops.kda", "harts.ops.norm.fast")
 def kda_fast(q_THK, k_THK, v_THV, f_THK, beta_TH, A_log_H, dt_bias_P, cu_seqlens, *, lower_bound=-5.0,
              chunk_size=64, initial_state_NHKV=None, output_final_state=False, cu_seqlens_cpu=None):
-    from fla.ops.kda import chunk_kda
-
+    from harts.ops._fla import chunk_kda
     from harts.ops.norm.fast import l2_norm_fast
 
     if chunk_size not in (32, 64):

@@ -15,17 +15,25 @@ import functools
 import logging
 
 import torch
-from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
-from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
-from fla.ops.kda.gate import kda_gate_bwd, kda_gate_chunk_cumsum
-from fla.ops.kda.wy_fast import recompute_w_u_fwd
-from fla.ops.utils import chunk_local_cumsum
-from fla.ops.utils.constant import RCP_LN2
-from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
-from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
 
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
+from harts.ops._fla import (
+    RCP_LN2,
+    autocast_custom_bwd,
+    autocast_custom_fwd,
+    chunk_gla_fwd_o_gk,
+    chunk_kda_bwd_dAv,
+    chunk_kda_bwd_intra,
+    chunk_kda_bwd_wy_dqkg_fused,
+    chunk_kda_fwd_intra,
+    chunk_local_cumsum,
+    input_guard,
+    kda_gate_bwd,
+    kda_gate_chunk_cumsum,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+)
+from harts.ops._fla import kda_recompute_w_u_fwd as recompute_w_u_fwd
 from harts.ops.kda_round.naive import check_round_inputs
 from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
 from harts.ops.tuning import tuned

@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import torch
 import triton
-from fla.modules.norm.fused_norm_gate import (
+
+from harts.ops._fla import (
+    IS_INTEL,
+    get_multiprocessor_count,
+    input_guard,
+    l2norm_bwd_kernel,
+    l2norm_bwd_kernel_row,
+    l2norm_fwd_kernel,
+    l2norm_fwd_kernel_row,
+    layer_norm_bwd_kernel,
+    layer_norm_bwd_kernel_row,
+    layer_norm_fwd_kernel,
+    layer_norm_fwd_kernel_row,
     layer_norm_gated_bwd_kernel,
     layer_norm_gated_bwd_kernel_row,
     layer_norm_gated_fwd_kernel,
     layer_norm_gated_fwd_kernel_row,
 )
-from fla.modules.norm.l2norm import l2norm_bwd_kernel, l2norm_bwd_kernel_row, l2norm_fwd_kernel, l2norm_fwd_kernel_row
-from fla.modules.norm.layernorm import (
-    layer_norm_bwd_kernel,
-    layer_norm_bwd_kernel_row,
-    layer_norm_fwd_kernel,
-    layer_norm_fwd_kernel_row,
-)
-from fla.utils import IS_INTEL, get_multiprocessor_count, input_guard
-
 from harts.ops.tuning import tuned
 
 __all__ = ["bucket_nb", "rms_norm_fast", "gated_rms_norm_fast", "l2norm_fwd_bucketed", "l2norm_bwd_bucketed"]

@@ -24,8 +24,7 @@ class _TreeConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_CP, weight_PW, seq_cu, context_QW1, activation):
-        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
-        from fla.ops.utils import prepare_chunk_indices
+        from harts.ops._fla import causal_conv1d_fwd, prepare_chunk_indices
 
         P = x_CP.shape[1]
         Q, W1 = context_QW1.shape
@@ -46,7 +45,7 @@ class _TreeConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_CP):
-        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+        from harts.ops._fla import causal_conv1d_bwd
 
         x, w, init_QPW, rows, valid_QW1, cu, chunks = ctx.saved_tensors
         dx, dw, _, _, dh0_QPW = causal_conv1d_bwd(x=x, dy=dy_CP.unsqueeze(0).contiguous(), dht=None, weight=w,

@@ -1,0 +1,95 @@
+"""Every environment variable HARTS reads, read once, when this module is first imported.
+
+The library reads its settings from ``ENV`` (an ``Environment``), never from ``os.environ`` at call time, so
+a setting cannot change under a running process. The kernel variants (``HARTS_VIEW_ATTENTION``,
+``HARTS_PACKED_ATTENTION``, ``HARTS_AUTOTUNE``) are only the process-wide defaults of
+``harts.ops.kernel_choices()``; change them in code with ``harts.ops.set_kernel_choices`` or, for one block,
+``harts.ops.use_kernel_choices``. docs/environment.md lists every variable with its default and effect.
+
+Values are kept as given (an unknown kernel name is refused, naming the variable, by ``harts.ops.choices``
+when the choices are first needed). Importing this module is cheap: it imports nothing but the standard
+library.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["Environment", "ENV", "VARIABLES", "read", "cache_dirs"]
+
+
+def _flag(value: str | None) -> bool:
+    """Unset, empty, ``0``, ``false`` and ``no`` (any case) are off; anything else is on."""
+    return (value or "").strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The HARTS settings of this process, as read from the environment."""
+
+    view_attention: str = "cudnn_split"
+    """``HARTS_VIEW_ATTENTION``: default kernel of the MLA views' attention (``harts.ops.attention.tree``):
+    ``cudnn_split`` (cuDNN pieces merged by log-sum-exp) or ``varlen`` (one packed flash call)."""
+
+    packed_attention: str = "cudnn"
+    """``HARTS_PACKED_ATTENTION``: default kernel of packed self-attention (``harts.ops.attention.fast``):
+    ``cudnn`` (cuDNN per sequence where it takes the shapes) or ``varlen`` (one packed varlen call)."""
+
+    autotune: str = "table"
+    """``HARTS_AUTOTUNE``: default autotuning mode (``harts.ops.tuning``): ``table`` (the shipped autotune
+    results where the GPU has a table) or ``full`` (benchmark every config of every new key)."""
+
+    kernel_report: str | None = None
+    """``HARTS_KERNEL_REPORT``: a JSONL file to which a training process appends the compile (and autotune)
+    time of every autotuned kernel's first launch per key. Set by ``python -m harts.warmup`` for the
+    training processes it starts."""
+
+    autotune_record: str | None = None
+    """``HARTS_AUTOTUNE_RECORD``: with ``HARTS_KERNEL_REPORT``, the autotune table rewritten after every new
+    key (rank 0). Set by ``python -m harts.warmup --record PATH``."""
+
+    debug: bool = False
+    """``HARTS_DEBUG``: ``train.py`` prints full tracebacks from every rank instead of one error line
+    (unset, empty, ``0``, ``false`` and ``no`` are off)."""
+
+    triton_interpret: bool = False
+    """``TRITON_INTERPRET`` (Triton's own switch) is ``1``: Triton kernels run in its CPU interpreter. HARTS's
+    kernels then build a single small autotune config, and ``backend="fast"`` may run the Triton-only ops
+    on CPU. Triton reads it when a kernel is defined, so set it before anything imports Triton."""
+
+
+def read(environ: Mapping[str, str] | None = None) -> Environment:
+    """The settings in ``environ`` (default ``os.environ``); unset variables take the defaults."""
+    e = os.environ if environ is None else environ
+    d = Environment()
+    return Environment(
+        view_attention=e.get("HARTS_VIEW_ATTENTION", d.view_attention),
+        packed_attention=e.get("HARTS_PACKED_ATTENTION", d.packed_attention),
+        autotune=e.get("HARTS_AUTOTUNE", d.autotune),
+        kernel_report=e.get("HARTS_KERNEL_REPORT") or None,
+        autotune_record=e.get("HARTS_AUTOTUNE_RECORD") or None,
+        debug=_flag(e.get("HARTS_DEBUG")),
+        triton_interpret=e.get("TRITON_INTERPRET") == "1",
+    )
+
+
+ENV: Environment = read()
+"""This process's settings, read at the first import of ``harts.env``."""
+
+# The field each variable fills (docs and error messages name the variable).
+VARIABLES = {"HARTS_VIEW_ATTENTION": "view_attention", "HARTS_PACKED_ATTENTION": "packed_attention",
+             "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
+             "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug", "TRITON_INTERPRET": "triton_interpret"}
+
+
+def cache_dirs() -> dict[str, str]:
+    """Default Triton's and inductor's kernel caches to ``~/.cache/harts/{triton,inductor}`` (persistent,
+    unlike inductor's /tmp default; ``XDG_CACHE_HOME`` moves both); a ``TRITON_CACHE_DIR`` or
+    ``TORCHINDUCTOR_CACHE_DIR`` already set wins. Those tools read the variables themselves, so this sets
+    them in ``os.environ``, and it must run before Triton or inductor is imported (``train.py`` and
+    ``python -m harts.warmup`` call it first thing). Returns ``{"triton": dir, "inductor": dir}``."""
+    root = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "harts")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    return {"triton": os.environ["TRITON_CACHE_DIR"], "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
