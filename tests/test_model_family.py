@@ -109,7 +109,9 @@ def test_tp_capability_is_what_apply_tp_accepts(f):
     with pytest.raises(Exception) as e:
         apply_tp(model, mesh)
     refused = isinstance(e.value, ValueError) and "has a plan for Ling-3.0 layers only" in str(e.value)
-    assert refused == (not f.supports("tp")), e.value
+    assert refused == (not f.supports("tp")), (
+        f"apply_tp {'refuses' if refused else 'accepts'} {f.title} but harts.models.family declares "
+        f"tp={f.supports('tp')}: update its capabilities ({e.value})")
 
 
 @pytest.mark.parametrize("f", FAMILIES.values(), ids=list(FAMILIES))
