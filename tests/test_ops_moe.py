@@ -199,7 +199,11 @@ def test_gather_sum_fast_refuses_float64_and_cpu_without_interpreter(monkeypatch
     slot_TK, token_M1 = _routing_indices(2, 2)
     with pytest.raises(RuntimeError, match="float64"):
         gather_sum(torch.zeros(4, 3, dtype=torch.float64), slot_TK, token_M1, backend="fast")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import dataclasses
+
+    import harts.env
+
+    monkeypatch.setattr(harts.env, "ENV", dataclasses.replace(harts.env.ENV, triton_interpret=False))
     with pytest.raises(RuntimeError, match="kernels need CUDA"):
         gather_sum(torch.zeros(4, 3), slot_TK, token_M1, backend="fast")
     assert torch.equal(gather_sum(torch.ones(4, 3), slot_TK, token_M1), torch.full((2, 3), 2.0))  # auto: reference

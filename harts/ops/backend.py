@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from harts.env import ENV
+from harts import env
 
 __all__ = ["resolve", "attention_fast_impl", "has_fla", "log_once"]
 
@@ -58,7 +58,7 @@ def attention_fast_impl() -> str | None:
 
 
 def _interpreting() -> bool:
-    return ENV.triton_interpret
+    return env.ENV.triton_interpret  # through the module: a test can set harts.env.ENV
 
 
 def _fast_unavailable(op: str, device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str | None:
