@@ -13,7 +13,7 @@ Fixed weights (``--checkpoint`` HF folder, or a seeded init) and one fixed SWE-l
   floor that says how far two valid bf16 executions of the same model drift when only the call shapes
   change;
 - Baseline D: trajectory-wise as A with packed self-attention on the other fused kernel
-  (``HARTS_PACKED_ATTENTION=varlen``: one packed flash call instead of cuDNN per sequence), what a
+  (kernel choice ``packed_attention="varlen"``: one packed flash call instead of cuDNN per sequence), what a
   conventional trainer with flash attention computes. Where the kernels are batch-invariant and the
   routers' logits exact (bf16 products in fp32), C can come close to A, and D is then the floor that
   includes a change of attention kernel: HARTS's views run their attention as pieces merged by
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from unittest import mock
 
 import numpy as np
 import torch
@@ -48,6 +47,7 @@ from benchmarks.common import (
     workload_step,
 )
 from benchmarks.output import write_results
+from harts.ops import use_kernel_choices
 
 
 def handoff_depth_of_rows(batch) -> np.ndarray:
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
     def other_kernel_hidden():
         """Baseline D: ``base_hidden()`` with packed self-attention on the varlen kernel."""
-        with mock.patch.dict(os.environ, HARTS_PACKED_ATTENTION="varlen"):
+        with use_kernel_choices(packed_attention="varlen"):
             return base_hidden()
 
     res = {"args": vars(args), "model": type(model).__name__, "stats": harts_r.stats,

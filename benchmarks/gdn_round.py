@@ -59,6 +59,7 @@ from benchmarks.common import add_workload_args, fullest_microbatch, workload_st
 from benchmarks.kernels import _time_ms
 from benchmarks.output import write_results
 from harts.models.family import model_config
+from harts.ops import set_kernel_choices
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
 
@@ -126,7 +127,7 @@ def core_fla(x: dict, cu: torch.Tensor, cu_cpu: torch.Tensor, repeat: bool = Fal
         from harts.ops.gdn import gated_delta_rule_reference
 
         return gated_delta_rule_reference(q, k, v, x["g"], x["beta"], cu_cpu)[0]
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from harts.ops._fla import chunk_gated_delta_rule
 
     o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], x["g"][None], x["beta"][None].to(q.dtype),
                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
@@ -381,8 +382,9 @@ def _guard_lifted(fn):
     time does not depend on whether the miscompile hits (fla #640 bisects it to BK = 64; Qwen3.5's K = 128
     gives BK = 128 on Hopper), and the numerics check reports what its gradients are."""
     def f():
-        from fla.ops.common import chunk_o
+        from harts.ops._fla import module
 
+        chunk_o = module("fla.ops.common.chunk_o")
         saved = chunk_o.TRITON_ABOVE_3_7_1
         chunk_o.TRITON_ABOVE_3_7_1 = True
         try:
@@ -490,7 +492,7 @@ def main(argv=None) -> int:
     ap.add_argument("--noise-factor", type=float, default=2.0,
                     help="the round kernel's error may be this many times fla's (floored at the dtype's eps)")
     ap.add_argument("--autotune", choices=("table", "full"), default=None,
-                    help="HARTS_AUTOTUNE for this run: the shipped autotune table (default) or a full autotune")
+                    help="kernel choice autotune for this run: the shipped autotune table (default) or a full autotune")
     ap.add_argument("--backend", choices=("fast", "reference"), default="fast",
                     help="fast: fla's and our Triton kernels (the measurement); reference: the pure-torch paths with "
                          "the same contracts (chunk_kda_round_reference, gated_delta_rule_reference), which checks "
@@ -501,7 +503,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.autotune:
-        os.environ["HARTS_AUTOTUNE"] = args.autotune
+        set_kernel_choices(autotune=args.autotune)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.gdn_round: no CUDA GPU here (--device cpu runs the interpreter smoke run)")

@@ -63,8 +63,7 @@ def _time_ms(fn, warmup=2, reps=5, device="cuda"):
 
 def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5, rounds=3,
               trace_dir=None):
-    from fla.ops.kda import chunk_kda
-
+    from harts.ops._fla import chunk_kda
     from harts.ops.kda_round import chunk_kda_round
 
     rows = []

@@ -113,7 +113,7 @@ def test_grpo_gradient_over_shared_prefixes_on_gpu():
     assert err_h <= 1.5 * err_b + 1e-4, (err_h, err_b)
 
 
-def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu(monkeypatch):
+def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu():
     """HARTS's compact execution in bf16 gives the trajectory-wise baseline's hidden states bit for bit when
     both run their attention on the same kernel (HARTS's views and the baseline's packed calls on the varlen
     kernel): the rounds with replay restore the baseline's chunk grid, the handoffs carry the boundary states,
@@ -123,9 +123,8 @@ def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu(mon
     (baseline D). Qwen3.5-8l's head shapes, 4 layers (3 GDN + 1 gated attention), forks on and off the chunk
     grid, nested forks."""
     from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+    from harts.ops import use_kernel_choices
 
-    monkeypatch.setenv("HARTS_VIEW_ATTENTION", "varlen")
-    monkeypatch.setenv("HARTS_PACKED_ATTENTION", "varlen")
     cfg = Qwen35Config.preset("qwen3.5-8l", num_hidden_layers=4, num_experts=16, vocab_size=1024)
     model = Qwen35ForCausalLM(cfg).init_weights(seed=0).cuda().cast_(torch.bfloat16)
     rng = np.random.default_rng(3)
@@ -140,7 +139,7 @@ def test_compact_gives_trajectory_wise_bits_on_the_same_attention_kernel_gpu(mon
     hb = pack(trajs, config=cfg).to("cuda")
     bb = pack(trajs, config=cfg, prefix_sharing=False).to("cuda")
     assert hb.stats["replay_tokens"] > 0 and hb.stats["boundary_states"] > 0
-    with torch.no_grad():
+    with torch.no_grad(), use_kernel_choices(view_attention="varlen", packed_attention="varlen"):
         h_h = hidden_states(model, hb)[hb.logprob_rows]
         h_b = hidden_states(model, bb)[bb.logprob_rows]
         nb = pack(trajs, config=cfg, replay=False).to("cuda")
