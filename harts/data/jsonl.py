@@ -116,12 +116,17 @@ def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, requir
     trajs = []
     name = os.fspath(path)
     try:
-        f = open(path, "r", encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise TrajectoryError(f"{name}: cannot read the rollout file ({e.strerror})") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
             where = f"{name}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TrajectoryError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                      "rollout files are UTF-8 JSON, one object per line") from None
             if not line.strip():
                 raise TrajectoryError(f"{where}: empty line (one trajectory per line)")
             trajs.append(parse_line(line, lineno=lineno, vocab_size=vocab_size, where=where, required=required,

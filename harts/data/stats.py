@@ -7,6 +7,7 @@ paper Eq. 15, so this histogram is what KDA replay costs).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -95,8 +96,12 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     trie = build_trie(batch)
     t2 = time.perf_counter()
-    print(format_stats(workload_stats(trie, args.chunk_size), args.chunk_size))
-    print(f"read {t1 - t0:.2f}s, trie {t2 - t1:.2f}s")
+    try:
+        print(format_stats(workload_stats(trie, args.chunk_size), args.chunk_size))
+        print(f"read {t1 - t0:.2f}s, trie {t2 - t1:.2f}s")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left early (``| head``): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush writes nowhere
     return 0
 
 

@@ -191,6 +191,10 @@ def _as_token_array(tokens, *, where: str, vocab_size: int | None = None) -> np.
     else:
         if isinstance(tokens, (str, bytes, dict)) or not hasattr(tokens, "__len__"):
             raise TrajectoryError(f"{where}: field 'tokens' must be a list of integers, got {type(tokens).__name__}")
+        j = _first_bool(tokens)
+        if j is not None:
+            raise TrajectoryError(f"{where}: field 'tokens' position {j}: token must be a non-negative integer, got "
+                                  f"{tokens[j]!r}")
         try:
             arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
         except (ValueError, OverflowError):
@@ -201,6 +205,12 @@ def _as_token_array(tokens, *, where: str, vocab_size: int | None = None) -> np.
                     raise TrajectoryError(
                         f"{where}: field 'tokens' position {j}: token must be a non-negative integer, got {tok!r}"
                     )
+                if tok < 0:
+                    raise TrajectoryError(f"{where}: field 'tokens' position {j}: negative token id {tok}")
+                if tok >= 2**63:
+                    limit = f" (the vocab size is {vocab_size})" if vocab_size is not None else ""
+                    raise TrajectoryError(f"{where}: field 'tokens' position {j}: token id {tok} is out of range, far "
+                                          f"too large for a token id{limit}")
             raise TrajectoryError(f"{where}: field 'tokens' must be a flat list of integers")
         arr = arr.astype(np.int64, copy=False)
     if arr.shape[0] == 0:
@@ -216,7 +226,20 @@ def _as_token_array(tokens, *, where: str, vocab_size: int | None = None) -> np.
     return arr
 
 
+def _first_bool(values) -> int | None:
+    """Index of the first JSON true/false in a list (numpy would take it as 1/0), None if there is none."""
+    if isinstance(values, (list, tuple)):
+        for j, x in enumerate(values):
+            if isinstance(x, (bool, np.bool_)):
+                return j
+    return None
+
+
 def _as_per_token(value, length: int, *, where: str, name: str) -> np.ndarray:
+    j = _first_bool(value)
+    if j is not None:
+        what = "0 or 1" if name == "loss_mask" else "a number"
+        raise TrajectoryError(f"{where}: field '{name}' position {j} is {str(value[j]).lower()}; it must be {what}")
     try:
         arr = np.asarray(value, dtype=PER_TOKEN_FIELDS[name])
     except (TypeError, ValueError) as e:
@@ -234,6 +257,10 @@ def _as_per_token(value, length: int, *, where: str, name: str) -> np.ndarray:
         j = int(np.flatnonzero((arr != 0) & (arr != 1))[0])
         raise TrajectoryError(f"{where}: field 'loss_mask' position {j} is {arr[j]:g}; a mask holds 0 or 1 "
                               "(per-token weights go into 'loss_weights')")
+    if name in ("old_logprobs", "ref_logprobs") and arr.max() > 0:
+        j = int(np.flatnonzero(arr > 0)[0])
+        raise TrajectoryError(f"{where}: field '{name}' position {j} is {arr[j]:g}; a log-probability is <= 0 "
+                              "(log p of the token, not p or a logit)")
     if name == "loss_weights" and arr.min() < 0:
         j = int(np.flatnonzero(arr < 0)[0])
         raise TrajectoryError(f"{where}: field 'loss_weights' position {j} is {arr[j]:g}; weights must be >= 0")

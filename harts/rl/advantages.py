@@ -12,7 +12,7 @@ import numpy as np
 
 from harts.data.trajectory import Trajectory
 
-__all__ = ["grpo_advantages", "with_grpo_advantages"]
+__all__ = ["grpo_advantages", "with_grpo_advantages", "no_signal_reason"]
 
 
 def grpo_advantages(rewards_N, group_ids_N, *, std_normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
@@ -53,3 +53,21 @@ def with_grpo_advantages(trajectories, *, std_normalize: bool = True, eps: float
     adv = grpo_advantages([t.reward for t in trajs], [t.group_id for t in trajs],
                           std_normalize=std_normalize, eps=eps)
     return tuple(dataclasses.replace(t, advantage=float(a)) for t, a in zip(trajs, adv))
+
+
+def no_signal_reason(trajectories) -> str | None:
+    """Why GRPO gives every trajectory of a step advantage 0, or None if some trajectory's is non-zero: groups
+    of one trajectory (nothing to compare with) and groups whose rewards are all equal both give 0."""
+    trajs = tuple(trajectories)
+    if not trajs or any(t.advantage is None or t.advantage != 0 for t in trajs):
+        return None
+    rewards: dict = {}
+    for t in trajs:
+        rewards.setdefault(t.group_id, []).append(t.reward)
+    single = sum(len(r) == 1 for r in rewards.values())
+    if single == len(rewards):
+        return f"each of its {len(rewards)} group_id values has a single trajectory"
+    if single == 0:
+        return f"within each of its {len(rewards)} groups (group_id) every trajectory has the same reward"
+    return (f"each of its {len(rewards)} groups (group_id) has a single trajectory ({single} groups) or equal "
+            "rewards (the others)")
