@@ -23,6 +23,7 @@ Command-line syntax is tyro's, with three conveniences registered as tyro rules:
 
 import dataclasses
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -103,11 +104,14 @@ class Data:
     seed: int = 0
     """Step s uses seed + s (synthetic)."""
     scale: float = 1.0
+    """Synthetic: multiplies the number of rollout trees per step (each tree's shape is unchanged)."""
     path: list[str] = field(default_factory=list)
-    """JSONL files, one step each, cycled in order (jsonl source)."""
+    """JSONL files, one step each, cycled in order (jsonl source): step s reads file (s-1) mod len(path), so
+    one file gives the same rollouts every step. In TOML a single string is one file. Every file is read and
+    checked before step 1."""
     fixed_step: bool = False
-    """Every step reuses the first step's rollouts (offline RL on one batch: the loss then falls as the
-    policy fits it)."""
+    """Synthetic source: every step reuses the first generated step (offline RL on one batch: the loss then
+    falls as the policy fits it). JSONL files are always cycled (see path)."""
     max_length: int = 0
     """Truncate trajectories to this many tokens (0 = keep); for sizing a workload to the hardware."""
     reward: Literal["auto", "data", "learnable"] = "auto"
@@ -119,6 +123,8 @@ class Data:
     """Steps prepared ahead by the background worker (0 = prepare in the main thread)."""
 
     def validate(self) -> None:
+        if isinstance(self.path, str):
+            raise TypeError(f"config: data.path = {self.path!r} must be a list of files, e.g. [{self.path!r}]")
         if self.source == "jsonl" and not self.path:
             raise ValueError("config: data.source = 'jsonl' needs data.path (one or more JSONL files)")
         if self.source != "jsonl" and self.path:
@@ -144,8 +150,11 @@ class RL:
     advantages: Literal["grpo", "data"] = "grpo"
     """'grpo': group-relative from reward and group_id; 'data': the rollouts' advantage(s)."""
     std_normalize: bool = True
+    """GRPO: divide each advantage by its group's reward std (false: subtract the group mean only)."""
     adv_eps: float = 1e-6
+    """GRPO: added to the group's reward std before dividing."""
     clip_eps: float = 0.2
+    """PPO: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: float = 0.0
     """Upper clip (0 = clip_eps)."""
     kl_coef: float = 0.0
@@ -155,7 +164,10 @@ class RL:
     loss_norm: Literal["token", "sequence"] = "token"
     """'token' or 'sequence'; both are step-global (see harts.rl.losses)."""
     z_loss_coef: float = 0.0
+    """MoE router z-loss weight (mean squared log-sum-exp of the router logits; 0 = off)."""
     aux_loss_coef: float = 0.0
+    """MoE load-balance loss weight (sum over experts of f_E P_E: the previous step's load share times the
+    mean router probability; 0 = off)."""
     expert_bias_rate: float = 1e-3
     """Aux-loss-free balancing step (0 = off); counts are multiplicity-weighted and summed over DP."""
 
@@ -208,6 +220,7 @@ class Online:
 @dataclass
 class Profile:
     enable: bool = False
+    """Trace profile.steps with torch.profiler (CPU, and CUDA on a GPU)."""
     steps: list[int] = field(default_factory=lambda: [3])
     """Steps (1-based) to trace; each writes a chrome trace per rank."""
     folder: str = "profile"
@@ -559,9 +572,74 @@ def _from_toml(cls, data: dict, path: str, section: str | None = None):
             extra = _torchtitan_hint(section, key)
             raise ValueError(f"config: unknown {where}{did_you_mean(key, known)}{extra} in {path}; "
                              "`python train.py --help` lists every key")
-        table = dataclasses.is_dataclass(hints[key]) and isinstance(value, dict)
-        kwargs[key] = _from_toml(hints[key], value, path, key) if table else value
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ValueError(f"config: {key} = {_toml_repr(value)} in {path}: [{key}] is a section (a table of "
+                                 "keys), not a value")
+            kwargs[key] = _from_toml(hints[key], value, path, key)
+        else:
+            kwargs[key] = _toml_value(hints[key], value, f"{section}.{key}" if section else key, path)
     return cls(**kwargs)
+
+
+def _toml_repr(value) -> str:
+    """A value as TOML writes it (strings in double quotes, true/false)."""
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string (in quotes)"}
+
+
+def _kind(t) -> str:
+    """What a value of type ``t`` is, in words."""
+    t = typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
+    if typing.get_origin(t) is Literal:
+        return "one of " + ", ".join(_toml_repr(a) for a in typing.get_args(t))
+    if typing.get_origin(t) is list:
+        elem = typing.get_args(t)[0]
+        return "a list of " + {str: "strings (in quotes)", int: "integers", float: "numbers"}.get(elem, _kind(elem))
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _kind(args[0])
+    return _KINDS.get(t, getattr(t, "__name__", str(t)))
+
+
+def _toml_value(t, value, key: str, path: str):
+    """A TOML value checked against the field's type ``t`` (tyro checks the command line's, but takes a TOML
+    default of the wrong type as it is): an int where a float is expected becomes a float, a string where a
+    list of strings is expected a one-element list; anything else of the wrong type is one line naming the
+    file, the key, the value and the type expected."""
+    t0 = typing.get_args(t)[0] if typing.get_origin(t) is Annotated else t
+    origin, args = typing.get_origin(t0), typing.get_args(t0)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _toml_value(a, value, key, path)
+                except ValueError:
+                    pass
+    elif origin is Literal:
+        return value  # _check_values names the allowed values
+    elif origin is list:
+        if isinstance(value, str) and args == (str,):
+            return [value]  # path = "x.jsonl" means the one file, not its characters
+        if isinstance(value, list):
+            try:
+                return [_toml_value(args[0], v, key, path) for v in value]
+            except ValueError:
+                pass
+    elif t0 is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif t0 in (bool, int, str) and isinstance(value, t0) and (t0 is bool or not isinstance(value, bool)):
+        return value
+    elif t0 not in (bool, int, float, str):
+        return value
+    raise ValueError(f"config: {key} = {_toml_repr(value)} in {path}: expected {_kind(t)}")
 
 
 def _unknown_option(token: str) -> str:
