@@ -32,6 +32,17 @@ def _report(e: BaseException, rank: int) -> None:
     print("error: " + "\n  ".join(lines[:3]), file=sys.stderr, flush=True)
 
 
+def _remove_if_empty(folder: str) -> None:
+    """Removes ``folder`` if it holds no files (only empty folders): what a run that failed before writing
+    anything leaves behind."""
+    import shutil
+
+    for _, _, files in os.walk(folder):
+        if files:
+            return
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _single_process_group():
     """A one-process gloo group for ``python train.py`` (the checkpointer's collectives need one)."""
     import socket
@@ -54,12 +65,14 @@ def main(argv=None) -> int:
     from harts.warmup import cache_dirs
 
     cache_dirs()  # persistent Triton/inductor caches (~/.cache/harts) unless set: docs/first-gpu-run.md
-    code, trainer = 0, None
+    code, trainer, created = 0, None, None
     try:
         from harts.train.config import parse_args
         from harts.train.trainer import Trainer
 
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        if rank == 0 and not os.path.exists(cfg.job.dump_folder):
+            created = cfg.job.dump_folder  # removed again if the run fails before writing anything there
         if cfg.job.print_config and rank == 0:
             print(cfg)
         if "RANK" not in os.environ:
@@ -77,6 +90,8 @@ def main(argv=None) -> int:
         else:
             _report(e, rank)
         code = 1
+        if created:
+            _remove_if_empty(created)
     finally:
         if trainer is not None and (code == 0 or world == 1):
             trainer.close()

@@ -39,7 +39,7 @@ import torch
 
 from harts.data.trajectory import Trajectory
 from harts.planning.microbatch import MicrobatchPlan, PlanningError
-from harts.rl.advantages import with_grpo_advantages
+from harts.rl.advantages import no_signal_reason, with_grpo_advantages
 from harts.rl.losses import StepNormalizer, microbatch_coefficients, step_normalizer
 from harts.runtime.batch import CompactBatch, pack
 
@@ -188,7 +188,7 @@ class StepBuilder:
         # online mode: the trainer sets ``online`` (step -> harts.rl.rollout.Rollouts, sampled from its policy)
         self.online, self.online_stats = None, {}
         self.reward = "data" if cfg.online.enabled else reward_mode(cfg.data)
-        self._told_reward = False
+        self._told_reward = self._told_no_signal = False
         self.reward_vocab = vocab_size  # the learnable reward splits these ids in half
         if cfg.data.source == "synthetic":
             from harts.data.synthetic import PRESETS
@@ -196,9 +196,34 @@ class StepBuilder:
             self.reward_vocab = PRESETS[cfg.data.preset].vocab_size  # the ids the generator draws from
 
     def path(self, step: int) -> str:
-        """The JSONL file of step ``step`` (jsonl source)."""
+        """The JSONL file of step ``step`` (jsonl source): the files of ``data.path`` in order, cycled
+        (``data.fixed_step`` applies to synthetic data; one file gives the same rollouts every step)."""
         dc = self.cfg.data
-        return dc.path[0 if dc.fixed_step else (step - 1) % len(dc.path)]
+        return dc.path[(step - 1) % len(dc.path)]
+
+    def check_files(self) -> tuple[int, int]:
+        """Reads every distinct file of ``data.path`` as its step will be read (the schema, the fields the
+        objective needs, loss tokens, ``harts.capacity``), so that a bad file stops the run before step 1
+        instead of when its step comes; the first error names file:line and the field or setting. Returns
+        (files, trajectories) checked."""
+        files = trajectories = 0
+        first_step = {}
+        for i, p in enumerate(self.cfg.data.path):
+            first_step.setdefault(p, i + 1)
+        for step in first_step.values():
+            trajs = self.load(step)
+            self.normalizer(step, trajs)
+            self._check_capacity(step, trajs)
+            files, trajectories = files + 1, trajectories + len(trajs)
+        return files, trajectories
+
+    def normalizer(self, step: int, trajs) -> StepNormalizer:
+        """The step's loss normalisers; an error names the step's file."""
+        try:
+            return step_normalizer(trajs)
+        except ValueError as e:
+            where = self.path(step) if self.cfg.data.source == "jsonl" else f"step {step}"
+            raise ValueError(f"{where}: {e}") from None
 
     def where(self, step: int, i: int) -> str:
         """Trajectory ``i`` of step ``step`` for error messages: ``file:line`` for JSONL data."""
@@ -243,6 +268,15 @@ class StepBuilder:
             trajs = tuple(dataclasses.replace(t, reward=learnable_reward(t, self.reward_vocab)) for t in trajs)
         if rl.advantages == "grpo":
             trajs = with_grpo_advantages(trajs, std_normalize=rl.std_normalize, eps=rl.adv_eps)
+            why = None if self._told_no_signal else no_signal_reason(trajs)
+            if why is not None:
+                self._told_no_signal = True  # once per run
+                if os.environ.get("RANK", "0") == "0":
+                    where = self.path(step) if dc.source == "jsonl" and not self.cfg.online.enabled else f"step {step}"
+                    log.warning("%s: every GRPO advantage is 0, so the policy gradient is 0 and the step learns "
+                                "nothing: %s; GRPO compares the rewards of trajectories of one prompt, so give each "
+                                "group_id several trajectories with different rewards, or set rl.advantages = "
+                                "'data' with your own advantages", where, why)
         else:
             for i, t in enumerate(trajs):
                 if t.token_advantages() is None:
@@ -313,11 +347,7 @@ class StepBuilder:
         t0 = time.perf_counter()
         trajs = self.load(step)
         t1 = time.perf_counter()
-        try:
-            norm = step_normalizer(trajs)
-        except ValueError as e:
-            where = self.path(step) if self.cfg.data.source == "jsonl" else f"step {step}"
-            raise ValueError(f"{where}: {e}") from None
+        norm = self.normalizer(step, trajs)
         self._check_capacity(step, trajs)
         try:
             plan = self.plan(trajs)

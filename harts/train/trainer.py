@@ -75,6 +75,29 @@ class TrainState:
             self.moe_f.copy_(sd["moe_f"])
 
 
+class _DropDCPTracebacks(logging.Filter):
+    """Drops the warnings with tracebacks that torch.distributed.checkpoint logs on the root logger while it
+    fails to read a checkpoint (the error that follows says what failed, once)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "distributed/checkpoint" in record.pathname.replace(os.sep, "/"))
+
+
+def _checkpoint_failure(e: BaseException, rank: int) -> str:
+    """The cause of a failed checkpoint load in one short line: DCP's exception wraps every rank's (with its
+    traceback); this rank's, else the first."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = (failures.get(rank) or next(iter(failures.values())))[0]
+    lines = str(e).strip().splitlines()
+    msg = lines[0].rstrip(".") if lines else type(e).__name__ + (" (a file ends early)" if isinstance(e, EOFError)
+                                                                 else "")
+    if msg.startswith("metadata is None"):  # DCP read neither the global nor the rank's metadata file
+        why = msg.partition("global metadata read failed: ")[2].partition("; rank local")[0]
+        msg = f"its .metadata does not load ({why or msg})"
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
 def _norms_sum(grads: list[torch.Tensor]) -> torch.Tensor:
     """Sum of the gradients' 2-norms: finite iff every gradient is (multi-tensor kernels accumulating in
     fp64; no fp64 copy of 7.9B gradient elements per microbatch just to look for a NaN)."""
@@ -90,6 +113,7 @@ class Trainer:
         self.cfg = cfg
         self.hooks = hooks if hooks is not None else hooks_from_config(cfg.debug)
         self._init_distributed()
+        self._check_dump_folder()
         dc, lc, pc = cfg.debug, cfg.ling, cfg.parallelism
         seed = dc.seed if dc.seed is not None else 0
         torch.manual_seed(seed)
@@ -152,6 +176,7 @@ class Trainer:
                                    vocab_size=self.model_cfg.vocab_size, chunk_size=chunk_size, conv_width=conv_width,
                                    row_multiple=self.row_split, cp_group=self.cp_group,
                                    min_slots=d.pp if cfg.harts.fill_pipeline else 1)
+        self.data_checked = self._check_data_files()
         if cfg.online.enabled:  # rollouts sampled from this model when each step is built (harts.rl.online)
             if self.world_size > 1:
                 raise ValueError(f"online.enabled = true runs in one process (world size is {self.world_size}): "
@@ -219,10 +244,15 @@ class Trainer:
                     f"(branching {list(o.branching)}, temperature {o.temperature:g}, top_p {o.top_p:g}, seed "
                     f"{o.seed}); rewards from the environment")
         if dc.source == "jsonl":
-            src = f"JSONL, {len(dc.path)} file(s) ({', '.join(dc.path[:3])}{', ...' if len(dc.path) > 3 else ''})"
+            n = len(dc.path)
+            src = f"JSONL, {n} file(s) ({', '.join(dc.path[:3])}{', ...' if n > 3 else ''}), "
+            src += "the same file every step" if n == 1 else f"one per step, cycled (step s reads file (s-1) mod {n})"
+            if self.data_checked is not None:
+                files, trajs, secs = self.data_checked
+                src += f", all {files} distinct file(s) checked up front ({trajs:,} trajectories, {secs:.1f} s)"
         else:
             src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
-        src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
+            src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
         if self.cfg.rl.advantages == "data":
             why = "advantages from the data (rl.advantages = 'data')"
         elif reward == "data":
@@ -231,6 +261,42 @@ class Trainer:
             why = (f"learnable reward, replacing any rewards in the data (data.reward = {dc.reward!r}; 'data' "
                    "uses the data's)")
         return f"{src}; {why}"
+
+    def _check_dump_folder(self) -> None:
+        """job.dump_folder must be a folder this process can write (checked now, not when the first metrics record
+        or checkpoint is written)."""
+        folder = self.cfg.job.dump_folder
+        probe = os.path.join(folder, f".harts-write-test-{self.rank}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise RunDirError(f"job.dump_folder = {folder!r} is not a writable folder ({e.strerror or e}): set "
+                              "--job.dump_folder to a folder this user can write") from None
+
+    def _check_data_files(self) -> tuple[int, int, float] | None:
+        """JSONL data: rank 0 reads every file of data.path before step 1 (``StepBuilder.check_files``), so that
+        a bad file late in the list stops the run now, with rank 0's one error line, instead of hours later.
+        The other ranks learn the outcome from one all-reduce and stop quietly with it. Returns (files,
+        trajectories, seconds) on rank 0, None elsewhere or for generated data."""
+        if self.cfg.data.source != "jsonl" or self.cfg.online.enabled:
+            return None
+        t0, found, err = time.perf_counter(), None, None
+        if self.rank == 0:
+            try:
+                found = self.builder.check_files()
+            except (ValueError, OSError) as e:  # names file:line and the field or setting
+                err = e
+        if self.distributed:
+            flag = torch.tensor([int(err is not None)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag)
+            if int(flag) and err is None:
+                raise ValueError("rank 0 found an invalid data file (its error line names it)")
+        if err is not None:
+            raise err
+        return None if found is None else (*found, time.perf_counter() - t0)
 
     @property
     def row_split(self) -> int:
@@ -385,6 +451,42 @@ class Trainer:
                     log.warning("checkpoint %s is incomplete (no .metadata: the run stopped while writing it); "
                                 "skipped", path)
 
+    def _checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints (step-N with .metadata) in checkpoint.folder."""
+        folder = self.ckpt_folder
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
+                      and os.path.isfile(os.path.join(folder, n, ".metadata")))
+
+    def _load_checkpoint(self) -> None:
+        """Resume from the latest (or checkpoint.load_step's) checkpoint. A checkpoint that does not load (another
+        model or layout wrote it, or its files are damaged) is one line naming its folder and the settings that
+        get past it; DCP's own error carries a traceback from every rank."""
+        ck = self.cfg.checkpoint
+        quiet = _DropDCPTracebacks()
+        if os.environ.get("HARTS_DEBUG", "").strip().lower() in ("", "0", "false", "no"):
+            logging.getLogger().addFilter(quiet)  # DCP warns of a damaged .metadata with a traceback per rank
+        try:
+            self.checkpointer.load(step=ck.load_step)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            steps = self._checkpoint_steps()
+            if ck.load_step >= 0:
+                what = os.path.join(self.ckpt_folder, f"step-{ck.load_step}")
+            elif steps:
+                what = os.path.join(self.ckpt_folder, f"step-{steps[-1]}")
+            else:
+                what = ck.initial_load_path or self.ckpt_folder
+            earlier = f" (complete checkpoints here: steps {', '.join(map(str, steps))})" if steps else ""
+            raise RunDirError(f"cannot resume from checkpoint {what}: {_checkpoint_failure(e, self.rank)}; a "
+                              "different model or parallel layout wrote it, or its files are damaged: start fresh "
+                              "with --checkpoint.overwrite (deletes this run's checkpoints and metrics) or another "
+                              f"--job.dump_folder, or resume another step with --checkpoint.load_step=N{earlier}"
+                              ) from e
+        finally:
+            logging.getLogger().removeFilter(quiet)
+
     def _check_resume(self) -> None:
         """After loading: a run that already reached training.steps is an error, not a silent no-op; the
         metrics file keeps the records up to the loaded step (steps after it are trained again)."""
@@ -404,7 +506,7 @@ class Trainer:
     def train(self) -> list[dict]:
         cfg = self.cfg
         self._prepare_run_dir()
-        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        self._load_checkpoint()
         self._check_resume()
         self.loader.next_step = self.state.step + 1
         if self.device.type == "cuda" and self.rank == 0:
