@@ -130,7 +130,7 @@ def test_quickstart_multi_file_command_trains_on_every_file(tmp_path, caplog):
     assert train.main(_argv(out, "--data.source=jsonl", f"--data.path={a},{b}")) == 0
     sizes = [sum(len(json.loads(line)["tokens"]) for line in open(p)) for p in (a, b)]
     assert [r["raw_tokens"] for r in records(out)] == sizes and sizes[0] != sizes[1]
-    assert "all 2 distinct file(s) checked up front (20 trajectories" in caplog.text
+    assert "checked before step 1: 2 file(s), 20 trajectories" in caplog.text
 
 
 def test_a_bad_later_file_stops_the_run_before_step_1(tmp_path, capfd):

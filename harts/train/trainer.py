@@ -249,7 +249,7 @@ class Trainer:
             src += "the same file every step" if n == 1 else f"one per step, cycled (step s reads file (s-1) mod {n})"
             if self.data_checked is not None:
                 files, trajs, secs = self.data_checked
-                src += f", all {files} distinct file(s) checked up front ({trajs:,} trajectories, {secs:.1f} s)"
+                src += f", checked before step 1: {files} file(s), {trajs:,} trajectories ({secs:.1f} s)"
         else:
             src = f"synthetic preset {dc.preset!r} (seed {dc.seed}, scale {dc.scale:g})"
             src += ", the first step's rollouts every step (data.fixed_step)" if dc.fixed_step else ""
