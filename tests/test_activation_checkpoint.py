@@ -165,8 +165,8 @@ def test_policy_validation_and_refusals():
     assert model.model.checkpoint_policy == "full" and model.model.checkpoint_layers
     model.model.checkpoint_layers = False
     assert model.model.checkpoint_policy == "none"
-    h = model.decoder_layers()[2].mlp.register_forward_hook(lambda m, a, o: None)
-    with pytest.raises(ValueError, match="layer 2: module 'mlp' has forward hooks"):
+    h = model.decoder_layers()[2].attention.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(ValueError, match="layer 2: the sequence mixer module has forward hooks"):
         apply_ac(model, "selective")
     h.remove()
     apply_ac(model, "selective")

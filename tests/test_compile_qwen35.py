@@ -146,15 +146,27 @@ def test_selective_saves_matmuls_and_recomputes_elementwise(setup):
         assert 0 < sel[op] == none[op] < full[op], (op, none[op], sel[op], full[op])
 
 
-def test_region_split_refusals():
+def test_region_split_refusals_and_submodule_hooks_run_in_the_regions():
+    """Hooks on the modules the regions call (norms, MoE, the mixer's projections: where tensor parallelism
+    puts its boundaries) run under selective checkpointing; hooks on the mixer module itself, whose code
+    the regions call in pieces, are refused."""
     model = make_model(CHUNK)
-    h = model.decoder_layers()[3].mlp.register_forward_hook(lambda m, a, o: None)
-    with pytest.raises(ValueError, match="layer 3: module 'mlp' has forward hooks"):
+    h = model.decoder_layers()[3].attention.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(ValueError, match="layer 3: the sequence mixer module has forward hooks"):
         apply_ac(model, "selective")
-    with pytest.raises(ValueError, match="layer 3: module 'mlp' has forward hooks"):
+    with pytest.raises(ValueError, match="layer 3: the sequence mixer module has forward hooks"):
         compile_model(model)
     h.remove()
+    calls = []
+    layer = model.decoder_layers()[3]
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o: calls.append("mlp")),
+             layer.post_attention_layernorm.register_forward_hook(lambda m, a, o: calls.append("norm"))]
     apply_ac(model, "selective")
+    ids = torch.randint(0, model.config.vocab_size, (12,))
+    model(ids, torch.arange(12), torch.tensor([0, 12]))
+    assert calls == ["norm", "mlp"], calls
+    for hk in hooks:
+        hk.remove()
     assert model.model.checkpoint_policy == "selective" and not model.model.checkpoint_layers
     model.decoder_layers()[0].mlp.expert_parallel = lambda *a: None
     with pytest.raises(ValueError, match="layer 0: expert parallelism"):

@@ -39,6 +39,10 @@ TWO = {  # name -> extra arguments ({d}: the runs' folder)
     "pp_ppo": ["--parallelism.pipeline_parallel_degree=2", *PP_PPO],
     "fid_tp": ["--parallelism.tensor_parallel_degree=2", "--parallelism.enable_sequence_parallel=true",
                "--parallelism.data_parallel_shard_degree=1", "--training.steps=1", "--debug.dump_hidden={d}/tp"],
+    # tensor parallelism with sequence parallelism, selective checkpointing and compiled regions (aot_eager)
+    "tp_sp_sac_compile": ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                          "--parallelism.enable_sequence_parallel=true", "--activation_checkpoint.mode=selective",
+                          "--compile.enable=true", "--compile.backend=aot_eager"],
     # killed right after step 2's checkpoint (the process ends there, so this run comes last)
     "resume": ["--checkpoint.enable", "--debug.exit_after_step=2"],
 }
@@ -108,6 +112,15 @@ def test_fsdp2_with_selective_checkpointing_equals_one_process(ref, two):
     """Selective checkpointing runs each layer as regions; the layer is still called as a module, so FSDP2's
     per-layer hooks gather its parameters for the forward and the recomputation."""
     assert_same_run(ref[2], two / "fsdp_sac")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_compiled_with_selective_checkpointing_equals_one_process(ref, two):
+    """TP2 + SP with the layers compiled (aot_eager) under selective checkpointing: the layer runs on local
+    parameter views, its regions cross the TP boundaries as module hooks, and a recomputation sees the same
+    views (harts.train.tensor_parallel)."""
+    assert_same_run(ref[2], two / "tp_sp_sac_compile")
+    assert all(r["tp"] == 2 for r in records(two / "tp_sp_sac_compile"))
 
 
 @pytest.mark.slow

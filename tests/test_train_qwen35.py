@@ -9,11 +9,12 @@ reference ops, a truncated tiny workload.
 - Two gloo processes: the 8-GPU config's layout (FSDP2 + EP over all ranks), once with host init and once
   with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, two
   pipeline stages (PP2, full AC), context parallelism (CP2 with full AC; CP2 + EP2), and on four processes
-  dp_shard 2 x CP2 x EP4, each equal the one-process run (losses, grad norms, final weights;
+  dp_shard 2 x CP2 x EP4, and tensor parallelism (TP2; TP2 + SP compiled under selective checkpointing), each
+  equal the one-process run (losses, grad norms, final weights;
   ``helpers.assert_same_run``).
 - One step with the layers compiled (aot_eager) under selective activation checkpointing equals the eager,
   uncheckpointed step (loss, router loss, gradient norm; float64).
-- Settings Qwen3.5 has no implementation for (expert-bias updates, TP) are refused by name, and so are head
+- Settings Qwen3.5 has no implementation for (expert-bias updates) are refused by name, and so are head
   counts that context parallelism cannot split.
 """
 import pytest
@@ -82,7 +83,15 @@ TWO = {"fsdp_ep": (FSDP_EP, dict(dp=2, cp=1, ep=2, pp=1)),
        "cp2_ac": (["--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"],
                   dict(dp=1, cp=2, ep=1, pp=1)),
        "cp2_ep2": (["--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"],
-                   dict(dp=1, cp=2, ep=2, pp=1))}
+                   dict(dp=1, cp=2, ep=2, pp=1)),
+       # tensor parallelism (harts.train.tensor_parallel): eager, and with sequence parallelism, selective
+       # activation checkpointing and compiled regions (aot_eager) together
+       "tp2": (["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
+               dict(dp=1, cp=1, ep=1, pp=1, tp=2)),
+       "tp2_sp_sac_compile": (["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                               "--parallelism.enable_sequence_parallel=true", "--activation_checkpoint.mode=selective",
+                               "--compile.enable=true", "--compile.backend=aot_eager"],
+                              dict(dp=1, cp=1, ep=1, pp=1, tp=2))}
 CP = "--parallelism.context_parallel_degree=2"
 
 
@@ -96,8 +105,9 @@ def two(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TWO))
 def test_two_process_layouts_equal_one(two, name):
-    """FSDP2 + EP (host init; per-rank init on meta with full AC), PP2 (full AC), CP2 (full AC) and CP2 + EP2,
-    each on two gloo processes, equal the one-process run: losses, grad norms, final weights."""
+    """FSDP2 + EP (host init; per-rank init on meta with full AC), PP2 (full AC), CP2 (full AC), CP2 + EP2, TP2,
+    and TP2 + SP with selective checkpointing and compiled regions, each on two gloo processes, equal the
+    one-process run: losses, grad norms, final weights."""
     got = records(two / name)
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["world"] == 2 and all(r[k] == v for k, v in TWO[name][1].items()) for r in got), name
@@ -136,7 +146,6 @@ def test_compiled_selective_checkpointing_step_equals_eager(runs, tmp_path):
 
 @pytest.mark.parametrize("over, named", [
     ({"rl.expert_bias_rate": 1e-3}, "rl.expert_bias_rate"),
-    ({"parallelism.tensor_parallel_degree": 2}, "parallelism.tensor_parallel_degree = 2"),
 ])
 def test_unsupported_settings_are_refused_by_name(tmp_path, over, named):
     p = tmp_path / "base.toml"

@@ -13,7 +13,8 @@ starts with: ``qwen3.5-*`` presets are Qwen3.5-MoE, ``ling3-*`` presets Ling-3.0
 
 Capabilities (what harts.train runs today):
 
-- ``tp``: tensor / sequence parallelism (``harts.train.parallelize.apply_tp``; its plan covers Ling-3.0's layers)
+- ``tp``: tensor / sequence parallelism (``harts.train.parallelize.apply_tp``, the family's plan in
+  ``harts.train.tensor_parallel``)
 - ``ep``: expert parallelism (``apply_ep``); ``cp``: context parallelism; ``pp``: pipeline stages
   (``harts.train.pipeline.prune_to_stage``)
 - ``compile``: ``harts.models.ling.compile_model``; ``selective_ac``: selective activation checkpointing
@@ -130,9 +131,8 @@ QWEN35 = ModelFamily(
     presets=("qwen3.5-35b-a3b", "qwen3.5-8l", "qwen3.5-debug"), preset_prefix="qwen3.5",
     hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
     state_dict_adapter=_qwen35_adapter, load_pretrained=_qwen35_load, save_pretrained=_qwen35_save,
-    # no tensor-parallel plan for its layers (apply_tp refuses it), no expert bias (the trainer refuses
-    # rl.expert_bias_rate != 0)
-    capabilities=CAPABILITIES - {"tp", "expert_bias"},
+    # no expert bias (the trainer refuses rl.expert_bias_rate != 0)
+    capabilities=CAPABILITIES - {"expert_bias"},
 )
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LING3, QWEN35)}

@@ -25,7 +25,7 @@ parameters and optimizer states are sharded over the CP ranks as well.
 Both model families go through the same functions: the stacked expert weights are read through
 ``expert_weights`` (Ling's gate_proj / up_proj / down_proj, Qwen3.5's gate_up_proj / down_proj) and the token
 embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's embed_tokens). Tensor parallelism has a
-plan for Ling's layers only; ``apply_tp`` refuses a Qwen3.5 model with a ValueError.
+plan for each family's layers (``harts.train.tensor_parallel``).
 
 Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden,
 F expert width.
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harts.models.ling.blocks import DecoderLayer, MoE
+from harts.models.ling.blocks import DecoderLayer
 from harts.ops.moe.experts import _combine, grouped_experts
 
 log = logging.getLogger("harts.train")
@@ -219,94 +219,38 @@ def expert_params(model) -> set:
 
 # ------------------------------------------------------------------------------------------ TP
 def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
-    """Megatron-style tensor parallelism with DTensor parallel styles (``parallelize_module``), two TP
-    regions per layer: the sequence mixer and the FFN.
-
-    A region's input (``PrepareModuleInput``) is a Replicate DTensor, all-gathered from row shards under SP;
-    the gradients of its consumers are partial (each rank holds its heads / its FFN width) and are summed
-    once at the input (all-reduce, or reduce-scatter into row shards). Column-parallel projections
-    (``ColwiseParallel``: KDA q/k/v/f/b/g, MLA q/g, FFN gate/up) read that DTensor and hand back local
-    head-sharded activations; the output projection (``RowwiseParallel``: KDA o_proj, MLA dense, FFN down)
-    reduces the partial sum into the residual stream's placement. A MoE layer's output, routed experts plus
-    shared experts (whose down projection stays Partial), is reduced once by ``PrepareModuleOutput``.
-
-    Parameters the model reads itself rather than through an ``nn.Linear`` call, because its Triton / torch
-    ops take plain tensors (KDA conv weights, A_log, dt_bias and gated-norm weight; MLA's low-rank q_a/kv_a
-    projections, their norms and q_b/kv_b; router; stacked experts), are distributed here and read through
-    ``harts.models.ling.blocks.local`` in the module's forward (torchtitan's GroupedExperts does the same with
-    ``to_local``): a Shard parameter gives its shard, a Replicate one (used on this rank's heads, width or
-    rows) gives a partial gradient that ``local`` all-reduces. MLA's low-rank path is read that way and not
-    as per-Linear styles because its replicated output meets head-sharded activations inside MLA (the shared
-    RoPE key is expanded over this rank's heads), so only the region input can sum its gradient exactly.
+    """Megatron-style tensor parallelism from outside the model (``harts.train.tensor_parallel``): per decoder
+    layer the family's plan (``ling_plan`` / ``qwen35_plan``) distributes its parameters over ``tp_mesh``
+    and runs the layer's own code on local views of them, with the two TP regions' boundaries (the layer
+    norms' outputs in, the mixer's output projection and the FFN / MoE out) as parallel styles; nothing in
+    the model is told that it is parallel (head counts are read off tensor shapes). Routed experts already
+    sharded by expert parallelism (``apply_ep``, applied first) keep that sharding; each TP rank then
+    dispatches a disjoint slice of the rows.
 
     Sequence parallelism: the residual stream and the layer norms hold this rank's rows (the rows are padded
-    to a multiple of tp); the layer-norm weights are Replicate (partial gradients, see ``local``). The
-    embeddings' output is split into row shards (``PrepareModuleOutput``) and the final norm's input
-    all-gathered (``PrepareModuleInput``); embeddings and LM head stay whole. torch's ``SequenceParallel``
-    style is not used: it runs the norm on DTensors, which our Triton norm does not take."""
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    to a multiple of tp); the embeddings' output is split into row shards (``PrepareModuleOutput``) and the
+    final norm's input all-gathered (``PrepareModuleInput``); embeddings and LM head stay whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+
+    from harts.models.qwen35.blocks import DecoderLayer as Qwen35Layer
+    from harts.train.tensor_parallel import ling_plan, qwen35_plan
 
     tp = tp_mesh.size()
-    cfg = model.config
-    if not all(isinstance(layer, DecoderLayer) for layer in model.decoder_layers()):
-        raise ValueError(f"tensor parallelism (tensor_parallel_degree={tp}) has a plan for Ling-3.0 layers only, "
-                         f"not for {type(model).__name__}'s ({type(model.decoder_layers()[0]).__name__}); "
-                         "set parallelism.tensor_parallel_degree = 1 (FSDP2 and expert parallelism shard it)")
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} "
-                         f"is not divisible by tensor_parallel_degree={tp}")
-    rows = Shard(0) if sequence_parallel else Replicate()
-
-    def region(n_args: int):  # the first argument is the input rows; the others (layout, router) pass through
-        rest = (None,) * (n_args - 1)
-        return PrepareModuleInput(input_layouts=(rows, *rest), desired_input_layouts=(Replicate(), *rest))
-
-    col = ColwiseParallel()
     for layer in model.decoder_layers():
-        attn, plan = layer.attention, {"attention": region(2)}
-        if layer.kind == "kda":
-            plan |= {f"attention.{n}": col for n in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj")}
-            plan["attention.o_proj"] = RowwiseParallel(output_layouts=rows)
-            own = [(attn.q_conv1d, "weight", Shard(0)), (attn.k_conv1d, "weight", Shard(0)),
-                   (attn.v_conv1d, "weight", Shard(0)), (attn, "A_log", Shard(0)), (attn, "dt_bias", Shard(0)),
-                   (attn.o_norm, "weight", Replicate())]
+        if isinstance(layer, DecoderLayer):
+            plan_of = ling_plan
+        elif isinstance(layer, Qwen35Layer):
+            plan_of = qwen35_plan
         else:
-            plan |= {"attention.g_proj": col, "attention.dense": RowwiseParallel(output_layouts=rows)}
-            own = [(attn.kv_a_proj_with_mqa, "weight", Replicate()), (attn.kv_a_layernorm, "weight", Replicate()),
-                   (attn.kv_b_proj, "weight", Shard(0))]
-            if cfg.q_lora_rank is None:
-                plan["attention.q_proj"] = col
-            else:
-                own += [(attn.q_a_proj, "weight", Replicate()), (attn.q_a_layernorm, "weight", Replicate()),
-                        (attn.q_b_proj, "weight", Shard(0))]
-        attn.H = attn.H // tp
-        if isinstance(layer.mlp, MoE):
-            moe = layer.mlp
-            plan |= {"mlp": region(3), "mlp.shared_experts.gate_proj": col, "mlp.shared_experts.up_proj": col,
-                     "mlp.shared_experts.down_proj": RowwiseParallel(output_layouts=Partial())}
-            parallelize_module(moe, tp_mesh, PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=rows))
-            own.append((moe.gate, "weight", Replicate()))
-            moe.router_loss_scale = 1.0 / tp  # every TP rank seeds the term; the router grad sums them
-            if moe.expert_parallel is not None:  # experts already sharded over ep (which spans tp)
-                moe.expert_parallel.tp_mesh = tp_mesh
-            else:
-                own += [(moe.experts, n, Shard(d)) for n, d in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2))]
-        else:
-            plan |= {"mlp": region(1), "mlp.gate_proj": col, "mlp.up_proj": col,
-                     "mlp.down_proj": RowwiseParallel(output_layouts=rows)}
-        if sequence_parallel:  # the layer norms see row shards: partial weight gradients
-            own += [(norm, "weight", Replicate()) for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        for mod, name, placement in own:
-            p = getattr(mod, name)
-            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [placement])))
+            raise ValueError(f"tensor parallelism (tensor_parallel_degree={tp}) has no plan for "
+                             f"{type(layer).__name__} layers; set parallelism.tensor_parallel_degree = 1")
+        ep = getattr(layer.mlp, "expert_parallel", None)
+        plan = plan_of(layer, sequence_parallel=sequence_parallel, experts_sharded_elsewhere=ep is not None, tp=tp)
+        parallelize_module(layer, tp_mesh, plan.pop(""))
         parallelize_module(layer, tp_mesh, plan)
+        if ep is not None:  # inside a TP region: rank r of the TP group dispatches only its slice of the rows
+            ep.tp_mesh = tp_mesh
     if sequence_parallel:
         if embeddings(model) is not None:
             parallelize_module(embeddings(model), tp_mesh,

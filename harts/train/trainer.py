@@ -305,16 +305,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_qwen35(self):
-        """Qwen3.5-MoE runs under FSDP2, expert, context and pipeline parallelism, compiled and with any activation
-        checkpointing policy; the settings it has no implementation for are refused here, before any mesh or
-        weight is built, rather than failing (or doing nothing) later."""
-        cfg, pc = self.cfg, self.cfg.parallelism
+        """Qwen3.5-MoE runs under FSDP2, tensor, expert, context and pipeline parallelism, compiled and with any
+        activation checkpointing policy; the settings it has no implementation for are refused here, before any
+        mesh or weight is built, rather than failing (or doing nothing) later."""
+        cfg = self.cfg
         unsupported = [
             (cfg.rl.expert_bias_rate != 0, f"rl.expert_bias_rate = {cfg.rl.expert_bias_rate!r}",
              "it routes by softmax without an expert bias (aux-loss-free bias updates do not apply); set it to 0 "
              "and balance with rl.aux_loss_coef"),
-            (pc.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {pc.tensor_parallel_degree}",
-             "tensor parallelism has a plan for Ling-3.0 layers only; shard with FSDP2 and expert parallelism"),
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:
@@ -645,7 +643,8 @@ class Trainer:
         scale = 1.0 / (data.normalizer.raw_tokens * self.n_moe)
         coef = torch.tensor([rl.z_loss_coef * scale, rl.aux_loss_coef * scale], dtype=torch.float64,
                             device=self.device)
-        return coef, (self.state.moe_f if rl.aux_loss_coef else None)
+        # every tensor-parallel rank seeds the same router term, whose gradient is summed over the ranks
+        return coef, (self.state.moe_f if rl.aux_loss_coef else None), 1.0 / self.dims.tp
 
     def train_step(self, data: StepData) -> dict:
         t_start = time.perf_counter()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,26 +43,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain tensor for the model's own ops (Triton kernels, torch ops on plain tensors).
-
-    Under tensor parallelism (harts.train.parallelize.apply_tp) parameters read directly (norm weights,
-    convolution weights, A_log, dt_bias, router, stacked experts, MLA's low-rank projections) and a TP
-    region's input are DTensors: a sharded one is its local shard, with the shard's gradient. A
-    replicated one is used inside a region on this rank's share of the work (its heads, its expert
-    width, its rows), so its gradient here is partial: an activation's is summed at the region input,
-    a parameter's is all-reduced here, so the parameter's gradient is a plain Replicate DTensor. (A tensor
-    is a DTensor only once torch.distributed.tensor is imported, which the reference path never pays for.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(t, dtensor.DTensor):
-        return t
-    if not all(pl.is_replicate() for pl in t.placements):
-        return t.to_local()
-    if isinstance(t, nn.Parameter):
-        t = dtensor.DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False)
-    return t.to_local(grad_placements=[dtensor.Partial()] * len(t.placements))
-
-
 class RMSNorm(nn.Module):
     """Variance in fp32 (fp64 for fp64 input); the weight multiplies after the cast back, as in HF
     (the reference; the fast path is fla's fused kernel, see harts.ops.norm)."""
@@ -75,7 +54,7 @@ class RMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, local(self.weight), self.eps, self.backend)
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
 class GatedRMSNorm(nn.Module):
@@ -88,7 +67,7 @@ class GatedRMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(o, gate, local(self.weight), self.eps, self.backend)
+        return gated_rms_norm(o, gate, self.weight, self.eps, self.backend)
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,23 +131,21 @@ class MLA(nn.Module):
         self.scale = self.Dqk ** -0.5
 
     def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
-        """Per-row q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv]; depends on the row and its position only."""
-        T, x_local = x_TD.shape[0], local(x_TD)
+        """Per-row q [T,H,Dqk], k [T,H,Dqk], v [T,H,Dv]; depends on the row and its position only. H is read off
+        the projections' outputs (a tensor-parallel rank holds a share of the heads)."""
+        T = x_TD.shape[0]
         if self.cfg.q_lora_rank is None:
             q = self.q_proj(x_TD)
-        else:  # low-rank paths read their weights (``local``): under TP the rank is replicated, the heads are not
-            q = F.linear(self.q_a_layernorm(F.linear(x_local, local(self.q_a_proj.weight))),
-                         local(self.q_b_proj.weight))
-        q_THD = q.view(T, self.H, self.Dqk)
-        kv_a = F.linear(x_local, local(self.kv_a_proj_with_mqa.weight))
-        latent, k_rope = kv_a.split([self.cfg.kv_lora_rank, self.R], dim=-1)
-        kv_THX = F.linear(self.kv_a_layernorm(latent), local(self.kv_b_proj.weight))
-        kv_THX = kv_THX.view(T, self.H, self.nope + self.Dv)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q_THD = q.view(T, -1, self.Dqk)
+        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.cfg.kv_lora_rank, self.R], dim=-1)
+        kv_THX = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope + self.Dv)
         k_nope, v_THDv = kv_THX.split([self.nope, self.Dv], dim=-1)
         q_rope = rope_interleaved(q_THD[..., self.nope:], position_ids_T, self.cfg.rope_theta)
         k_rope = rope_interleaved(k_rope.view(T, 1, self.R), position_ids_T, self.cfg.rope_theta)
         q_THD = torch.cat((q_THD[..., : self.nope], q_rope), dim=-1)
-        k_THD = torch.cat((k_nope, k_rope.expand(T, self.H, self.R)), dim=-1)
+        k_THD = torch.cat((k_nope, k_rope.expand(T, k_nope.shape[1], self.R)), dim=-1)
         return q_THD, k_THD, v_THDv
 
     def output(self, o_THDv: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
@@ -247,7 +224,7 @@ class KDA(nn.Module):
     def project(self, x_TD: torch.Tensor):
         """Per-row q, k, v (before the short convolution), raw gate input f [T,H,Kh] and beta [T,H]
         (sigmoid applied, fp32+)."""
-        q, k, v, f = (p(x_TD).view(x_TD.shape[0], self.H, self.Kh)
+        q, k, v, f = (p(x_TD).view(x_TD.shape[0], -1, self.Kh)
                       for p in (self.q_proj, self.k_proj, self.v_proj, self.f_proj))
         return q, k, v, f, torch.sigmoid(self.b_proj(x_TD).to(_compute_dtype(x_TD.dtype)))
 
@@ -258,8 +235,8 @@ class KDA(nn.Module):
     def core(self, q, k, v, f, beta, batch) -> torch.Tensor:
         """Short convolutions and the delta rule over the layout (the only part that reads ``batch``):
         o [T, H, Kh]."""
-        conv_W = [local(c.weight).squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        A_log, dt_bias = local(self.A_log), local(self.dt_bias)
+        conv_W = [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        A_log, dt_bias = self.A_log, self.dt_bias
         if batch.prefix_sharing:
             from harts.runtime.compact import kda_tree
 
@@ -353,20 +330,20 @@ class Experts(nn.Module):
 
 
 class AddRouterLoss(torch.autograd.Function):
-    """y -> y in forward; backward also returns ``scale`` for the scalar router term, so the term joins
-    the loss inside the layer's own backward (which FSDP2's per-layer reduce-scatter, activation
-    checkpointing and pipeline stages require). Under tensor parallelism scale = 1 / tp: the router's
-    gradient is summed over the tp ranks, each of which seeds the same term."""
+    """y -> y in forward; backward also seeds the scalar router term (with ``seed``), so the term joins the
+    loss inside the layer's own backward (which FSDP2's per-layer reduce-scatter, activation checkpointing
+    and pipeline stages require). Under tensor parallelism every rank seeds the same term and the router's
+    gradient is summed over the ranks, so the caller passes seed = 1 / tp (``router``'s third entry)."""
 
     @staticmethod
-    def forward(ctx, y, term, scale: float = 1.0):
-        ctx.term_meta = (term.shape, term.dtype, term.device, scale)
+    def forward(ctx, y, term, seed: float = 1.0):
+        ctx.term_meta = (term.shape, term.dtype, term.device, seed)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad_y):
-        shape, dtype, device, scale = ctx.term_meta
-        return grad_y, torch.full(shape, scale, dtype=dtype, device=device), None
+        shape, dtype, device, seed = ctx.term_meta
+        return grad_y, torch.full(shape, seed, dtype=dtype, device=device), None
 
 
 def router_term(st: RouterStats, router: tuple, moe_index: int) -> torch.Tensor:
@@ -377,7 +354,7 @@ def router_term(st: RouterStats, router: tuple, moe_index: int) -> torch.Tensor:
     P_b), linear in the microbatch (P_b is a weighted mean over its rows), so the step's sum does not
     depend on the split.
     """
-    coef, f_LE = router
+    coef, f_LE = router[:2]
     c = coef.to(st.z_loss.dtype)
     term = st.weight_sum * c[0] * st.z_loss
     if f_LE is not None:
@@ -387,9 +364,11 @@ def router_term(st: RouterStats, router: tuple, moe_index: int) -> torch.Tensor:
 
 class MoE(nn.Module):
     """Routed experts + shared experts. ``moe_index`` is the layer's position among the model's MoE
-    layers (its row of the router-loss and count tensors). Parallelisms attach from outside:
+    layers (its row of the router-loss and count tensors). ``forward`` returns the output and the call's
+    router statistics; ``finish`` (called by the decoder layer on the residual sum) keeps the statistics
+    and joins the router loss to the backward. Expert parallelism attaches from outside as
     ``expert_parallel`` (a callable (x_TD, idx_TK, w_TK, experts) -> y_TD, e.g. the trainer's all-to-all
-    dispatch) replaces the local routed experts, ``router_loss_scale`` scales the router term's seed."""
+    dispatch), which replaces the local routed experts."""
 
     def __init__(self, cfg: LingConfig, moe_index: int = 0):
         super().__init__()
@@ -400,41 +379,35 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts)
         self.last_stats: RouterStats | None = None
         self.expert_parallel = None
-        self.router_loss_scale = 1.0
-
-    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
-                router: tuple | None = None) -> torch.Tensor:
-        """``token_weight_T`` (row multiplicities) weights the router statistics; ``router`` = (coef_2,
-        f_LE or None) adds this call's router loss (``router_term``) to the backward. The statistics of
-        this call are ``last_stats``, except inside backward: a checkpointing recomputation keeps the
-        forward's (same values) so as not to pin the recomputed graph (one layer's activations per MoE
-        layer, ~100 GB at 64K tokens)."""
-        y, stats = self.compute(x_TD, token_weight_T)
-        return self.finish(y, stats, router)
 
     def finish(self, y: torch.Tensor, stats: RouterStats, router: tuple | None) -> torch.Tensor:
-        """Keep ``stats`` as ``last_stats`` (outside backward) and join the router term to ``y``'s backward.
-        ``y`` may be any tensor whose gradient is the MoE output's (e.g. the residual sum after it)."""
+        """Keep ``stats`` as ``last_stats`` (outside backward) and, with ``router`` = (coef_2, f_LE or None[,
+        seed]), join this call's router loss (``router_term``, its backward seeded with ``seed``, default 1) to
+        ``y``'s backward. ``y`` may be any tensor whose
+        gradient is the MoE output's (e.g. the residual sum after it). Inside backward a checkpointing
+        recomputation keeps the forward's statistics (same values) so as not to pin the recomputed graph
+        (one layer's activations per MoE layer, ~100 GB at 64K tokens)."""
         if not _in_backward():
             self.last_stats = stats
         if router is not None:
-            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), self.router_loss_scale)
+            seed = router[2] if len(router) > 2 else 1.0
+            y = AddRouterLoss.apply(y, router_term(stats, router, self.moe_index), seed)
         return y
 
-    def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
-        """Routing, routed and shared experts: (y_TD, router statistics); no module state is written."""
-        c, x_local = self.cfg, local(x_TD)
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+        """Routing, routed and shared experts: (y_TD, router statistics weighted by ``token_weight_T``, the
+        rows' multiplicities); no module state is written."""
+        c = self.cfg
         logits, scores, idx_TK, w_TK = route(
-            x_local, local(self.gate.weight), self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
+            x_TD, self.gate.weight, self.gate.expert_bias, n_group=c.n_group, topk_group=c.topk_group,
             top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
             norm_topk_prob=c.norm_topk_prob)
         stats = router_stats(logits, scores, idx_TK, token_weight_T)
         ex = self.experts
         if self.expert_parallel is not None:
-            y = self.expert_parallel(x_local, idx_TK, w_TK, ex)
+            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
         else:
-            y = moe_experts(x_local, idx_TK, w_TK, local(ex.gate_proj), local(ex.up_proj), local(ex.down_proj),
-                            backend=c.op_backend("moe"))
+            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
         return y + self.shared_experts(x_TD), stats
 
 
@@ -471,7 +444,10 @@ class DecoderLayer(nn.Module):
             return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
         x = self.post_attention_layernorm(h_TD)
-        return h_TD + (self.mlp(x, token_weight_T, router) if isinstance(self.mlp, MoE) else self.mlp(x))
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(x, token_weight_T)
+            return self.mlp.finish(h_TD + y, stats, router)
+        return h_TD + self.mlp(x)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
         """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
@@ -481,7 +457,7 @@ class DecoderLayer(nn.Module):
         """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
         h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
         x = self.post_attention_layernorm(h_ND)
-        return h_ND + self.mlp(x)
+        return h_ND + (self.mlp(x)[0] if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 def param_seed(seed: int, name: str) -> int:

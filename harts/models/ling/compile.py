@@ -8,7 +8,7 @@ Legend: T rows (packed tokens or compact rows), D hidden.
   norms, RoPE, casts; ``KDA.project``: q / k / v / f, beta; Qwen3.5's ``GatedAttention.project``: q / gate /
   k / v, q / k norms, partial RoPE; ``GatedDeltaNet.project``: q|k|v, beta, the log decay).
 - ``post``: the mixer's output (``output``: gate, gated norm, output projection) + residual +
-  post_attention_layernorm + the MLP or MoE (``MoE.compute`` / ``SparseMoE.compute``: routing, routed
+  post_attention_layernorm + the MLP or MoE (``MoE.forward`` / ``SparseMoE.forward``: routing, routed
   experts, shared expert, combine) + residual.
 
 A layer declares its region families (``DecoderLayer.region_kind``, a (pre, post) pair of names: Ling's
@@ -51,8 +51,12 @@ per-code recompile limit (8) is never reached, even when one process compiles bo
 and the seconds spent in the backend.
 
 Order with the other parallelisms (torchtitan's): TP -> activation checkpointing -> compile -> FSDP2.
-Not supported (refused with ``ValueError``): module hooks on a layer's submodules (the hand-built TP
-regions; they would be bypassed) and expert parallelism (its all-to-all reads host split sizes).
+The regions call the layer's norms, its MLP / MoE and the mixer's projections as modules, so module hooks
+there run inside them: tensor parallelism (``harts.train.tensor_parallel``) puts its region boundaries on
+exactly those modules and its local parameter views on the layer, so a TP layer compiles and checkpoints
+like a one-process one. Not supported (refused with ``ValueError``): hooks on the mixer module itself
+(bypassed: its ``project`` / ``core`` / ``output`` are called) and expert parallelism (its all-to-all reads
+host split sizes).
 
 Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions:
 
@@ -60,7 +64,7 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   compiled regions, whose forwards are rerun on recomputation: a whole extra forward per step.
 - ``"selective"`` runs the layer as ``pre`` / core / ``post`` (``selective_layer_forward``) with the core
   outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's
-  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``), of the opaque
+  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``), of collectives, of the opaque
   MoE reference op and of the router's expert ``topk`` (a sort kernel Inductor cannot fuse; its [T, K]
   output is small) are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
   row gathers) is recomputed in backward. Why this split: the core is where the layout lives (host-side
@@ -78,15 +82,17 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   returns inside a dataclass ("Node output referenced nonexistent value"), a tuple it keeps, on 2.11 and
   2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
   norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
-  and the tuple crossing costs nothing. Submodule hooks (TP regions) and expert parallelism are refused for
+  and the tuple crossing costs nothing. Hooks on the mixer module and expert parallelism are refused for
   the same reasons as for compile (``check_region_split``). The layer itself is still called as a module
   (``layer(..., selective=True)``), so hooks on it, FSDP2's parameter gathers, run as without checkpointing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -95,7 +101,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from harts.ops.moe import RouterStats
 
 __all__ = ["CompileReport", "compile_model", "compiled_layer_forward", "selective_layer_forward", "SAC_SAVE_OPS",
-           "check_region_split"]
+           "check_region_split", "register_recompute_state"]
 
 log = logging.getLogger("harts.models.ling.compile")
 _STATS_FIELDS = dataclasses.fields(RouterStats)
@@ -156,7 +162,7 @@ def _pre_kda(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor)
 def _post_moe(layer: nn.Module, h_TD: torch.Tensor, x_TD: torch.Tensor, o: torch.Tensor,
               token_weight_T: torch.Tensor | None):
     h_TD = h_TD + layer.attention.output(o, x_TD)
-    y_TD, stats = layer.mlp.compute(layer.post_attention_layernorm(h_TD), token_weight_T)
+    y_TD, stats = layer.mlp(layer.post_attention_layernorm(h_TD), token_weight_T)
     return h_TD + y_TD, stats
 
 
@@ -187,6 +193,13 @@ def _save_ops() -> frozenset:
            torch.ops.harts.moe_experts_reference.default}
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)
+    # tensor parallelism's region boundaries (harts.train.tensor_parallel): a collective's output is kept, so
+    # a recomputation does not communicate again
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+        op = getattr(c10d, name, None) if c10d is not None else None
+        if op is not None:
+            ops.add(op.default)
     return frozenset(ops)
 
 
@@ -201,8 +214,45 @@ def _sac_context():
     return create_selective_checkpoint_contexts(_sac_policy)
 
 
-def _sac(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_sac_context)
+# Module state a recomputation must see as the forward saw it, by layer: context-manager factories entered
+# around each eager recomputation of the layer's selective regions (``register_recompute_state``).
+_RECOMPUTE_STATE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def register_recompute_state(layer: nn.Module, context_factory) -> None:
+    """Run every eager recomputation of ``layer``'s selective regions under ``context_factory()``.
+
+    A region reads the layer's parameters when it runs. Whoever changes what a forward of the layer sees
+    from outside, in hooks around the layer's call (tensor parallelism's local parameter views,
+    ``harts.train.tensor_parallel``), registers the same change here, since a recomputation in backward
+    runs after those hooks are done. Compiled regions recompute inside their graphs and need none."""
+    _RECOMPUTE_STATE.setdefault(layer, []).append(context_factory)
+
+
+def _sac_context_for(layer: nn.Module):
+    fwd, recompute = create_selective_checkpoint_contexts(_sac_policy)
+    factories = _RECOMPUTE_STATE.get(layer)
+    if not factories:
+        return fwd, recompute
+    stack = contextlib.ExitStack()
+
+    class _Recompute:
+        def __enter__(self):
+            stack.__enter__()
+            for f in factories:
+                stack.enter_context(f())
+            return stack.enter_context(recompute)
+
+        def __exit__(self, *exc):
+            return stack.__exit__(*exc)
+
+    return fwd, _Recompute()
+
+
+def _sac(fn, layer, *args):
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, layer, *args, use_reentrant=False, context_fn=_sac_context)
+    return checkpoint(fn, layer, *args, use_reentrant=False, context_fn=lambda: _sac_context_for(layer))
 
 
 # One function per region and kind again (own code caches when compiled).
@@ -305,13 +355,16 @@ def _with_selective(forward, selective_forward):
 
 
 def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
-    """Refuse (naming the layer) what running ``layer`` as pre / core / post regions would get wrong."""
+    """Refuse (naming the layer) what running ``layer`` as pre / core / post regions would get wrong. The
+    regions call the layer's norms, its MLP / MoE and the mixer's projections as modules, so hooks on those
+    (tensor parallelism's region boundaries) run; the mixer module itself is never called (its ``project``,
+    ``core`` and ``output`` are), so hooks on it would be bypassed."""
     _region_names(layer)
-    for name, mod in layer.named_modules():
-        if name and (mod._forward_hooks or mod._forward_pre_hooks):
-            raise ValueError(f"layer {layer.layer_idx}: module {name!r} has forward hooks (e.g. tensor-parallel "
-                             f"regions); {what} calls its submodules' code directly and would bypass "
-                             "them: apply it before attaching such hooks, or run without it")
+    mixer = layer.attention
+    if mixer._forward_hooks or mixer._forward_pre_hooks:
+        raise ValueError(f"layer {layer.layer_idx}: the sequence mixer module has forward hooks; {what} calls its "
+                         "project / core / output directly and would bypass them: put such hooks on its "
+                         "submodules, or run without it")
     if getattr(layer.mlp, "expert_parallel", None) is not None:
         raise ValueError(f"layer {layer.layer_idx}: expert parallelism (host-side all-to-all split sizes) is "
                          f"not supported inside a region of {what}; run without it")

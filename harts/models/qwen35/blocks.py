@@ -115,13 +115,14 @@ class GatedAttention(nn.Module):
         self.scale = Dh ** -0.5
 
     def project(self, x_TD: torch.Tensor, position_ids_T: torch.Tensor):
-        """Per-row q [T, H, Dh], k, v [T, G, Dh] and the gate [T, H * Dh]."""
+        """Per-row q [T, H, Dh], k, v [T, G, Dh] and the gate [T, H * Dh]; H and G are read off the projections'
+        outputs (a tensor-parallel rank holds a share of the heads)."""
         T, c = x_TD.shape[0], self.cfg
-        q_THD, gate_THD = self.q_proj(x_TD).view(T, self.H, 2 * self.Dh).chunk(2, dim=-1)
+        q_THD, gate_THD = self.q_proj(x_TD).view(T, -1, 2 * self.Dh).chunk(2, dim=-1)
         q_THD = rope_half(self.q_norm(q_THD), position_ids_T, c.rope_theta, c.rotary_dim)
-        k_TGD = rope_half(self.k_norm(self.k_proj(x_TD).view(T, self.G, self.Dh)), position_ids_T, c.rope_theta,
+        k_TGD = rope_half(self.k_norm(self.k_proj(x_TD).view(T, -1, self.Dh)), position_ids_T, c.rope_theta,
                           c.rotary_dim)
-        v_TGD = self.v_proj(x_TD).view(T, self.G, self.Dh)
+        v_TGD = self.v_proj(x_TD).view(T, -1, self.Dh)
         return q_THD, k_TGD, v_TGD, gate_THD.flatten(1)
 
     def core(self, q, k, v, gate, batch):
@@ -138,7 +139,7 @@ class GatedAttention(nn.Module):
                 # key/value heads its query heads read (repeated only where cp > G), and the repeat's backward
                 # sums the copies' gradients into the key/value head.
                 cp.check_heads("Qwen3.5 gated attention", num_attention_heads=q.shape[1])
-                k, v = (repeat_heads(t, math.lcm(self.G, cp.size)) for t in (k, v))
+                k, v = (repeat_heads(t, math.lcm(k.shape[1], cp.size)) for t in (k, v))
             o = mla_tree_attention(q, k, v, batch, self.scale, be)
         else:
             o = varlen_attention(q, k, v, batch.cu_seqlens, batch.cu_seqlens, self.scale, backend=be,
@@ -211,10 +212,16 @@ class GatedDeltaNet(nn.Module):
         g_TH = -self.A_log.to(dt).exp() * F.softplus(a_TH + self.dt_bias.to(dt))
         return g_TH, torch.sigmoid(self.in_proj_b(x_TD).to(dt))
 
-    def split(self, qkv_TC: torch.Tensor, cp: int = 1):
-        """q|k|v [T, C] -> q, k [T, Hk, Dk], v [T, HV, Dv]; with ``cp`` > 1 the channels of one context-parallel
-        rank's heads (``_rows_to_heads``): Hk / cp key and HV / cp value heads."""
-        T, hk, hv = qkv_TC.shape[0], self.Hk // cp, self.HV // cp
+    def heads(self, channels: int) -> tuple[int, int]:
+        """(key heads, value heads) of q|k|v rows with ``channels`` channels: all of them, or a share (a
+        tensor-parallel rank's, a context-parallel rank's); each key head serves HV / Hk value heads."""
+        rep = self.HV // self.Hk
+        hk = channels // (2 * self.Dk + rep * self.Dv)
+        return hk, hk * rep
+
+    def split(self, qkv_TC: torch.Tensor):
+        """q|k|v [T, C] -> q, k [T, Hk, Dk], v [T, HV, Dv], the head counts read off the channels (``heads``)."""
+        T, (hk, hv) = qkv_TC.shape[0], self.heads(qkv_TC.shape[-1])
         q, k, v = qkv_TC.split([hk * self.Dk, hk * self.Dk, hv * self.Dv], dim=-1)
         return q.view(T, hk, self.Dk), k.view(T, hk, self.Dk), v.view(T, hv, self.Dv)
 
@@ -225,18 +232,19 @@ class GatedDeltaNet(nn.Module):
         of its key heads and v, g, beta of its value heads, and the depthwise conv weights of those channels.
         Three exchanges: q|k per key head, v, g|beta per value head (the gates stay in their fp32+ dtype).
         Returns q|k|v [P, c] with c = C / cp, conv weights [c, W], g and beta [P, hv]."""
-        cp.check_heads("Qwen3.5 GDN", linear_num_key_heads=self.Hk, linear_num_value_heads=self.HV)
         q, k, v = self.split(qkv_TC)
+        cp.check_heads("Qwen3.5 GDN", linear_num_key_heads=q.shape[1], linear_num_value_heads=v.shape[1])
         qk_PhX = cp.rows_to_heads(torch.cat((q, k), dim=-1))
         v_PhV = cp.rows_to_heads(v)
         gb_Ph2 = cp.rows_to_heads(torch.stack((g_TH, beta_TH), dim=-1))
-        P, hk, hv = v_PhV.shape[0], self.Hk // cp.size, self.HV // cp.size
+        P, hk, hv = v_PhV.shape[0], qk_PhX.shape[1], v_PhV.shape[1]
         qkv_Pc = torch.cat((qk_PhX[..., :self.Dk].reshape(P, -1), qk_PhX[..., self.Dk:].reshape(P, -1),
                             v_PhV.reshape(P, -1)), dim=-1)
         ks, vs = cp.rank * hk * self.Dk, cp.rank * hv * self.Dv
         kd, vd = hk * self.Dk, hv * self.Dv
-        conv_cW = torch.cat((conv_CW[ks:ks + kd], conv_CW[self.key_dim + ks:self.key_dim + ks + kd],
-                             conv_CW[2 * self.key_dim + vs:2 * self.key_dim + vs + vd]), dim=0)
+        key_dim = q.shape[1] * self.Dk  # this rank's key channels before the exchange (all, or a TP share)
+        conv_cW = torch.cat((conv_CW[ks:ks + kd], conv_CW[key_dim + ks:key_dim + ks + kd],
+                             conv_CW[2 * key_dim + vs:2 * key_dim + vs + vd]), dim=0)
         return qkv_Pc, conv_cW, gb_Ph2[..., 0], gb_Ph2[..., 1]
 
     def project(self, x_TD: torch.Tensor):
@@ -261,7 +269,7 @@ class GatedDeltaNet(nn.Module):
             qkv_TC = tree_short_conv(qkv_TC, conv_CW, batch.conv_pred, "silu", seq_cu=batch.conv_cu_seqlens,
                                      context=batch.conv_context, num_rows=batch.num_rows,
                                      backend=c.op_backend("conv"))
-            q, k, v = self.split(qkv_TC, cp.size if cp is not None else 1)
+            q, k, v = self.split(qkv_TC)
             if c.gdn_round_impl == "fla_pieces":  # the scalar gate [T, HV], q and k at the key heads
                 g = g_TH
             else:
@@ -365,8 +373,8 @@ def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_
 
 class SparseMoE(nn.Module):
     """Softmax-routed experts + a shared expert scaled by sigmoid(shared_expert_gate(x)). ``moe_index``,
-    ``expert_parallel``, ``router_loss_scale``, the router statistics (``last_stats``, weighted by the
-    rows' multiplicities) and the router loss in backward are as in Ling's MoE."""
+    ``expert_parallel``, ``forward``'s (output, router statistics weighted by the rows' multiplicities), and
+    ``finish`` (``last_stats`` and the router loss in backward) are as in Ling's MoE."""
 
     def __init__(self, cfg: Qwen35Config, moe_index: int = 0):
         super().__init__()
@@ -378,23 +386,18 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.last_stats = None
         self.expert_parallel = None
-        self.router_loss_scale = 1.0
-
-    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None,
-                router: tuple | None = None) -> torch.Tensor:
-        y, stats = self.compute(x_TD, token_weight_T)
-        return self.finish(y, stats, router)
 
     # keep the statistics (outside backward) and join the router term to the output's backward, as Ling's MoE
     finish = MoE.finish
 
-    def compute(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
+    def forward(self, x_TD: torch.Tensor, token_weight_T: torch.Tensor | None = None):
         """Routing, routed experts and the gated shared expert: (y_TD, router statistics); no module state is
         written (the part a compiled region runs; ``finish`` does the rest eagerly)."""
         c = self.cfg
         logits, probs, idx_TK, w_TK = softmax_route(x_TD, self.gate.weight, c.num_experts_per_tok, c.norm_topk_prob)
         stats = router_stats(logits, probs, idx_TK, token_weight_T)
-        ex, Fw = self.experts, c.moe_intermediate_size
+        ex = self.experts
+        Fw = ex.down_proj.shape[-1]  # the expert width (a tensor-parallel rank's share of it)
         if self.expert_parallel is not None:
             y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
         else:
@@ -428,7 +431,7 @@ class DecoderLayer(nn.Module):
     def region_kind(self) -> tuple[str, str]:
         """The (pre, post) region families that run this layer compiled or under selective checkpointing
         (harts.models.ling.compile): ``pre_gdn`` / ``pre_gated_attention`` (norm + the mixer's ``project``),
-        ``post_sparse_moe`` (the mixer's ``output`` + residual + norm + ``SparseMoE.compute`` + residual)."""
+        ``post_sparse_moe`` (the mixer's ``output`` + residual + norm + ``SparseMoE.forward`` + residual)."""
         return ("gdn" if self.kind == "gdn" else "gated_attention"), "sparse_moe"
 
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
@@ -439,7 +442,8 @@ class DecoderLayer(nn.Module):
 
             return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
-        return h_TD + self.mlp(self.post_attention_layernorm(h_TD), token_weight_T, router)
+        y, stats = self.mlp(self.post_attention_layernorm(h_TD), token_weight_T)
+        return self.mlp.finish(h_TD + y, stats, router)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
         """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
@@ -448,7 +452,7 @@ class DecoderLayer(nn.Module):
     def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
         """One decoding step of N sequences: ``forward`` with the mixer's ``step`` on its ``cache``."""
         h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
-        return h_ND + self.mlp(self.post_attention_layernorm(h_ND))
+        return h_ND + self.mlp(self.post_attention_layernorm(h_ND))[0]
 
 
 # ------------------------------------------------------------------------------------------ init
