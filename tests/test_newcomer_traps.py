@@ -283,3 +283,18 @@ def test_every_config_key_has_a_description():
     missing = [f"{name}.{f.name}" for name, cls in sections.items() for f in dataclasses.fields(cls)
                if not field_docs(cls).get(f.name)]
     assert missing == []
+
+
+@pytest.mark.slow
+def test_fewer_trajectories_than_data_parallel_ranks_is_one_line(tmp_path):
+    """One trajectory, two DP ranks: one error line naming the file and what to change, before step 1."""
+    path = _write(tmp_path / "r.jsonl", _example_lines()[:1])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("HARTS_DEBUG", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "train.py", *_argv(tmp_path / "out", "--data.source=jsonl", f"--data.path={path}")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith(f"error: {path}: 1 trajectory for 2 data-parallel replicas"), p.stderr
+    assert "--nproc_per_node" in ours[0] and not (tmp_path / "out").exists()

@@ -66,7 +66,8 @@ def no_signal_reason(trajectories) -> str | None:
         rewards.setdefault(t.group_id, []).append(t.reward)
     single = sum(len(r) == 1 for r in rewards.values())
     if single == len(rewards):
-        return f"each of its {len(rewards)} group_id values has a single trajectory"
+        return ("its one group_id has a single trajectory" if single == 1
+                else f"each of its {single} group_id values has a single trajectory")
     if single == 0:
         return f"within each of its {len(rewards)} groups (group_id) every trajectory has the same reward"
     return (f"each of its {len(rewards)} groups (group_id) has a single trajectory ({single} groups) or equal "

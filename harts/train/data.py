@@ -213,6 +213,7 @@ class StepBuilder:
         for step in first_step.values():
             trajs = self.load(step)
             self.normalizer(step, trajs)
+            self._check_count(step, trajs)
             self._check_capacity(step, trajs)
             files, trajectories = files + 1, trajectories + len(trajs)
         return files, trajectories
@@ -330,6 +331,16 @@ class StepBuilder:
         self._told_fill = True
         return best
 
+    def _check_count(self, step: int, trajs) -> None:
+        """Every data-parallel replica needs a trajectory of the step (its microbatches pair up with the others')."""
+        if len(trajs) < self.D:
+            where = self.path(step) if self.cfg.data.source == "jsonl" and not self.cfg.online.enabled \
+                else f"step {step}"
+            raise PlanningError(f"{where}: {len(trajs)} trajector{'y' if len(trajs) == 1 else 'ies'} for {self.D} "
+                                "data-parallel replicas, which need at least one each; write at least "
+                                f"{self.D} trajectories per step or run fewer data-parallel ranks (torchrun "
+                                "--nproc_per_node, parallelism.data_parallel_shard_degree)")
+
     def _check_capacity(self, step: int, trajs) -> None:
         """A trajectory longer than ``harts.capacity`` fits no microbatch (alone, its compact rows are its
         length): name it and the setting, instead of the planner's 0-based index."""
@@ -348,6 +359,7 @@ class StepBuilder:
         trajs = self.load(step)
         t1 = time.perf_counter()
         norm = self.normalizer(step, trajs)
+        self._check_count(step, trajs)
         self._check_capacity(step, trajs)
         try:
             plan = self.plan(trajs)
