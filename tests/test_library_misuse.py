@@ -152,3 +152,20 @@ def test_batch_without_logprob_positions_backpropagates_zero_gradients(prefix_sh
     grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
     assert all(not g.any() for g in grads.values()), [n for n, g in grads.items() if g.any()]
+
+
+@pytest.mark.gpu
+def test_host_inputs_for_a_gpu_model_are_refused():
+    m = small_model().cuda()
+    ids, pos, cu = packed([5, 7])
+    with pytest.raises(ValueError, match=r"^input_ids is on cpu but the model is on cuda:0: move the inputs"):
+        m(ids, pos, cu)
+    with pytest.raises(ValueError, match=r"^cu_seqlens is on cpu but the model is on cuda:0"):
+        m(ids.cuda(), pos.cuda(), cu)
+    batch = pack(trees(), config=m.config)
+    with pytest.raises(ValueError, match=r"^CompactBatch is on cpu but the model is on cuda:0: move it with "
+                                         r"batch.to\('cuda:0'\)"):
+        m.logprobs(batch)
+    with torch.no_grad():
+        lp = m.logprobs(batch.to("cuda"))
+    assert lp.shape == (batch.logprob_rows.shape[0],) and lp.is_cuda
