@@ -298,3 +298,26 @@ def test_fewer_trajectories_than_data_parallel_ranks_is_one_line(tmp_path):
     ours = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith(f"error: {path}: 1 trajectory for 2 data-parallel replicas"), p.stderr
     assert "--nproc_per_node" in ours[0] and not (tmp_path / "out").exists()
+
+
+def test_unknown_model_preset_lists_every_family(tmp_path, capfd):
+    msg = _fails(capfd, _argv(tmp_path / "out", "--ling.preset=ling3-tiny-debgu"))
+    assert "ling3-tiny-debgu" in msg and all(p in msg for p in ("ling3-tiny-debug", "qwen3.5-debug", "qwen3.5-8l",
+                                                                 "qwen3.5-35b-a3b")), msg
+
+
+@pytest.mark.slow
+def test_torchrun_bad_second_file_is_one_line_from_rank_0(tmp_path):
+    """Two ranks share the up-front file checks (rank 1 reads the second file); rank 0 prints rank 1's finding."""
+    rows = _example_lines()[8:]
+    rows[1]["tokens"] = rows[1]["tokens"][:-1] + [True]
+    a, b = _two_files(tmp_path, second=rows)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("HARTS_DEBUG", None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "train.py", *_argv(tmp_path / "out", "--data.source=jsonl", f"--data.path={a},{b}")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith(f"error: {b}:2: field 'tokens' position"), p.stderr
+    assert not any(line.startswith("[rank") for line in p.stderr.splitlines()), p.stderr

@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("file", help="rollout JSONL file")
     ap.add_argument("--chunk-size", type=int, default=64, help="KDA chunk size B for the fork histogram")
     args = ap.parse_args(argv)
+    if args.chunk_size < 1:
+        ap.error(f"--chunk-size {args.chunk_size}: the chunk size must be >= 1")
     from harts.data.jsonl import read_jsonl
     from harts.data.trajectory import TrajectoryError
 

@@ -112,6 +112,10 @@ class Data:
     fixed_step: bool = False
     """Synthetic source: every step reuses the first generated step (offline RL on one batch: the loss then
     falls as the policy fits it). JSONL files are always cycled (see path)."""
+    check_files: bool = True
+    """Read and check every file of path before step 1 (schema, required fields, loss tokens, harts.capacity;
+    the ranks share the files), so that a bad file stops the run at once; false: each file is checked when its
+    step reads it."""
     max_length: int = 0
     """Truncate trajectories to this many tokens (0 = keep); for sizing a workload to the hardware."""
     reward: Literal["auto", "data", "learnable"] = "auto"

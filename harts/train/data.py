@@ -201,22 +201,27 @@ class StepBuilder:
         dc = self.cfg.data
         return dc.path[(step - 1) % len(dc.path)]
 
-    def check_files(self) -> tuple[int, int]:
-        """Reads every distinct file of ``data.path`` as its step will be read (the schema, the fields the
-        objective needs, loss tokens, ``harts.capacity``), so that a bad file stops the run before step 1
-        instead of when its step comes; the first error names file:line and the field or setting. Returns
-        (files, trajectories) checked."""
-        files = trajectories = 0
-        first_step = {}
+    def check_files(self, rank: int = 0, world: int = 1) -> tuple[int, int, tuple[int, str] | None]:
+        """Reads distinct files of ``data.path`` as their steps will read them (the schema, the fields the
+        objective needs, loss tokens, the replica count, ``harts.capacity``), so that a bad file stops the run
+        before step 1 instead of when its step comes. ``rank`` / ``world``: this process checks every world-th
+        distinct file from the rank-th on (the processes of a run share the work). Returns (files, trajectories,
+        the first error as (index of its file in data.path, message naming file:line and the field or setting)
+        or None); checking stops at the first error."""
+        first_step: dict[str, int] = {}
         for i, p in enumerate(self.cfg.data.path):
             first_step.setdefault(p, i + 1)
-        for step in first_step.values():
-            trajs = self.load(step)
-            self.normalizer(step, trajs)
-            self._check_count(step, trajs)
-            self._check_capacity(step, trajs)
+        files = trajectories = 0
+        for step in list(first_step.values())[rank::world]:
+            try:
+                trajs = self.load(step)
+                self.normalizer(step, trajs)
+                self._check_count(step, trajs)
+                self._check_capacity(step, trajs)
+            except (ValueError, OSError) as e:
+                return files, trajectories, (step - 1, str(e))
             files, trajectories = files + 1, trajectories + len(trajs)
-        return files, trajectories
+        return files, trajectories, None
 
     def normalizer(self, step: int, trajs) -> StepNormalizer:
         """The step's loss normalisers; an error names the step's file."""

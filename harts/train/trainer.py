@@ -277,26 +277,26 @@ class Trainer:
                               "--job.dump_folder to a folder this user can write") from None
 
     def _check_data_files(self) -> tuple[int, int, float] | None:
-        """JSONL data: rank 0 reads every file of data.path before step 1 (``StepBuilder.check_files``), so that
-        a bad file late in the list stops the run now, with rank 0's one error line, instead of hours later.
-        The other ranks learn the outcome from one all-reduce and stop quietly with it. Returns (files,
-        trajectories, seconds) on rank 0, None elsewhere or for generated data."""
-        if self.cfg.data.source != "jsonl" or self.cfg.online.enabled:
+        """JSONL data (with data.check_files): every file of data.path is read and checked before step 1
+        (``StepBuilder.check_files``, the ranks sharing the files), so that a bad file late in the list stops the
+        run now instead of hours later. The ranks exchange their findings; every rank raises the error of the
+        first bad file in data.path order, so rank 0 prints it. Returns (files, trajectories, seconds), or None
+        when nothing was checked."""
+        dc = self.cfg.data
+        if dc.source != "jsonl" or self.cfg.online.enabled or not dc.check_files:
             return None
-        t0, found, err = time.perf_counter(), None, None
-        if self.rank == 0:
-            try:
-                found = self.builder.check_files()
-            except (ValueError, OSError) as e:  # names file:line and the field or setting
-                err = e
+        t0 = time.perf_counter()
+        rank, world = (self.rank, self.world_size) if self.distributed else (0, 1)
+        found = self.builder.check_files(rank, world)
         if self.distributed:
-            flag = torch.tensor([int(err is not None)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(flag)
-            if int(flag) and err is None:
-                raise ValueError("rank 0 found an invalid data file (its error line names it)")
-        if err is not None:
-            raise err
-        return None if found is None else (*found, time.perf_counter() - t0)
+            every = [None] * world
+            dist.all_gather_object(every, found)
+        else:
+            every = [found]
+        errors = [f[2] for f in every if f[2] is not None]
+        if errors:
+            raise ValueError(min(errors)[1])
+        return sum(f[0] for f in every), sum(f[1] for f in every), time.perf_counter() - t0
 
     @property
     def row_split(self) -> int:
