@@ -75,7 +75,7 @@ def test_to_refuses_a_dtype_where_a_device_goes():
 # ------------------------------------------------------------------ router statistics
 def test_router_stats_before_any_forward_raise():
     m = small_model()
-    for call in (m.router_stats, m.moe_counts):
+    for call in (m.router_stats, m.moe_counts, lambda: m.update_expert_bias(1e-3)):
         with pytest.raises(RuntimeError, match=r"no forward has run yet; call the model"):
             call()
 

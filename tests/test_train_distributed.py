@@ -43,6 +43,11 @@ TWO = {  # name -> extra arguments ({d}: the runs' folder)
     "tp_sp_sac_compile": ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
                           "--parallelism.enable_sequence_parallel=true", "--activation_checkpoint.mode=selective",
                           "--compile.enable=true", "--compile.backend=aot_eager"],
+    # expert parallelism under selective checkpointing, and compiled (aot_eager; the MoE regions break their
+    # graph around the all-to-all)
+    "ep_sac": ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective"],
+    "ep_compile": ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=none",
+                   "--compile.enable=true", "--compile.backend=aot_eager"],
     # killed right after step 2's checkpoint (the process ends there, so this run comes last)
     "resume": ["--checkpoint.enable", "--debug.exit_after_step=2"],
 }
@@ -93,7 +98,8 @@ def four(ref):
 @pytest.fixture(scope="module")
 def eight(ref):
     d, cfg, _ = ref
-    torchrun_many([(cfg, d / name, ["--checkpoint.enable", "--activation_checkpoint.mode=full",
+    torchrun_many([(cfg, d / name, ["--checkpoint.enable", "--activation_checkpoint.mode=selective",
+                                    "--compile.enable=true", "--compile.backend=aot_eager",
                                     "--ling.init_on_meta=true", *args], {}) for name, (_, args) in LAYOUTS_8.items()],
                   nproc=8)
     return d
@@ -121,6 +127,15 @@ def test_tensor_parallel_compiled_with_selective_checkpointing_equals_one_proces
     views (harts.train.tensor_parallel)."""
     assert_same_run(ref[2], two / "tp_sp_sac_compile")
     assert all(r["tp"] == 2 for r in records(two / "tp_sp_sac_compile"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep_sac", "ep_compile"])
+def test_expert_parallel_with_selective_checkpointing_or_compile_equals_one_process(ref, two, name):
+    """EP2 is a parallel style around the experts module: its dispatch and combine hooks run inside the
+    selectively checkpointed regions (again in their recomputation) and inside the compiled ones."""
+    assert_same_run(ref[2], two / name)
+    assert all(r["ep"] == 2 for r in records(two / name))
 
 
 @pytest.mark.slow
@@ -195,7 +210,8 @@ def test_kill_and_resume_reproduces_the_run_exactly(ref, two):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS_8))
 def test_paper_8gpu_layouts_on_eight_processes(ref, eight, layout):
-    """Full AC, as the paper's runs. Built on the meta device and initialised shard by shard on each rank
+    """Compiled regions (aot_eager) under selective activation checkpointing, as the GPU configs run them.
+    Built on the meta device and initialised shard by shard on each rank
     (ling.init_on_meta, as the GPU configs of these layouts): the one process initialised its whole model on
     the host, so this also checks that every rank's shards, and every replica of the replicated tensors, hold
     the one-process weights."""
@@ -212,7 +228,7 @@ def test_expert_major_order_matches_a_brute_force_reordering(ep, El):
     import numpy as np
     import torch
 
-    from harts.train.parallelize import _expert_major_order
+    from harts.train.expert_parallel import expert_major_order as _expert_major_order
 
     g = torch.Generator().manual_seed(ep * 10 + El)
     counts = torch.randint(0, 4, (ep * El,), generator=g)

@@ -728,11 +728,6 @@ def validate(cfg: HartsJobConfig) -> HartsJobConfig:
         raise ValueError("config: parallelism.context_parallel_degree > 1 needs harts.enabled = true (context "
                          "parallelism is implemented for HARTS prefix-shared batches, not the trajectory-wise "
                          "baseline)")
-    if cfg.activation_checkpoint.mode == "selective" and cfg.parallelism.expert_parallel_degree > 1:
-        raise ValueError("config: activation_checkpoint.mode = 'selective' (also the default) runs each layer as "
-                         "regions that expert parallelism's all-to-all cannot enter; with "
-                         f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} set "
-                         "activation_checkpoint.mode = 'full' or 'none'")
     if cfg.online.enabled:
         if cfg.data.source != "synthetic" or cfg.data.path:
             raise ValueError(f"config: online.enabled = true samples its own rollouts, but data.source = "

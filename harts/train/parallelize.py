@@ -7,15 +7,11 @@ detected at import ("cuda" on a host without an accelerator), so ``_build_mesh``
 trainer's device (gloo on CPU) and hands them to the ParallelDims. torch registers the ``fake`` backend itself
 when its FSDP package is imported (torch.distributed.fsdp's FlatParameter module imports the fake process group).
 
-Expert parallelism has the shape of torchtitan's ``ExpertParallel`` style: dispatch (counts all-to-all,
-token all-to-all with autograd, rank-major -> expert-major permutation), the model's own expert compute
-(``harts.ops.moe.experts.grouped_experts``, as torchtitan runs its GroupedExperts), combine (the reverse,
-then the router's fixed (token, k) weighted sum). It is a callable on the MoE rather than a style around
-an experts module: our experts are stacked weights read by the MoE's forward, not a module with a
-(tokens, counts) forward, and torchtitan's style pads every expert group through a Triton index kernel.
-EP borrows ranks from dp_shard x cp x tp (torchtitan's rule); we require efsdp = 1 (ep = dp_shard x cp x
-tp), so expert gradients are complete after the backward all-to-all and experts are left out of FSDP
-(``ignored_params``).
+Expert parallelism is a parallel style around each MoE layer's parallel-agnostic experts module
+(``harts.train.expert_parallel``: dispatch before it, combine after it, as torchtitan's ``ExpertParallel``);
+tensor parallelism a plan of styles per decoder layer (``harts.train.tensor_parallel``). EP borrows ranks
+from dp_shard x cp x tp (torchtitan's rule); we require efsdp = 1 (ep = dp_shard x cp x tp), so expert
+gradients are complete after the backward all-to-all and experts are left out of FSDP (``ignored_params``).
 
 Context parallelism (cp) is folded into FSDP's dimension as torchtitan does (its ``fsdp`` mesh dim is
 dp_shard x cp): a CP rank's parameter gradients are partial (its own rows, its own heads), and the FSDP
@@ -24,11 +20,7 @@ parameters and optimizer states are sharded over the CP ranks as well.
 
 Both model families go through the same functions: the stacked expert weights are read through
 ``expert_weights`` (Ling's gate_proj / up_proj / down_proj, Qwen3.5's gate_up_proj / down_proj) and the token
-embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's embed_tokens). Tensor parallelism has a
-plan for each family's layers (``harts.train.tensor_parallel``).
-
-Legend: T tokens, K experts per token, M = T*K routed rows, E experts, El = E / ep local experts, D hidden,
-F expert width.
+embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's embed_tokens).
 """
 from __future__ import annotations
 
@@ -39,11 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from harts.models.ling.blocks import DecoderLayer
-from harts.ops.moe.experts import _combine, grouped_experts
 
 log = logging.getLogger("harts.train")
 
-__all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "ExpertParallel",
+__all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp",
            "expert_weights", "embeddings"]
 
 
@@ -112,16 +103,6 @@ def expert_weights(experts: nn.Module) -> tuple[str, ...]:
     return names
 
 
-def _swiglu_weights(experts: nn.Module, dtype: torch.dtype):
-    """This rank's (gate [El, F, D], up [El, F, D], down [El, D, F]) expert weights in ``dtype``."""
-    local = [getattr(experts, n).to_local().to(dtype) for n in expert_weights(experts)]
-    if len(local) == 3:
-        return tuple(local)
-    gate_up, down = local
-    F_ = gate_up.shape[1] // 2
-    return gate_up[:, :F_], gate_up[:, F_:], down
-
-
 def embeddings(model) -> nn.Module | None:
     """The token embedding module of a causal LM (None on a pipeline stage that does not own it)."""
     inner = model.model
@@ -132,88 +113,28 @@ def embeddings(model) -> nn.Module | None:
 
 
 # ------------------------------------------------------------------------------------------ EP
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+def apply_ep(model, ep_mesh, tp_mesh=None) -> set:
+    """Expert parallelism (``harts.train.expert_parallel.ExpertParallel``) around every MoE layer's experts
+    module: weights sharded over ``ep_mesh``, the all-to-all dispatch and combine as the style's hooks;
+    ``tp_mesh`` when the layers will also be tensor parallel (each TP rank then dispatches a slice of the
+    rows). Returns the expert parameters (left out of FSDP2)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
-
-
-def _expert_major_order(recv_counts: torch.Tensor, ep: int, El: int, total: int) -> torch.Tensor:
-    """Received rows arrive rank-major (source rank r, then local expert j); the experts want them
-    expert-major (j, then r), rank order kept within an expert. Built on the device, as a stable sort of
-    each row's (expert, rank) key: a host-built index would be a pageable host-to-device copy per layer,
-    and such a copy synchronises the stream. ``recv_counts``: [ep * El] rows per (r, j), on the device;
-    ``total`` its sum, known on the host (no sync for the output size)."""
-    seg_M = torch.repeat_interleave(torch.arange(ep * El, device=recv_counts.device), recv_counts,
-                                    output_size=total)  # r * El + j per received row
-    return torch.sort((seg_M % El) * ep + seg_M // El, stable=True).indices
-
-
-class ExpertParallel:
-    """A MoE layer's routed experts over the ``ep`` mesh dim (weights Shard(0) on the expert dim): the
-    callable ``MoE.expert_parallel`` (x_TD, idx_TK, w_TK, experts) -> y_TD, set by ``apply_ep``."""
-
-    def __init__(self, ep_group, ep_size: int, num_experts: int, backend: str):
-        self.ep_group, self.ep_size, self.num_experts, self.backend = ep_group, ep_size, num_experts, backend
-        self.tp_mesh = None  # with TP, each TP rank dispatches a disjoint slice of the (replicated) rows
-
-    def __call__(self, x_TD, idx_TK, w_TK, experts):
-        if self.tp_mesh is None:
-            return self._dispatch(x_TD, idx_TK, w_TK, experts)
-        # inside a TP region: rank r of the TP group sends only its contiguous slice of rows, so no
-        # token reaches the experts twice; the zero-padded result is a partial sum that the region's
-        # exit all-reduces
-        tp, r = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
-        rows = torch.tensor_split(torch.arange(x_TD.shape[0], device=x_TD.device), tp)[r]
-        y = self._dispatch(x_TD.index_select(0, rows), idx_TK.index_select(0, rows), w_TK.index_select(0, rows),
-                           experts)
-        return x_TD.new_zeros(x_TD.shape[0], y.shape[1]).index_copy(0, rows, y)
-
-    def _dispatch(self, x_TD, idx_TK, w_TK, experts):
-        ep, group = self.ep_size, self.ep_group
-        wg, wu, wd = _swiglu_weights(experts, x_TD.dtype)
-        E, El = self.num_experts, wg.shape[0]
-        T, K = idx_TK.shape
-        flat_M = idx_TK.reshape(-1)
-        order_M = torch.sort(flat_M, stable=True).indices  # expert-major == destination-rank-major
-        counts_E = torch.bincount(flat_M, minlength=E)
-        x_MD = x_TD.unsqueeze(1).expand(T, K, x_TD.shape[1]).reshape(T * K, -1)[order_M]
-        with torch.no_grad():  # counts: [rank r][local expert j] rows this rank receives
-            recv = torch.empty_like(counts_E)
-            dist.all_to_all_single(recv, counts_E, group=group)
-            # the one host sync of the dispatch: the split sizes (both count tables in one copy)
-            send_RE, recv_RE = torch.stack([counts_E, recv]).cpu().view(2, ep, El).unbind(0)
-            perm = _expert_major_order(recv, ep, El, int(recv_RE.sum()))
-        in_splits, out_splits = send_RE.sum(1).tolist(), recv_RE.sum(1).tolist()
-        x_recv = _a2a(x_MD, out_splits, in_splits, group)
-        # the model's expert compute on the received rows; the fast path's group offsets come from the
-        # counts already on the device (a host list would be a pageable copy, which synchronises the stream)
-        offs_El = recv.view(ep, El).sum(0).cumsum(0).to(torch.int32)
-        y_sorted = grouped_experts(x_recv.index_select(0, perm), recv_RE.sum(0).tolist(), wg, wu, wd, self.backend,
-                                   offs_El)
-        y_recv = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)
-        y_back = _a2a(y_recv, in_splits, out_splits, group)
-        y_MD = torch.empty_like(y_back).index_copy(0, order_M, y_back)
-        return _combine(y_MD, w_TK, T, K)
-
-
-def apply_ep(model, ep_mesh) -> None:
-    """Shard every MoE layer's routed experts over ``ep_mesh`` and give it the all-to-all dispatch."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from harts.train.expert_parallel import ExpertParallel
 
     ep = ep_mesh.size()
     for moe in model.moe_layers():
         if moe.cfg.num_experts % ep:
             raise ValueError(f"num_experts={moe.cfg.num_experts} is not divisible by expert_parallel_degree={ep}")
-        ex = moe.experts
-        for name in expert_weights(ex):
-            p = getattr(ex, name)
-            ex.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
-        moe.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep, moe.cfg.num_experts, moe.cfg.op_backend("moe"))
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel(tp_mesh=tp_mesh))
+    return expert_params(model)
 
 
 def expert_params(model) -> set:
-    return {getattr(m.experts, n) for m in model.moe_layers() if m.expert_parallel is not None
+    """The routed-expert parameters that expert parallelism distributes."""
+    from harts.train.expert_parallel import is_expert_parallel
+
+    return {getattr(m.experts, n) for m in model.moe_layers() if is_expert_parallel(m.experts)
             for n in expert_weights(m.experts)}
 
 
@@ -224,8 +145,8 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     and runs the layer's own code on local views of them, with the two TP regions' boundaries (the layer
     norms' outputs in, the mixer's output projection and the FFN / MoE out) as parallel styles; nothing in
     the model is told that it is parallel (head counts are read off tensor shapes). Routed experts already
-    sharded by expert parallelism (``apply_ep``, applied first) keep that sharding; each TP rank then
-    dispatches a disjoint slice of the rows.
+    sharded by expert parallelism (``apply_ep``, applied first, given the TP mesh) keep that sharding; each
+    TP rank then dispatches a disjoint slice of the rows.
 
     Sequence parallelism: the residual stream and the layer norms hold this rank's rows (the rows are padded
     to a multiple of tp); the embeddings' output is split into row shards (``PrepareModuleOutput``) and the
@@ -234,6 +155,7 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
     from harts.models.qwen35.blocks import DecoderLayer as Qwen35Layer
+    from harts.train.expert_parallel import is_expert_parallel
     from harts.train.tensor_parallel import ling_plan, qwen35_plan
 
     tp = tp_mesh.size()
@@ -245,12 +167,11 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool = False) -> None:
         else:
             raise ValueError(f"tensor parallelism (tensor_parallel_degree={tp}) has no plan for "
                              f"{type(layer).__name__} layers; set parallelism.tensor_parallel_degree = 1")
-        ep = getattr(layer.mlp, "expert_parallel", None)
-        plan = plan_of(layer, sequence_parallel=sequence_parallel, experts_sharded_elsewhere=ep is not None, tp=tp)
+        experts = getattr(layer.mlp, "experts", None)
+        ep = experts is not None and is_expert_parallel(experts)
+        plan = plan_of(layer, sequence_parallel=sequence_parallel, experts_sharded_elsewhere=ep, tp=tp)
         parallelize_module(layer, tp_mesh, plan.pop(""))
         parallelize_module(layer, tp_mesh, plan)
-        if ep is not None:  # inside a TP region: rank r of the TP group dispatches only its slice of the rows
-            ep.tp_mesh = tp_mesh
     if sequence_parallel:
         if embeddings(model) is not None:
             parallelize_module(embeddings(model), tp_mesh,
@@ -320,15 +241,15 @@ def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
     model.model.checkpoint_early_stop = not collectives_in_layers
 
 
-def apply_compile(model, backend: str = "inductor") -> list[str]:
+def apply_compile(model, backend: str = "inductor", fullgraph: bool = True) -> list[str]:
     """torch.compile each decoder layer (``harts.models.ling.compile_model``: compiled per-row regions around
     the eager sequence-mixer cores, row counts dynamic) and return the compiled region names; the running
     count of compilations is ``model.compile_report`` (``.summary(steps)``). Applied after TP and
-    activation checkpointing, before FSDP2. Tensor-parallel regions (hooks on the mixers and MLPs) and
-    expert parallelism are refused with a ValueError naming the layer."""
+    activation checkpointing, before FSDP2. ``fullgraph=False`` lets a region break its graph where a
+    module runs what Dynamo cannot trace (expert parallelism's all-to-all with host split sizes)."""
     from harts.models.ling.compile import compile_model
 
-    return list(compile_model(model, backend=backend, dynamic=True).regions)
+    return list(compile_model(model, backend=backend, dynamic=True, fullgraph=fullgraph).regions)
 
 
 # ------------------------------------------------------------------------------------------ FSDP2

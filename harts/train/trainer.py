@@ -359,14 +359,14 @@ class Trainer:
         d, cfg = self.dims, self.cfg
         ignored = set()
         if d.ep > 1:
-            par.apply_ep(self.model, d.get_mesh("ep"))
-            ignored = par.expert_params(self.model)
+            ignored = par.apply_ep(self.model, d.get_mesh("ep"), d.get_mesh("tp") if d.tp > 1 else None)
         if d.tp > 1:
             par.apply_tp(self.model, d.get_mesh("tp"), sequence_parallel=self.sp)
         par.apply_ac(self.model, cfg.activation_checkpoint.mode,
                      collectives_in_layers=d.tp > 1 or d.ep > 1 or d.cp > 1)
         if cfg.compile.enable:
-            names = par.apply_compile(self.model, cfg.compile.backend)
+            # expert parallelism's dispatch reads host split sizes: the MoE regions break their graph there
+            names = par.apply_compile(self.model, cfg.compile.backend, fullgraph=d.ep == 1)
             log.info("compiled %d regions (pre/post around each decoder layer's mixer core, dynamic rows; "
                      "harts.models.ling.compile)", len(names))
         self.amp = contextlib.nullcontext()

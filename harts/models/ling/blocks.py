@@ -30,7 +30,7 @@ from harts.models.ling.config import LingConfig
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.kda import kda
-from harts.ops.moe import RouterStats, moe_experts, route, router_stats
+from harts.ops.moe import RouterStats, grouped_experts, route, routed_experts, router_stats
 from harts.ops.norm import gated_rms_norm, rms_norm
 
 
@@ -317,7 +317,10 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stacked: gate_proj/up_proj [E, F, D], down_proj [E, D, F]."""
+    """Routed experts, stacked: gate_proj/up_proj [E, F, D], down_proj [E, D, F]. ``forward`` is the SwiGLU
+    of expert-major rows (``harts.ops.moe.grouped_experts``) and knows nothing of parallelism: expert
+    parallelism wraps the module from outside (harts.train.expert_parallel), so its rows are then those its
+    experts receive from every rank."""
 
     stacked_weights = ("gate_proj", "up_proj", "down_proj")  # expert dim first (parallelisms shard it)
 
@@ -327,6 +330,12 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, Fw, D))
         self.up_proj = nn.Parameter(torch.empty(E, Fw, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
+        self.backend = cfg.op_backend("moe")
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, weight_M: torch.Tensor | None = None):
+        """Expert e takes the ``counts_E[e]`` rows after those of the experts before it; ``weight_M`` (fp32+)
+        scales each row's output."""
+        return grouped_experts(x_MD, counts_E, self.gate_proj, self.up_proj, self.down_proj, self.backend, weight_M)
 
 
 class AddRouterLoss(torch.autograd.Function):
@@ -366,9 +375,8 @@ class MoE(nn.Module):
     """Routed experts + shared experts. ``moe_index`` is the layer's position among the model's MoE
     layers (its row of the router-loss and count tensors). ``forward`` returns the output and the call's
     router statistics; ``finish`` (called by the decoder layer on the residual sum) keeps the statistics
-    and joins the router loss to the backward. Expert parallelism attaches from outside as
-    ``expert_parallel`` (a callable (x_TD, idx_TK, w_TK, experts) -> y_TD, e.g. the trainer's all-to-all
-    dispatch), which replaces the local routed experts."""
+    and joins the router loss to the backward. The routed experts run as the module ``experts`` on
+    expert-major rows (``harts.ops.moe.routed_experts``), which expert parallelism wraps from outside."""
 
     def __init__(self, cfg: LingConfig, moe_index: int = 0):
         super().__init__()
@@ -378,7 +386,6 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts)
         self.last_stats: RouterStats | None = None
-        self.expert_parallel = None
 
     def finish(self, y: torch.Tensor, stats: RouterStats, router: tuple | None) -> torch.Tensor:
         """Keep ``stats`` as ``last_stats`` (outside backward) and, with ``router`` = (coef_2, f_LE or None[,
@@ -403,11 +410,7 @@ class MoE(nn.Module):
             top_k=c.num_experts_per_tok, routed_scaling_factor=c.routed_scaling_factor,
             norm_topk_prob=c.norm_topk_prob)
         stats = router_stats(logits, scores, idx_TK, token_weight_T)
-        ex = self.experts
-        if self.expert_parallel is not None:
-            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
-        else:
-            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_proj, ex.up_proj, ex.down_proj, backend=c.op_backend("moe"))
+        y = routed_experts(x_TD, idx_TK, w_TK, self.experts, c.num_experts, c.op_backend("moe"))
         return y + self.shared_experts(x_TD), stats
 
 

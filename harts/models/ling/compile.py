@@ -54,9 +54,12 @@ Order with the other parallelisms (torchtitan's): TP -> activation checkpointing
 The regions call the layer's norms, its MLP / MoE and the mixer's projections as modules, so module hooks
 there run inside them: tensor parallelism (``harts.train.tensor_parallel``) puts its region boundaries on
 exactly those modules and its local parameter views on the layer, so a TP layer compiles and checkpoints
-like a one-process one. Not supported (refused with ``ValueError``): hooks on the mixer module itself
-(bypassed: its ``project`` / ``core`` / ``output`` are called) and expert parallelism (its all-to-all reads
-host split sizes).
+like a one-process one. Expert parallelism (``harts.train.expert_parallel``) is hooks on the MoE's experts
+module; its all-to-all reads host split sizes, which Dynamo cannot trace, so with it the post regions are
+compiled with ``fullgraph=False`` and break their graph around the experts (under selective checkpointing
+the post regions then run eagerly: Dynamo does not break a checkpointed function's graph). Refused with
+``ValueError``: hooks on the mixer module itself (bypassed: its ``project`` / ``core`` / ``output`` are
+called).
 
 Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions:
 
@@ -82,8 +85,8 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   returns inside a dataclass ("Node output referenced nonexistent value"), a tuple it keeps, on 2.11 and
   2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
   norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
-  and the tuple crossing costs nothing. Hooks on the mixer module and expert parallelism are refused for
-  the same reasons as for compile (``check_region_split``). The layer itself is still called as a module
+  and the tuple crossing costs nothing. Hooks on the mixer module are refused for the same reason as for
+  compile (``check_region_split``). The layer itself is still called as a module
   (``layer(..., selective=True)``), so hooks on it, FSDP2's parameter gathers, run as without checkpointing.
 """
 from __future__ import annotations
@@ -190,7 +193,7 @@ def _post_sparse_moe(layer, h_TD: torch.Tensor, x_TD: torch.Tensor, o, token_wei
 def _save_ops() -> frozenset:
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.topk.default,
-           torch.ops.harts.moe_experts_reference.default}
+           torch.ops.harts.grouped_experts_reference.default}
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)
     # tensor parallelism's region boundaries (harts.train.tensor_parallel): a collective's output is kept, so
@@ -365,9 +368,6 @@ def check_region_split(layer: nn.Module, what: str = "compile_model") -> None:
         raise ValueError(f"layer {layer.layer_idx}: the sequence mixer module has forward hooks; {what} calls its "
                          "project / core / output directly and would bypass them: put such hooks on its "
                          "submodules, or run without it")
-    if getattr(layer.mlp, "expert_parallel", None) is not None:
-        raise ValueError(f"layer {layer.layer_idx}: expert parallelism (host-side all-to-all split sizes) is "
-                         f"not supported inside a region of {what}; run without it")
 
 
 def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = True,
@@ -390,8 +390,11 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", dynamic: bool 
     # torch.compile is lazy: the selective regions' graphs are built only if that policy runs
     fns = {name: torch.compile(fn, backend=_counting_backend(report, name, backend), dynamic=dynamic,
                                fullgraph=fullgraph) for name, fn in _REGIONS.items()}
+    # Dynamo cannot break the graph of a checkpointed function: where a region may break (fullgraph=False, e.g.
+    # expert parallelism's all-to-all in the MoE), the selectively checkpointed post region runs eagerly
+    sac_fns = fns if fullgraph else {**fns, **{n: f for n, f in _REGIONS.items() if n.startswith("post_")}}
     for layer in layers:
-        layer.selective_forward = compiled_layer_forward(layer, *_layer_regions(layer, fns, "_sac"))
+        layer.selective_forward = compiled_layer_forward(layer, *_layer_regions(layer, sac_fns, "_sac"))
         layer.forward = _with_selective(compiled_layer_forward(layer, *_layer_regions(layer, fns)),
                                         layer.selective_forward)
         report.regions += [f"model.layers.{layer.layer_idx}.pre", f"model.layers.{layer.layer_idx}.post"]

@@ -245,7 +245,7 @@ class LingForCausalLM(CausalLM):
         ``counts_LE`` defaults to the last forward's counts (pass all-reduced counts under data parallel)."""
         layers = self.moe_layers()
         if counts_LE is None:
-            counts_LE = torch.stack([m.last_stats.counts_E for m in layers])
+            counts_LE = self.moe_counts()  # the last forward's (an error naming the fix before any forward)
         if counts_LE.shape[0] != len(layers):
             raise ValueError(f"counts for {counts_LE.shape[0]} layers, model has {len(layers)} MoE layers")
         for m, c in zip(layers, counts_LE):

@@ -41,7 +41,7 @@ from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import repeat_heads, varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.gdn import gated_delta_rule
-from harts.ops.moe import moe_experts, router_logits, router_stats
+from harts.ops.moe import grouped_experts, routed_experts, router_logits, router_stats
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "GatedDeltaNet", "GatedAttention", "SparseMoE", "DecoderLayer",
            "init_module_weights", "initial_tensors", "Packed"]
@@ -346,7 +346,7 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, stacked as in the checkpoint: gate_up_proj [E, 2F, D] (gate rows first), down_proj
-    [E, D, F]."""
+    [E, D, F]; ``forward`` as Ling's ``Experts`` (expert-major rows, parallel-agnostic)."""
 
     stacked_weights = ("gate_up_proj", "down_proj")  # expert dim first (parallelisms shard it)
 
@@ -355,6 +355,12 @@ class Experts(nn.Module):
         E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Fw, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
+        self.backend = cfg.op_backend("moe")
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, weight_M: torch.Tensor | None = None):
+        Fw = self.down_proj.shape[-1]  # the expert width (a tensor-parallel rank's share of it)
+        return grouped_experts(x_MD, counts_E, self.gate_up_proj[:, :Fw], self.gate_up_proj[:, Fw:], self.down_proj,
+                               self.backend, weight_M)
 
 
 def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -373,7 +379,7 @@ def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_
 
 class SparseMoE(nn.Module):
     """Softmax-routed experts + a shared expert scaled by sigmoid(shared_expert_gate(x)). ``moe_index``,
-    ``expert_parallel``, ``forward``'s (output, router statistics weighted by the rows' multiplicities), and
+    the ``experts`` module, ``forward``'s (output, router statistics weighted by the rows' multiplicities), and
     ``finish`` (``last_stats`` and the router loss in backward) are as in Ling's MoE."""
 
     def __init__(self, cfg: Qwen35Config, moe_index: int = 0):
@@ -385,7 +391,6 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.last_stats = None
-        self.expert_parallel = None
 
     # keep the statistics (outside backward) and join the router term to the output's backward, as Ling's MoE
     finish = MoE.finish
@@ -396,13 +401,7 @@ class SparseMoE(nn.Module):
         c = self.cfg
         logits, probs, idx_TK, w_TK = softmax_route(x_TD, self.gate.weight, c.num_experts_per_tok, c.norm_topk_prob)
         stats = router_stats(logits, probs, idx_TK, token_weight_T)
-        ex = self.experts
-        Fw = ex.down_proj.shape[-1]  # the expert width (a tensor-parallel rank's share of it)
-        if self.expert_parallel is not None:
-            y = self.expert_parallel(x_TD, idx_TK, w_TK, ex)
-        else:
-            y = moe_experts(x_TD, idx_TK, w_TK, ex.gate_up_proj[:, :Fw], ex.gate_up_proj[:, Fw:], ex.down_proj,
-                            backend=c.op_backend("moe"))
+        y = routed_experts(x_TD, idx_TK, w_TK, self.experts, c.num_experts, c.op_backend("moe"))
         gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TD).to(_compute_dtype(x_TD.dtype))).to(x_TD.dtype)
         return y + gate_T1 * self.shared_expert(x_TD), stats
 

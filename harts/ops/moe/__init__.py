@@ -3,8 +3,14 @@
 Deterministic and without token dropping: every token is processed by exactly its top-k experts, and the
 k expert outputs of a token are summed in a fixed order (no atomics in the combine).
 """
-from harts.ops.moe.experts import moe_experts, moe_experts_grouped_mm, moe_experts_reference
+from harts.ops.moe.experts import (
+    grouped_experts,
+    moe_experts,
+    moe_experts_grouped_mm,
+    moe_experts_reference,
+    routed_experts,
+)
 from harts.ops.moe.router import RouterStats, route, router_logits, router_stats
 
 __all__ = ["RouterStats", "route", "router_logits", "router_stats", "moe_experts", "moe_experts_grouped_mm",
-           "moe_experts_reference"]
+           "moe_experts_reference", "routed_experts", "grouped_experts"]

@@ -2,10 +2,12 @@
 
 Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows,
 J output rows that read one source row (the transpose of K in ``gather_sum``).
-The reference loops over experts (exact in float64) and weights each slot's D-wide output; the fast
-path sorts the M rows by expert, runs three torch._grouped_mm calls with unpadded group offsets (bf16
-needs D and F to be multiples of 8) and weights the F-wide activation before the down projection. Its
-rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
+``routed_experts`` sorts the M rows by expert and hands them, with the rows per expert and their routing
+weights, to an experts callable (``grouped_experts``, or a model's experts module, which expert
+parallelism wraps from outside). The reference experts loop over the experts (exact in float64) and weight
+each row's D-wide output; the fast path runs three torch._grouped_mm calls with unpadded group offsets
+(bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection.
+Rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
 Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
 whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
 order, so results are deterministic.
@@ -24,21 +26,36 @@ def _combine(y_MD, topk_w_TK, T, K):
     return (y_MD.view(T, K, -1).to(dt) * topk_w_TK.to(dt)[..., None]).sum(1).to(y_MD.dtype)
 
 
-def grouped_experts(x_MD, counts_E: list[int], w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto",
-                    offs_E=None):
-    """The experts' SwiGLU on expert-major rows, the one expert compute of the model and of expert
-    parallelism (which runs it on the rows it receives): expert e takes the ``counts_E[e]`` rows after those
-    of the experts before it. The reference loops over the host ``counts_E`` (exact in float64); the fast
-    path runs torch._grouped_mm with the group offsets ``offs_E`` (int32 cumsum on the device; from
-    ``counts_E`` when not given, a host-to-device copy)."""
+def grouped_experts(x_MD, counts_E: torch.Tensor, w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto",
+                    weight_M: torch.Tensor | None = None):
+    """The experts' SwiGLU on expert-major rows, the one expert compute of the model, with or without expert
+    parallelism (which runs it on the rows it receives): expert e takes the ``counts_E[e]`` rows (a device
+    tensor) after those of the experts before it; ``weight_M`` (the routing weight of each row, fp32+)
+    scales its output. The fast path runs torch._grouped_mm with the group offsets (the counts' cumsum, on
+    the device: no host read) and scales the F-wide activation before the (linear) down projection; the
+    reference loops over the host counts (exact in float64) and scales the D-wide output; under
+    torch.compile the reference enters as the opaque op ``harts::grouped_experts_reference``."""
     if x_MD.shape[0] == 0:  # no rows: zero gradients, so every expert weight still gets one
-        return x_MD.new_zeros(0, w_down_EDF.shape[1]) + 0 * (w_gate_EFD.sum() + w_up_EFD.sum() + w_down_EDF.sum())
+        out = x_MD.new_zeros(0, w_down_EDF.shape[1]) + 0 * (w_gate_EFD.sum() + w_up_EFD.sum() + w_down_EDF.sum())
+        return out if weight_M is None else out + 0 * weight_M.sum().to(out.dtype)
     if resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
-        if offs_E is None:
-            offs_E = torch.tensor(counts_E, device=x_MD.device).cumsum(0).to(torch.int32)
-        return _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF)
-    return torch.cat([(F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)) @ w_down_EDF[e].T
-                      for e, h in enumerate(x_MD.split(counts_E)) if len(h)])
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        return _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)
+    if weight_M is None:
+        weight_M = x_MD.new_ones(x_MD.shape[0], dtype=torch.promote_types(x_MD.dtype, torch.float32))
+    if torch.compiler.is_compiling():
+        return torch.ops.harts.grouped_experts_reference(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)
+    return _grouped_reference(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)
+
+
+def _grouped_reference(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M):
+    """The reference of ``grouped_experts``: a host loop over the experts with rows, each row's output scaled
+    by its weight in fp32+ and cast back."""
+    parts = [(F.silu(h @ w_gate_EFD[e].T) * (h @ w_up_EFD[e].T)) @ w_down_EDF[e].T
+             for e, h in enumerate(x_MD.split(counts_E.tolist())) if len(h)]
+    y_MD = torch.cat(parts)
+    dt = torch.promote_types(y_MD.dtype, weight_M.dtype)
+    return (y_MD.to(dt) * weight_M.to(dt)[:, None]).to(y_MD.dtype)
 
 
 def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None):
@@ -59,7 +76,7 @@ def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_
     T, K = topk_idx_TK.shape
     flat_M = topk_idx_TK.reshape(-1)
     order_M = torch.argsort(flat_M, stable=True)  # slots grouped by expert, in slot order within an expert
-    counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0]).tolist()
+    counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0])
     y_sorted = grouped_experts(x_TD[order_M // K], counts, w_gate_EFD, w_up_EFD, w_down_EDF, "reference")
     if T == 0:
         return y_sorted
@@ -110,68 +127,79 @@ def gather_sum(src_MD, idx_TK, inv_MJ, backend: str = "auto"):
     return _GatherSum.apply(src_MD, idx_TK, inv_MJ)
 
 
-def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+def routed_experts(x_TD, topk_idx_TK, topk_w_TK, experts, num_experts: int, backend: str = "auto"):
+    """y_TD[t] = sum_k w[t, k] * expert_{idx[t, k]}(x_TD[t]), with the experts a callable ``experts(x_MD,
+    counts_E, weight_M) -> y_MD`` on expert-major rows (``grouped_experts`` on the model's weights, or an
+    experts module, which expert parallelism wraps): its rows are sorted by expert (stable: slot order within
+    an expert), ``counts_E`` the rows per expert on the device, ``weight_M`` each row's routing weight.
+
+    Rows move between token order and expert-sorted order by gathers only, both ways (``gather_sum``:
+    deterministic, no [T*K, D] copy of the expanded input): the sorted row of every (token, slot), and the
+    token of every sorted row. The slot gather's backward sums a token's K slot gradients; the combine's is
+    a gather. The group ends come from a search of the sorted expert ids (static shapes: the path traces
+    under torch.compile without a host read)."""
     T, K = topk_idx_TK.shape
-    E = w_gate_EFD.shape[0]
     flat_M = topk_idx_TK.reshape(-1)
     sorted_M, order_M = torch.sort(flat_M, stable=True)
-    # group ends = number of slots with expert <= e; unlike bincount (output length data-dependent) this
-    # has a static shape, so the path traces under torch.compile without a host read
-    offs_E = torch.searchsorted(sorted_M, torch.arange(E, device=flat_M.device), right=True).to(torch.int32)
+    ends_E = torch.searchsorted(sorted_M, torch.arange(num_experts, device=flat_M.device), right=True)
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     inv_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(T * K, device=order_M.device))
-    # Rows move between token order and expert-sorted order by gathers only, both ways (deterministic, no
-    # [T*K, D] copy of the expanded input): the sorted row of every (token, slot), and the token of every
-    # sorted row. The slot gather's backward sums a token's K slot gradients; the combine's is a gather.
     slot_TK, token_M1 = inv_M.view(T, K), (order_M // K)[:, None]
-    x_MD = gather_sum(x_TD, token_M1, slot_TK)
-    # The routing weight scales the F-wide activation before the (linear) down projection instead of the
-    # D-wide output after it: same product, a third of the elementwise traffic at F = D / 3 (Ling-3.0-tiny),
-    # and the combine is then a plain sum over the K slots, accumulated in fp32 without an fp32 copy.
-    y_sorted_MD = _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, topk_w_TK.reshape(-1)[order_M])
-    return gather_sum(y_sorted_MD, slot_TK, token_M1)
+    x_MD = gather_sum(x_TD, token_M1, slot_TK, backend)
+    y_sorted_MD = experts(x_MD, counts_E, topk_w_TK.reshape(-1)[order_M])
+    return gather_sum(y_sorted_MD, slot_TK, token_M1, backend)
+
+
+def moe_experts_grouped_mm(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    """The fast path of ``moe_experts``: ``routed_experts`` on the grouped-GEMM experts. The routing weight
+    scales the F-wide activation before the (linear) down projection instead of the D-wide output after it:
+    same product, a third of the elementwise traffic at F = D / 3 (Ling-3.0-tiny), and the combine is then a
+    plain sum over the K slots, accumulated in fp32 without an fp32 copy."""
+    def experts(x_MD, counts_E, weight_M):  # torch._grouped_mm on any device (CPU in float32 for tests)
+        if x_MD.shape[0] == 0:
+            return grouped_experts(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, "reference", weight_M)
+        return _grouped_swiglu(x_MD, counts_E.cumsum(0).to(torch.int32), w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)
+
+    return routed_experts(x_TD, topk_idx_TK, topk_w_TK, experts, w_gate_EFD.shape[0])
 
 
 # The reference loops over the experts present in the batch (a host read of the counts), which
 # torch.compile cannot trace without specialising on every batch: inside a compiled region it enters the
-# graph as one opaque op, forward = the reference itself, backward = autograd through a recomputation of
-# it (exact, deterministic; the reference is the CPU / float64 path, where memory is not the constraint).
-@torch.library.custom_op("harts::moe_experts_reference", mutates_args=())
-def _reference_op(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, w_gate_EFD: torch.Tensor,
-                  w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor) -> torch.Tensor:
-    return moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+# graph as one opaque op, forward = the reference itself, backward = the reference's gradients written out
+# (exact, deterministic; the reference is the CPU / float64 path, where memory is not the constraint).
+@torch.library.custom_op("harts::grouped_experts_reference", mutates_args=())
+def _grouped_reference_op(x_MD: torch.Tensor, counts_E: torch.Tensor, w_gate_EFD: torch.Tensor,
+                          w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor, weight_M: torch.Tensor) -> torch.Tensor:
+    return _grouped_reference(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)
 
 
-@_reference_op.register_fake
-def _(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
-    return x_TD.new_empty(x_TD.shape[0], w_down_EDF.shape[1])
+@_grouped_reference_op.register_fake
+def _(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M):
+    return x_MD.new_empty(x_MD.shape[0], w_down_EDF.shape[1])
 
 
-@torch.library.custom_op("harts::moe_experts_reference_backward", mutates_args=())
-def _reference_backward_op(grad_TD: torch.Tensor, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
-                           topk_w_TK: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor,
-                           w_down_EDF: torch.Tensor) -> list[torch.Tensor]:
-    """Gradients of ``moe_experts_reference`` w.r.t. (x_TD, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF),
-    written out (an op's implementation runs below autograd): the forward recomputed expert by expert,
-    the slot gradients summed per token in a fixed order (no scatter-add)."""
-    T, K = topk_idx_TK.shape
-    D = w_down_EDF.shape[1]
-    flat_M = topk_idx_TK.reshape(-1)
-    order_M = torch.argsort(flat_M, stable=True)
-    counts = torch.bincount(flat_M, minlength=w_gate_EFD.shape[0]).tolist()
-    dt = torch.promote_types(x_TD.dtype, topk_w_TK.dtype)
-    g_TD = grad_TD.to(dt)
-    dx_parts, y_parts = [], []
+@torch.library.custom_op("harts::grouped_experts_reference_backward", mutates_args=())
+def _grouped_reference_backward_op(grad_MD: torch.Tensor, x_MD: torch.Tensor, counts_E: torch.Tensor,
+                                   w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor,
+                                   weight_M: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of ``_grouped_reference`` w.r.t. (x_MD, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M), written
+    out (an op's implementation runs below autograd): the forward recomputed expert by expert."""
+    dt = torch.promote_types(x_MD.dtype, weight_M.dtype)
+    g_MD, w_M = grad_MD.to(dt), weight_M.to(dt)
     gw_gate, gw_up, gw_down = (torch.zeros_like(w) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
-    w_M = topk_w_TK.reshape(-1).to(dt)
-    for e, rows in enumerate(order_M.split(counts)):
-        if len(rows) == 0:
+    dx_parts, gw_parts, start = [], [], 0
+    for e, n in enumerate(counts_E.tolist()):
+        if n == 0:
             continue
-        h = x_TD[rows // K]
+        rows = slice(start, start + n)
+        start += n
+        h = x_MD[rows]
         g, u = h @ w_gate_EFD[e].T, h @ w_up_EFD[e].T
         sg = torch.sigmoid(g)
         a = g * sg * u
-        y_parts.append(a @ w_down_EDF[e].T)
-        dy = (g_TD[rows // K] * w_M[rows][:, None]).to(x_TD.dtype)  # the combine's weight on this slot
+        y = a @ w_down_EDF[e].T
+        gw_parts.append((y.to(dt) * g_MD[rows]).sum(-1))
+        dy = (g_MD[rows] * w_M[rows][:, None]).to(x_MD.dtype)
         da = dy @ w_down_EDF[e]
         gw_down[e] = dy.T @ a
         dg = da * u * (sg * (1 + g * (1 - sg)))  # d silu(g) / dg = s (1 + g (1 - s))
@@ -179,39 +207,34 @@ def _reference_backward_op(grad_TD: torch.Tensor, x_TD: torch.Tensor, topk_idx_T
         dx_parts.append(dg @ w_gate_EFD[e] + du @ w_up_EFD[e])
         gw_gate[e], gw_up[e] = dg.T @ h, du.T @ h
     if not dx_parts:
-        return [torch.zeros_like(x_TD), torch.zeros_like(topk_w_TK), gw_gate, gw_up, gw_down]
-    inv_M = torch.argsort(order_M)  # back to (token, slot) order
-    dx_TD = torch.cat(dx_parts)[inv_M].view(T, K, -1).sum(1)
-    y_TKD = torch.cat(y_parts)[inv_M].view(T, K, D)
-    gw_TK = (y_TKD.to(dt) * g_TD[:, None, :]).sum(-1).to(topk_w_TK.dtype)
-    return [dx_TD, gw_TK, gw_gate, gw_up, gw_down]
+        return [torch.zeros_like(x_MD), gw_gate, gw_up, gw_down, torch.zeros_like(weight_M)]
+    return [torch.cat(dx_parts), gw_gate, gw_up, gw_down, torch.cat(gw_parts).to(weight_M.dtype)]
 
 
-@_reference_backward_op.register_fake
-def _(grad_TD, x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
-    return [torch.empty_like(t) for t in (x_TD, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)]
+@_grouped_reference_backward_op.register_fake
+def _(grad_MD, x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M):
+    return [torch.empty_like(t) for t in (x_MD, w_gate_EFD, w_up_EFD, w_down_EDF, weight_M)]
 
 
-def _reference_setup(ctx, inputs, output):
+def _grouped_reference_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _reference_backward(ctx, grad_TD):
-    x_TD, idx_TK, w_TK, wg, wu, wd = ctx.saved_tensors
-    gx, gw, gg, gu, gd = torch.ops.harts.moe_experts_reference_backward(grad_TD, x_TD, idx_TK, w_TK, wg, wu, wd)
-    return gx, None, gw, gg, gu, gd
+def _grouped_reference_backward(ctx, grad_MD):
+    x_MD, counts_E, wg, wu, wd, weight_M = ctx.saved_tensors
+    gx, gg, gu, gd, gw = torch.ops.harts.grouped_experts_reference_backward(grad_MD, x_MD, counts_E, wg, wu, wd,
+                                                                            weight_M)
+    return gx, None, gg, gu, gd, gw
 
 
-_reference_op.register_autograd(_reference_backward, setup_context=_reference_setup)
+_grouped_reference_op.register_autograd(_grouped_reference_backward, setup_context=_grouped_reference_setup)
 
 
 def moe_experts(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, backend: str = "auto"):
-    """Routed experts by the resolved backend. Under torch.compile the fast path is traced (Inductor
-    lowers the grouped GEMMs and fuses the SwiGLU, weighting and combine) and the reference enters as the
-    opaque op ``harts::moe_experts_reference``."""
-    which = resolve("moe_experts", backend, x_TD.device, x_TD.dtype)
-    if which == "fast":
-        fn = moe_experts_grouped_mm
-    else:
-        fn = torch.ops.harts.moe_experts_reference if torch.compiler.is_compiling() else moe_experts_reference
-    return fn(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+    """Routed experts by the resolved backend: ``routed_experts`` on ``grouped_experts``. Under torch.compile
+    the fast path is traced (Inductor lowers the grouped GEMMs and fuses the SwiGLU and weighting) and the
+    reference's expert loop enters as the opaque op ``harts::grouped_experts_reference``."""
+    def experts(x_MD, counts_E, weight_M):
+        return grouped_experts(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, backend, weight_M)
+
+    return routed_experts(x_TD, topk_idx_TK, topk_w_TK, experts, w_gate_EFD.shape[0], backend)
