@@ -1,6 +1,8 @@
 """Test configuration.
 
 Markers (pyproject.toml): ``gpu`` tests need a CUDA GPU and are deselected by the default ``-m 'not gpu'``;
+``gpu_bench`` tests run a benchmark's numerics checks at model shapes on a CUDA GPU (minutes of kernel
+compilation from empty caches, so ``python -m pytest -m gpu_bench`` runs them apart from the GPU suite);
 ``python -m pytest -m gpu`` on a machine without CUDA is an error (exit code 4, one message), never a run
 of skips that looks green. ``slow`` marks the multi-process and multi-step tests; the default run, and CI,
 include them (``-m 'not slow'`` for a quick local pass).
@@ -81,12 +83,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """A GPU run (``-m gpu``, ``-m gpu_bench``) names each test as it starts and its time when it ends (-v):
+    compiling kernels from empty caches can keep one test busy for a while."""
+    expr = config.option.markexpr or ""
+    if "gpu" in expr and "not gpu" not in expr and config.option.verbose < 1:
+        config.option.verbose = 1
+
+
 @pytest.hookimpl(trylast=True)  # after the -m deselection: only the tests that would run
 def pytest_collection_modifyitems(config, items):
     """A selection that still holds ``gpu`` tests on a machine without CUDA stops the run with one error."""
     if torch.cuda.is_available():
         return
-    gpu = [item.nodeid for item in items if item.get_closest_marker("gpu") is not None]
+    gpu = [item.nodeid for item in items
+           if item.get_closest_marker("gpu") is not None or item.get_closest_marker("gpu_bench") is not None]
     if gpu:
         raise pytest.UsageError(
             f"{len(gpu)} selected test(s) marked gpu (first: {gpu[0]}), and CUDA is not available: run them on a "

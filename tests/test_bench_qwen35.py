@@ -184,7 +184,7 @@ def test_gdn_round_bench_when_fla_refuses_its_backward(tmp_path, monkeypatch):
     assert nm["ok"] and nm["within_noise"][0] and max(nm["round"]) < 1e-12
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_bench
 def test_gdn_round_bench_gpu_numerics(tmp_path):
     """On the GPU, the Triton round kernel with the broadcast decay and fla's GDN kernel on qwen3.5-8l shapes:
     both within bf16 noise of the float64 truth."""
