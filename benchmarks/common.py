@@ -104,15 +104,15 @@ def build_model(preset, device, dtype, seed: int = 0, recompute: bool = True, **
     """A seeded model on ``device``: materialised from meta, initialised in fp32, cast to ``dtype`` (the
     decay parameters and Ling's expert bias stay fp32). ``preset`` is a preset name (its family's model,
     ``harts.models.family``) or a ready LingConfig / Qwen35Config."""
-    if isinstance(preset, str):
-        cfg = model_config(preset, recompute=recompute, **overrides)
-    else:
-        cfg = model_config(preset, **overrides)
+    from harts.train.parallelize import apply_ac
+
+    cfg = model_config(preset, **overrides)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     model = model.to_empty(device=device)
     torch.manual_seed(seed)
     model.init_weights(seed)
+    apply_ac(model, "full" if recompute else "none")
     return model.cast_(dtype)
 
 
@@ -130,4 +130,8 @@ def load_model(path, device, dtype, recompute: bool = False):
     with open(cfg_file) as f:
         model_type = str(json.load(f).get("model_type", ""))
     fam = next((f for f in MODEL_FAMILIES.values() if model_type in f.hf_model_types), MODEL_FAMILIES["ling3"])
-    return fam.load_pretrained(path, device=device, dtype=dtype, recompute=recompute)
+    from harts.train.parallelize import apply_ac
+
+    model = fam.load_pretrained(path, device=device, dtype=dtype)
+    apply_ac(model, "full" if recompute else "none")
+    return model

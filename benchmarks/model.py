@@ -41,6 +41,7 @@ from benchmarks.common import build_model, family
 from benchmarks.trace_summary import device_idle
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.model import AC_POLICIES
+from harts.train.parallelize import apply_ac
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)
 
@@ -88,12 +89,12 @@ def run(args, overrides: dict) -> dict:
     dev = args.device
     cuda = torch.device(dev).type == "cuda"
     dtype = getattr(torch, args.dtype)
-    cfg = LingConfig.preset(args.preset, recompute=args.ac == "full", **overrides)
+    cfg = LingConfig.preset(args.preset, **overrides)
     lens = trajectory_lengths(args.tokens, args.lens, args.seed)
     T = sum(lens)
     torch.manual_seed(args.seed)
-    model = build_model(cfg, dev, dtype)
-    model.model.checkpoint_policy = args.ac
+    model = build_model(cfg, dev, dtype, recompute=False)
+    apply_ac(model, args.ac)
     if args.compile:
         from harts.models.ling import compile_model
 

@@ -274,10 +274,12 @@ def make_model(chunk_size: int, recompute: bool = False, seed: int = 0):
     """The float64 debug Ling on the reference ops, with a non-zero expert bias (so grouped routing with the
     bias is exercised)."""
     from harts.models.ling import LingConfig, LingForCausalLM
+    from harts.train.parallelize import apply_ac
 
-    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=chunk_size, recompute=recompute)
+    cfg = LingConfig.preset("ling3-tiny-debug", backend="reference", kda_chunk_size=chunk_size)
     torch.manual_seed(seed)
     model = LingForCausalLM(cfg).double()
+    apply_ac(model, "full" if recompute else "none")
     for i, m in enumerate(model.moe_layers()):
         m.gate.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts, dtype=torch.float32).roll(i))
     return model

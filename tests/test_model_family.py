@@ -175,3 +175,21 @@ def test_checkpoint_io_round_trips(f, tmp_path):
     import json
 
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] in f.hf_model_types
+
+
+@pytest.mark.parametrize("f", FAMILIES.values(), ids=list(FAMILIES))
+def test_checkpointing_is_not_a_model_setting(f):
+    """Activation checkpointing is applied to a built model from outside (apply_ac): a model config has no
+    such field, asking for one names where it is set, and an earlier export's config.json that still
+    carries it under "harts" loads."""
+    import dataclasses
+
+    cfg = f.config(f.presets[-1])
+    assert "recompute" not in {x.name for x in dataclasses.fields(cfg)}
+    with pytest.raises(TypeError, match=r"recompute is not a model config field.*apply_ac"):
+        f.config(f.presets[-1], recompute=True)
+    d = cfg.to_hf_dict()
+    d["harts"] = {**d.get("harts", {}), "recompute": True}
+    assert type(cfg).from_hf_dict(d) == cfg
+    with pytest.raises(TypeError, match=r"recompute is not a model config field"):
+        type(cfg).from_hf_dict(cfg.to_hf_dict(), recompute=False)

@@ -4,6 +4,7 @@ import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.models.ling.blocks import KDA, MLA, MLP, MoE
+from harts.train.parallelize import apply_ac
 
 
 def test_ling3_tiny_param_count_on_meta():
@@ -72,7 +73,7 @@ def test_float64_backward_and_recompute_match(model64):
     ids, pos, cu = _batch(cfg, [24, 17], seed=1)
 
     def grads(recompute):
-        model64.config.recompute = recompute
+        apply_ac(model64, "full" if recompute else "none")
         model64.zero_grad(set_to_none=True)
         h = model64(ids, pos, cu)
         lp = model64.token_logprobs(h, ids.roll(-1))
@@ -82,7 +83,7 @@ def test_float64_backward_and_recompute_match(model64):
     try:
         a, b = grads(False), grads(True)
     finally:
-        model64.config.recompute = False
+        apply_ac(model64, "none")
     assert a.keys() == b.keys() and len(a) == len(list(model64.parameters()))
     for n in a:
         assert torch.allclose(a[n], b[n], rtol=0, atol=1e-12), n
@@ -92,7 +93,8 @@ def test_float64_backward_and_recompute_match(model64):
 def test_recompute_keeps_forward_stats():
     """The recomputation inside backward must not replace the forward's router stats: holding the
     recomputed graph would pin every MoE layer's recomputed activations (an OOM at 64K tokens)."""
-    m = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", recompute=True))
+    m = LingForCausalLM(LingConfig.preset("ling3-tiny-debug"))
+    apply_ac(m, "full")
     ids, pos, cu = _batch(m.config, [40])
     h = m(ids, pos, cu)
     z = [s.z_loss for s in m.router_stats()]
@@ -160,9 +162,10 @@ def test_fast_backends_match_reference_full_model_gpu():
     # reuses what this test compiled), toy hidden size and expert count
     dims = dict(kda_chunk_size=64, num_attention_heads=16, head_dim=128, qk_nope_head_dim=128,
                 qk_rope_head_dim=64, v_head_dim=128)
-    cfg = LingConfig.preset("ling3-tiny-debug", recompute=True, **dims)
+    cfg = LingConfig.preset("ling3-tiny-debug", **dims)
     torch.manual_seed(0)
     fast = LingForCausalLM(cfg).cuda().cast_(torch.bfloat16)
+    apply_ac(fast, "full")
     lens = [700, 3, 300, 1024]
     ids, pos, cu = (t.cuda() for t in _batch(cfg, lens))
 
@@ -184,6 +187,7 @@ def test_fast_backends_match_reference_full_model_gpu():
     print("gradients that differ run to run (relative):", changed)
     assert all(e < 1e-2 for e in changed.values()), changed
     ref = LingForCausalLM(LingConfig.preset("ling3-tiny-debug", backend="reference", **dims)).cuda()
+    apply_ac(ref, "full")
     ref.load_state_dict({k: v.float() for k, v in fast.state_dict().items()})
     hr, gr = step(ref)
     assert rel(h1, hr) < 3e-2

@@ -27,9 +27,11 @@ from tests.helpers import drop_replay, fork_tree, tree_specs
 
 
 def make_model(chunk_size: int, recompute: bool = False, seed: int = 0, **overrides) -> Qwen35ForCausalLM:
-    cfg = Qwen35Config.preset("qwen3.5-debug", **{"backend": "reference", "gdn_chunk_size": chunk_size,
-                                                  "recompute": recompute, **overrides})
+    from harts.train.parallelize import apply_ac
+
+    cfg = Qwen35Config.preset("qwen3.5-debug", **{"backend": "reference", "gdn_chunk_size": chunk_size, **overrides})
     model = Qwen35ForCausalLM(cfg).init_weights(seed=seed).double()
+    apply_ac(model, "full" if recompute else "none")
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():  # non-trivial norms and gates (the scratch init leaves them at identity)
         for n, p in model.named_parameters():

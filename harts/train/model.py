@@ -36,7 +36,7 @@ def model_config(ling) -> LingConfig | Qwen35Config:
     if not isinstance(ling.preset, str) or not ling.preset:
         raise ValueError(f"ling.preset = {ling.preset!r} must name a model preset")
     qwen = family_of(ling.preset) is QWEN35
-    overrides = {"backend": ling.backend, "recompute": False}
+    overrides = {"backend": ling.backend}
     if ling.num_hidden_layers:
         overrides["num_hidden_layers"] = ling.num_hidden_layers
     if ling.kda_chunk_size:

@@ -16,6 +16,19 @@ from typing import Any
 __all__ = ["LingConfig"]
 
 
+# Keys that earlier exports wrote under "harts" in config.json and that are no model setting any more
+# (activation checkpointing is applied from outside the model: harts.train.parallelize.apply_ac).
+LEGACY_HARTS_KEYS = ("recompute",)
+
+
+def refuse_execution_settings(overrides: dict) -> None:
+    """Activation checkpointing is not a model setting: name where it is set instead."""
+    if "recompute" in overrides:
+        raise TypeError("recompute is not a model config field: activation checkpointing is applied to a built "
+                        "model from outside, harts.train.parallelize.apply_ac(model, 'full' | 'selective' | 'none') "
+                        "(the trainer's [activation_checkpoint] mode)")
+
+
 @dataclass
 class LingConfig:
     vocab_size: int = 157184
@@ -56,7 +69,6 @@ class LingConfig:
     bos_token_id: int | None = 156891
     eos_token_id: int | None = 156895
     # HARTS-only knobs (not written to config.json)
-    recompute: bool = False  # full activation recomputation per block (torch.utils.checkpoint)
     backend: str = "auto"  # "auto" | "reference" | "fast"; see harts.ops.backend
     # per-op overrides of ``backend`` (None = use ``backend``)
     attention_backend: str | None = None
@@ -115,6 +127,7 @@ class LingConfig:
     # ---------------------------------------------------------------- presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "LingConfig":
+        refuse_execution_settings(overrides)
         if name == "ling3-tiny":
             cfg = cls()
         elif name == "ling3-tiny-debug":
@@ -159,7 +172,7 @@ class LingConfig:
     # ---------------------------------------------------------------- HF config.json
     # Run-time knobs and the KDA chunk size: not part of the released config.json; written under "harts"
     # so that every field round-trips (the chunk size fixes the plan's chunk grid, see harts.pack).
-    _HARTS_ONLY = ("recompute", "backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend",
+    _HARTS_ONLY = ("backend", "attention_backend", "kda_backend", "conv_backend", "moe_backend",
                    "logprobs_backend", "norm_backend", "logprobs_chunk_size", "kda_chunk_size")
 
     def layer_types(self) -> list[str]:
@@ -244,6 +257,8 @@ class LingConfig:
         harts = d.get("harts") or {}
         if not isinstance(harts, dict):
             raise TypeError(f"config.json: 'harts' must be an object, got {type(harts).__name__}")
+        harts = {k: v for k, v in harts.items() if k not in LEGACY_HARTS_KEYS}
+        refuse_execution_settings(overrides)
         unknown = sorted(set(harts) - set(cls._HARTS_ONLY))
         if unknown:
             raise ValueError(f"config.json: unknown 'harts' keys {unknown}; known: {list(cls._HARTS_ONLY)}")

@@ -14,11 +14,11 @@ log-sum-exp, or the chunked reference) never builds a 64K x 157K fp32 logits ten
 (``harts.models.ling.compile_model``) makes torch.compile the execution engine of the decoder
 layers, applied in place from outside the layers.
 
-Activation checkpointing is a per-model policy, ``model.model.checkpoint_policy`` (``AC_POLICIES``): "none"
-keeps every activation; "full" recomputes each decoder layer in backward (a whole extra forward);
-"selective" keeps the sequence-mixer cores' and the matrix products' outputs and recomputes the rest of
-each layer (``harts.models.ling.compile``, "Activation checkpointing"). ``LingConfig.recompute`` sets the
-initial policy ("full" or "none"); ``harts.train.parallelize.apply_ac`` sets it from the trainer config.
+Activation checkpointing is applied from outside (``harts.train.parallelize.apply_ac``, the trainer's
+``[activation_checkpoint] mode``), not configured in the model: "none" (the default) keeps every activation;
+"full" recomputes each decoder layer in backward (a whole extra forward); "selective" keeps the
+sequence-mixer cores' and the matrix products' outputs and recomputes the rest of each layer
+(``harts.models.ling.compile``, "Activation checkpointing").
 """
 from __future__ import annotations
 
@@ -115,9 +115,9 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        # activation checkpointing policy (harts.train.parallelize.apply_ac sets these); early stop ends a
-        # recomputation once the saved tensors are back, which layers with collectives must not do
-        self.checkpoint_policy, self.checkpoint_early_stop = ("full" if cfg.recompute else "none"), True
+        # activation checkpointing policy, "none" until harts.train.parallelize.apply_ac sets it from outside;
+        # early stop ends a recomputation once the saved tensors are back, which layers with collectives must not do
+        self.checkpoint_policy, self.checkpoint_early_stop = "none", True
 
     @property
     def checkpoint_policy(self) -> str:

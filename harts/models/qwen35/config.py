@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from harts.models.ling.config import LEGACY_HARTS_KEYS, refuse_execution_settings
+
 __all__ = ["Qwen35Config"]
 
 _BACKEND_OPS = ("attention", "gdn", "conv", "moe", "logprobs", "norm")
@@ -66,7 +68,6 @@ class Qwen35Config:
     # default: on the H200 its rounds run fwd+bwd 2.4x faster than the KDA-kernel rounds at the same float64
     # error, and its gate gradients stay exact at fast decays (python -m benchmarks.gdn_round, gdn_gate_grad).
     gdn_round_impl: Literal["kda_kernels", "fla_pieces"] = "fla_pieces"
-    recompute: bool = False  # full activation recomputation per block
     backend: str = "auto"  # "auto" | "reference" | "fast"; see harts.ops.backend
     attention_backend: str | None = None
     gdn_backend: str | None = None
@@ -142,6 +143,7 @@ class Qwen35Config:
     # ---------------------------------------------------------------- presets
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Qwen35Config":
+        refuse_execution_settings(overrides)
         if name == "qwen3.5-35b-a3b":
             cfg = cls()
         elif name == "qwen3.5-8l":
@@ -164,7 +166,7 @@ class Qwen35Config:
         return cfg.validate()
 
     # ---------------------------------------------------------------- HF config.json
-    _HARTS_ONLY = ("gdn_chunk_size", "gdn_round_impl", "recompute", "backend", "attention_backend", "gdn_backend",
+    _HARTS_ONLY = ("gdn_chunk_size", "gdn_round_impl", "backend", "attention_backend", "gdn_backend",
                    "conv_backend", "moe_backend", "logprobs_backend", "norm_backend", "logprobs_chunk_size")
     _NOT_HF = _HARTS_ONLY + ("full_attention_interval", "partial_rotary_factor", "rope_theta", "norm_topk_prob")
 
@@ -221,8 +223,10 @@ class Qwen35Config:
             if k in rp:
                 d[k] = rp[k]
         harts = d.pop("harts", None) or {}
+        refuse_execution_settings(overrides)
         if not isinstance(harts, dict):
             raise TypeError(f"config.json: 'harts' must be an object, got {type(harts).__name__}")
+        harts = {k: v for k, v in harts.items() if k not in LEGACY_HARTS_KEYS}
         unknown = sorted(set(harts) - set(cls._HARTS_ONLY))
         if unknown:
             raise ValueError(f"config.json: unknown 'harts' keys {unknown}; known: {list(cls._HARTS_ONLY)}")
