@@ -10,6 +10,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "pack": ("harts.runtime", "pack"),
     "CompactBatch": ("harts.runtime", "CompactBatch"),
+    "pack_padded": ("harts.runtime", "pack_padded"),
+    "unpack_padded": ("harts.runtime", "unpack_padded"),
+    "PaddedLayout": ("harts.runtime", "PaddedLayout"),
 }
 
 

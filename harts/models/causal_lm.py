@@ -82,15 +82,69 @@ class CausalLM(nn.Module):
         return compact_logprobs_reference(hidden_TD, weight_VD, rows_S, targets_S,
                                           chunk_size=self.config.logprobs_chunk_size)
 
+    def token_logprobs_and_entropies(self, hidden_TD: torch.Tensor, targets_S: torch.Tensor,
+                                     rows_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(targets_S[s] | row rows_S[s]), entropy of that row's next-token distribution), both [S] in
+        fp32+, from one LM-head product per chunk of ``logprobs_chunk_size`` positions, each chunk checkpointed
+        (its [B, V] logits are rebuilt in backward), so no [S, V] fp32 tensor is kept. Both are differentiable."""
+        from harts.ops.recompute import recompute_in_backward
+
+        weight_VD = self.lm_head.weight
+        if (hidden_TD.dtype != weight_VD.dtype and not torch.is_autocast_enabled(hidden_TD.device.type)):
+            raise TypeError(f"token_logprobs_and_entropies: hidden states are {hidden_TD.dtype} but lm_head.weight "
+                            f"is {weight_VD.dtype}: run the model in one dtype (model.to(dtype)) or under "
+                            "torch.autocast")
+        V = weight_VD.shape[0]
+        if targets_S.numel() and (int(targets_S.min()) < 0 or int(targets_S.max()) >= V):
+            raise ValueError(f"token_logprobs_and_entropies: targets out of range [0, {V}): min "
+                             f"{int(targets_S.min())}, max {int(targets_S.max())}")
+        dt = torch.promote_types(hidden_TD.dtype, torch.float32)
+        if rows_S.shape[0] == 0:  # still on the graph, so a loss over it backpropagates zeros
+            empty = (hidden_TD[:0] @ weight_VD[:1].t()).view(0).to(dt)
+            return empty, empty.clone()
+        need_grad = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
+        B = self.config.logprobs_chunk_size
+        lps, ents = [], []
+        for s0 in range(0, rows_S.numel(), B):
+            h, t = hidden_TD[rows_S[s0:s0 + B]], targets_S[s0:s0 + B]
+            lp, ent = (recompute_in_backward(_chunk_logprobs_entropy, h, weight_VD, t) if need_grad
+                       else _chunk_logprobs_entropy(h, weight_VD, t))
+            lps.append(lp), ents.append(ent)
+        return torch.cat(lps), torch.cat(ents)
+
     # ------------------------------------------------------------------ HARTS batches
-    def logprobs(self, batch, router: tuple | None = None) -> torch.Tensor:
+    def logprobs(self, batch, router: tuple | None = None, *, return_entropies: bool = False,
+                 return_router_stats: bool = False):
         """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
         order (use ``batch.split`` for per-trajectory tensors; under context parallelism the positions of
         other ranks' rows are zero). Runs the compact path for a HARTS batch and the packed path for a
-        trajectory-wise one; no [S, V] tensor is built. ``router``: see the model's MoE."""
-        from harts.runtime.compact import logprobs
+        trajectory-wise one; no [S, V] tensor is built. ``router``: see the model's MoE.
 
-        return logprobs(self, batch, router=router)
+        ``return_entropies=True``: (log-probs, entropies) from the same forward, both from the same chunked fp32
+        logits of the scored rows (``token_logprobs_and_entropies``; this replaces the fused log-prob kernel).
+        ``return_router_stats=True`` appends that forward's ``router_stats()`` list: (log-probs, stats) or
+        (log-probs, entropies, stats)."""
+        from harts.runtime.compact import hidden_states, logprobs
+
+        if not return_entropies:
+            lp = logprobs(self, batch, router=router)
+            return (lp, self.router_stats()) if return_router_stats else lp
+        h = hidden_states(self, batch, router)
+        pair_of = batch.logprob_pair_of
+        rows, targets = ((batch.logprob_rows, batch.logprob_targets) if pair_of is None
+                         else (batch.logprob_pair_rows, batch.logprob_pair_targets))
+        cp = batch.cp
+        if cp is not None:  # own rows only; other ranks' positions are zero (sum over the CP group)
+            lo, hi = cp.row_range
+            idx = ((rows >= lo) & (rows < hi)).nonzero().squeeze(1)
+            lp_own, ent_own = self.token_logprobs_and_entropies(h, targets[idx], rows[idx] - lo)
+            lp = lp_own.new_zeros(rows.shape[0]).index_copy(0, idx, lp_own)
+            ent = ent_own.new_zeros(rows.shape[0]).index_copy(0, idx, ent_own)
+        else:
+            lp, ent = self.token_logprobs_and_entropies(h, targets, rows)
+        if pair_of is not None:
+            lp, ent = lp.index_select(0, pair_of), ent.index_select(0, pair_of)
+        return (lp, ent, self.router_stats()) if return_router_stats else (lp, ent)
 
     # ------------------------------------------------------------------ layers and MoE
     def decoder_layers(self) -> list[nn.Module]:
@@ -131,3 +185,12 @@ class CausalLM(nn.Module):
         if not stats:
             return torch.zeros(0, self.config.num_experts)
         return torch.stack([s.counts_E for s in stats])
+
+
+def _chunk_logprobs_entropy(h_BD: torch.Tensor, weight_VD: torch.Tensor, targets_B: torch.Tensor):
+    """log-probs of the targets and entropies of B rows from their fp32+ logits."""
+    logits_BV = torch.nn.functional.linear(h_BD, weight_VD).to(torch.promote_types(h_BD.dtype, torch.float32))
+    lse_B = torch.logsumexp(logits_BV, dim=-1)
+    logp_BV = logits_BV - lse_B[:, None]
+    entropy_B = -(logp_BV.exp() * logp_BV).sum(-1)
+    return logp_BV.gather(1, targets_B[:, None]).squeeze(1), entropy_B
