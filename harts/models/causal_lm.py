@@ -114,7 +114,7 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------------------ HARTS batches
     def logprobs(self, batch, router: tuple | None = None, *, return_entropies: bool = False,
-                 return_router_stats: bool = False):
+                 return_router_stats: bool = False, temperature: float = 1.0):
         """Log-probs of every nonterminal semantic position of a ``harts.CompactBatch`` in original
         order (use ``batch.split`` for per-trajectory tensors; under context parallelism the positions of
         other ranks' rows are zero). Runs the compact path for a HARTS batch and the packed path for a
@@ -123,13 +123,21 @@ class CausalLM(nn.Module):
         ``return_entropies=True``: (log-probs, entropies) from the same forward, both from the same chunked fp32
         logits of the scored rows (``token_logprobs_and_entropies``; this replaces the fused log-prob kernel).
         ``return_router_stats=True`` appends that forward's ``router_stats()`` list: (log-probs, stats) or
-        (log-probs, entropies, stats)."""
+        (log-probs, entropies, stats). ``temperature``: of the distribution the values are of, softmax(logits / T)
+        (the LM head has no bias, so the hidden states are divided by T)."""
         from harts.runtime.compact import hidden_states, logprobs
 
-        if not return_entropies:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"logprobs: temperature={temperature!r} must be a number > 0")
+        if not return_entropies and temperature == 1:
             lp = logprobs(self, batch, router=router)
             return (lp, self.router_stats()) if return_router_stats else lp
         h = hidden_states(self, batch, router)
+        if temperature != 1:
+            h = h / temperature
+        if not return_entropies:
+            lp = logprobs(self, batch, hidden_PD=h)
+            return (lp, self.router_stats()) if return_router_stats else lp
         pair_of = batch.logprob_pair_of
         rows, targets = ((batch.logprob_rows, batch.logprob_targets) if pair_of is None
                          else (batch.logprob_pair_rows, batch.logprob_pair_targets))
