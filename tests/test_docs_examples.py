@@ -31,3 +31,21 @@ def test_runtime_example_runs():
     counts = ns["counts"]
     assert counts.shape == (len(model.moe_layers()), model.config.num_experts)
     assert model.lm_head.weight.grad is not None  # the loss went back through the model
+
+
+def test_trl_example_runs(tmp_path, monkeypatch):
+    """docs/trl.md: one GRPO step of TRL's trainer on a HARTS model, its log-prob passes through HARTS."""
+    import pytest
+
+    pytest.importorskip("trl", minversion="1.16.0")
+    blocks = python_blocks("trl.md")
+    assert len(blocks) == 1, f"docs/trl.md has {len(blocks)} python blocks; this test runs exactly one"
+    monkeypatch.chdir(tmp_path)  # the example writes under out/
+    ns: dict = {"__name__": "docs_trl_example"}
+    exec(compile(blocks[0], str(DOCS / "trl.md"), "exec"), ns)
+    model, trainer = ns["model"], ns["trainer"]
+    assert trainer.model.harts is model  # TRL trained the HARTS model itself
+    assert trainer.state.global_step == 1
+    assert model.model.checkpoint_policy == "full"  # TRL's default gradient_checkpointing=True, as HARTS's policy
+    assert len(ns["stats"]) == len(model.moe_layers())
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -127,8 +127,26 @@ def _hf_model_class():
                 raise TypeError("HartsForCausalLM wraps an existing HARTS model: use as_hf_model(model)")
             self.backbone = _PaddedBackbone(model)
 
+        supports_gradient_checkpointing = True
+
         def _init_weights(self, module):  # the HARTS model is initialized (or loaded) already
             pass
+
+        def _activation_checkpointing_enable(self, *args, **kwargs):
+            """TRL's ``gradient_checkpointing=True`` (its default): the HARTS model's "full" policy, every decoder
+            layer recomputed in backward (``harts.train.parallelize.apply_ac``)."""
+            from harts.train.parallelize import apply_ac
+
+            apply_ac(self.harts, "full")
+
+        def _activation_checkpointing_disable(self):
+            from harts.train.parallelize import apply_ac
+
+            apply_ac(self.harts, "none")
+
+        @property
+        def is_activation_checkpointing(self) -> bool:
+            return self.harts.model.checkpoint_policy != "none"
 
         @property
         def harts(self) -> nn.Module:
