@@ -100,7 +100,7 @@ def trainer_section() -> list[str]:
            "error. Sections",
            "`job` to `comm` carry torchtitan 0.2.2's names, defaults and meanings for the settings the trainer "
            "reads (plus HARTS's",
-           "additions); `ling`, `harts`, `data`, `rl`, `online` and `profile` are HARTS's. Every key listed is "
+           "additions); `model`, `harts`, `data`, `rl`, `online` and `profile` are HARTS's. Every key listed is "
            "read; any other",
            "key is an error at load, so a config never silently does nothing.", ""]
     hints = typing.get_type_hints(HartsJobConfig)
@@ -127,7 +127,7 @@ def model_section() -> list[str]:
     cfgs = {p: LingConfig.preset(p) for p in presets}
     out = ["## Model (`LingConfig`, harts/models/ling/config.py)", "",
            "Field names follow the released Ling-3.0 `config.json`, so a checkpoint's config round-trips. In the",
-           "trainer, `[ling] preset` picks a column and the `[ling]` keys above override a few fields.", "",
+           "trainer, `[model] preset` picks a column and the `[model]` keys above override a few fields.", "",
            "| field | type | " + " | ".join(f"`{p}`" for p in presets) + " | meaning |",
            "|---|---|" + "---|" * len(presets) + "---|"]
     for f in dataclasses.fields(LingConfig):

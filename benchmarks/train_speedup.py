@@ -105,7 +105,7 @@ def step_flops(cfg, dp: int, pp: int = 1) -> dict:
     if not cfg.data.fixed_step:
         raise ValueError("--config: FLOPs are counted for one step, so the runs need data.fixed_step = true")
     with torch.device("meta"):
-        mc = model_config(cfg.ling)
+        mc = model_config(cfg.model)
         model = model_class(mc)(mc)
     (B, W), act = mc.layout_geometry, active_matmul_params(model)
     out, trajs = {}, None

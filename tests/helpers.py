@@ -164,7 +164,7 @@ def _run_many(spec: str) -> None:
 # ------------------------------------------------------------------------------------------- trainer runs
 
 COMMON = """
-[ling]
+[model]
 preset = "ling3-tiny-debug"
 num_hidden_layers = 4
 backend = "reference"

@@ -21,7 +21,7 @@ def test_shared_masks_match_brute_force_prefix_matching():
 
 
 def test_harts_and_baseline_gradients_agree_in_every_part_float64(tmp_path):
-    cfg = load_config("configs/debug_cpu.toml", **{"ling.dtype": "float64", "training.steps": 1,
+    cfg = load_config("configs/debug_cpu.toml", **{"model.dtype": "float64", "training.steps": 1,
                                                    "checkpoint.enable": False, "data.prefetch": 1,
                                                    "job.dump_folder": str(tmp_path)})
     res = gradgap.run(cfg, with_truth=True)  # the truth of an fp64 model is fp64: all three agree
@@ -43,7 +43,7 @@ def test_harts_and_baseline_gradients_agree_in_every_part_float64(tmp_path):
 def test_bf16_paths_against_the_fp32_truth(tmp_path):
     """The truth path in a mixed setting: bf16 trainer (fp32 gradient accumulation), fp32 copy of its weights.
     Both bf16 gradients sit at bf16 distance from the truth, well below its norm."""
-    cfg = load_config("configs/debug_cpu.toml", **{"ling.dtype": "bfloat16", "training.steps": 1,
+    cfg = load_config("configs/debug_cpu.toml", **{"model.dtype": "bfloat16", "training.steps": 1,
                                                    "checkpoint.enable": False, "data.prefetch": 1,
                                                    "job.dump_folder": str(tmp_path)})
     res = gradgap.run(cfg, parts=("all", "shared"), with_truth=True)

@@ -84,12 +84,12 @@ def test_family_spec_checks_itself():
 
 
 def test_train_model_config_uses_the_registry():
-    """The trainer's [ling] section resolves through the same registry (and its error)."""
+    """The trainer's [model] section resolves through the same registry (and its error)."""
     from harts.train.config import parse_args
     from harts.train.model import model_config as train_model_config
 
     for preset in ("qwen3.5-debug", "ling3-tiny-debug"):
-        cfg = train_model_config(parse_args([f"--ling.preset={preset}", "--ling.kda_chunk_size=32"]).ling)
+        cfg = train_model_config(parse_args([f"--model.preset={preset}", "--model.kda_chunk_size=32"]).model)
         assert family_of(cfg) is family_of(preset)
         assert cfg.layout_geometry[0] == 32
     with pytest.raises(ValueError, match="qwen3.5-35b-a3b"):
@@ -127,7 +127,7 @@ def test_trainer_refuses_what_the_family_lacks(f):
                        "--rl.expert_bias_rate=0"],
                 "expert_bias": ["--rl.expert_bias_rate=0.001"]}
     for cap, args in settings.items():
-        cfg = parse_args([f"--ling.preset={f.presets[-1]}", *args])
+        cfg = parse_args([f"--model.preset={f.presets[-1]}", *args])
         # the trainer runs its Qwen3.5 check for the configs is_qwen35 names, nothing family-specific otherwise
         check = Trainer._check_qwen35 if is_qwen35(model_config(f.presets[-1])) else (lambda self: None)
         if f.supports(cap):

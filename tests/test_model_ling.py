@@ -294,7 +294,7 @@ def test_each_tensor_has_its_own_generator():
 
 
 def test_init_sharded_on_one_process_equals_the_host_init():
-    """The trainer's meta-device path (ling.init_on_meta) on one process: exactly init_weights(seed)."""
+    """The trainer's meta-device path (model.init_on_meta) on one process: exactly init_weights(seed)."""
     from harts.train.model import build_policy, init_sharded
 
     cfg = LingConfig.preset("ling3-tiny-debug")

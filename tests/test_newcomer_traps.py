@@ -229,7 +229,7 @@ def test_checkpoint_of_another_model_or_damaged_is_one_line(tmp_path, capfd):
     assert train.main(_argv(out, "--training.steps=1")) == 0
     capfd.readouterr()
     step1 = out / "checkpoint" / "step-1"
-    _resume_hint(_fails(capfd, _argv(out, "--ling.num_hidden_layers=2")), step1)  # a changed model
+    _resume_hint(_fails(capfd, _argv(out, "--model.num_hidden_layers=2")), step1)  # a changed model
     shard = next(p for p in sorted(step1.iterdir()) if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:100])  # a damaged file
     _resume_hint(_fails(capfd, _argv(out)), step1)
@@ -247,7 +247,7 @@ def test_torchrun_checkpoint_of_another_model_is_one_line_from_rank_0(tmp_path):
     p = subprocess.run([*cmd, *_argv(out, "--training.steps=1")], capture_output=True, text=True, timeout=300,
                        env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run([*cmd, *_argv(out, "--ling.num_hidden_layers=2")], capture_output=True, text=True,
+    p = subprocess.run([*cmd, *_argv(out, "--model.num_hidden_layers=2")], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     assert p.returncode != 0
     ours = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
@@ -301,7 +301,7 @@ def test_fewer_trajectories_than_data_parallel_ranks_is_one_line(tmp_path):
 
 
 def test_unknown_model_preset_lists_every_family(tmp_path, capfd):
-    msg = _fails(capfd, _argv(tmp_path / "out", "--ling.preset=ling3-tiny-debgu"))
+    msg = _fails(capfd, _argv(tmp_path / "out", "--model.preset=ling3-tiny-debgu"))
     assert "ling3-tiny-debgu" in msg and all(p in msg for p in ("ling3-tiny-debug", "qwen3.5-debug", "qwen3.5-8l",
                                                                  "qwen3.5-35b-a3b")), msg
 

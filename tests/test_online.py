@@ -2,7 +2,7 @@
 
 The rollout tests check the trees against the environment replayed by hand (the task's own rules, step
 by step) and the sampler's log-probs against the training forward, for Ling-3.0 and Qwen3.5-MoE; the trainer
-tests run configs/online_cpu.toml in one process, float64, at debug size (with ``ling.preset =
+tests run configs/online_cpu.toml in one process, float64, at debug size (with ``model.preset =
 "qwen3.5-debug"`` for Qwen3.5-MoE).
 """
 import math
@@ -20,7 +20,7 @@ from harts.train.config import load_config
 from harts.train.trainer import Trainer
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "online_cpu.toml")
-QWEN35 = {"ling.preset": "qwen3.5-debug", "rl.expert_bias_rate": 0.0}  # softmax routing: no expert bias
+QWEN35 = {"model.preset": "qwen3.5-debug", "rl.expert_bias_rate": 0.0}  # softmax routing: no expert bias
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_custom_environment_plugs_in(model):
 
 
 def _run(tmp_path: Path, name: str, capture=None, model_type=None, **over):
-    over = {"ling.dtype": "float64", "online.plot": False, "job.dump_folder": str(tmp_path / name), **over}
+    over = {"model.dtype": "float64", "online.plot": False, "job.dump_folder": str(tmp_path / name), **over}
     tr = Trainer(load_config(CONFIG, **over))
     if model_type is not None:
         assert isinstance(tr.model, model_type), type(tr.model).__name__

@@ -1,4 +1,4 @@
-"""Pure-bf16 training through the trainer (ling.dtype = bfloat16, CPU): the default optimizer keeps an fp32
+"""Pure-bf16 training through the trainer (model.dtype = bfloat16, CPU): the default optimizer keeps an fp32
 master weight (bf16 weight + 16 low bits) that moves where torch's AdamW on the bf16 tensors does not; its
 state survives a kill and resume bit for bit (distributed checkpoint); FSDP2 x EP on 2 gloo processes
 tracks one process."""

@@ -10,10 +10,10 @@ from harts.train.data import plan_trajectory_wise
 def test_toml_and_cli_precedence(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('[training]\nsteps = 7\n[harts]\ncapacity = 300\nenabled = true\n[profile]\nsteps = [2]\n'
-                 '[ling]\ndtype = "float64"\n')
+                 '[model]\ndtype = "float64"\n')
     c = config.parse_args(["--config", str(p), "--training.steps=9", "--harts.enabled=false",
                            "--profile.steps=1,4", "--profile.enable"])
-    assert (c.training.steps, c.harts.capacity, c.harts.enabled, c.ling.dtype) == (9, 300, False, "float64")
+    assert (c.training.steps, c.harts.capacity, c.harts.enabled, c.model.dtype) == (9, 300, False, "float64")
     assert c.profile.steps == [1, 4] and c.profile.enable
     c = config.parse_args([f"--config={p}"])
     assert (c.training.steps, c.harts.enabled, c.profile.steps, c.profile.enable) == (7, True, [2], False)
@@ -68,7 +68,7 @@ def test_cp2_config_step_fills_twice_the_one_gpu_capacity():
 
     cfg = config.load_config("configs/ling3_tiny_2gpu_cp2.toml")
     one_gpu = config.load_config("configs/ling3_tiny_1gpu.toml")
-    mc = model_config(cfg.ling)
+    mc = model_config(cfg.model)
     d = StepBuilder(cfg, dp_degree=1, dp_rank=0, vocab_size=mc.vocab_size, chunk_size=mc.kda_chunk_size,
                     conv_width=mc.short_conv_kernel_size).build(1)
     rows = max(mb.batch.num_rows for mb in d.microbatches)
@@ -86,7 +86,7 @@ def test_pipeline_fill_plans_enough_microbatches_at_the_largest_capacity(enabled
     from harts.train.model import model_config
 
     cfg = config.load_config("configs/debug_cpu.toml", **{"harts.capacity": 1_000_000, "harts.enabled": enabled})
-    mc = model_config(cfg.ling)
+    mc = model_config(cfg.model)
     kw = dict(dp_rank=0, vocab_size=mc.vocab_size, chunk_size=mc.kda_chunk_size, conv_width=mc.short_conv_kernel_size)
     trajs = StepBuilder(cfg, dp_degree=1, **kw).load(1)
     assert StepBuilder(cfg, dp_degree=1, **kw).plan(trajs).num_slots == 1
@@ -106,7 +106,7 @@ def test_unknown_synthetic_preset_is_named():
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("ling.dtype", "float16", ("float32", "float64", "bfloat16")),
+    ("model.dtype", "float16", ("float32", "float64", "bfloat16")),
     ("activation_checkpoint.mode", "memory_budget", ("none", "selective", "full")),
     ("optimizer.bf16_fused", "sometimes", ("auto", "true", "false")),
 ])
@@ -145,12 +145,27 @@ def test_help_lists_every_literal_fields_values(capsys):
                 literal += 1
                 assert f"--{sec}.{name} {{{','.join(get_args(hint))}}}" in text, (sec, name)
     assert literal >= 14 and "--harts.enabled [true|false]" in text and "--config" in text
-    assert "--float8." not in text and "--model." not in text and "--validation." not in text
+    assert "--float8." not in text and "--model.name" not in text and "--validation." not in text
 
 
 def test_unknown_torchtitan_section_and_bool_spellings():
-    with pytest.raises(ValueError, match=r"--model.name: no section \[model\].*torchtitan section the HARTS "
-                                         r"trainer does not use"):
+    with pytest.raises(ValueError, match=r"--validation.enable: no section \[validation\].*torchtitan section the "
+                                         r"HARTS trainer does not use"):
+        config.parse_args(["--validation.enable"])
+    with pytest.raises(ValueError, match=r"unknown option --model.name.*a torchtitan setting the HARTS trainer does "
+                                         r"not use"):
         config.parse_args(["--model.name=llama3"])
     c = config.parse_args(["--checkpoint.overwrite", "--harts.enabled=false", "--online.branching", "3", "2"])
     assert c.checkpoint.overwrite is True and c.harts.enabled is False and c.online.branching == [3, 2]
+
+
+def test_legacy_ling_section_and_options_name_the_new_spelling(tmp_path):
+    """The model section is [model] (both families); the old [ling] section and --ling.* options are refused in
+    one line that names the new spelling."""
+    p = tmp_path / "old.toml"
+    p.write_text('[ling]\npreset = "ling3-tiny-debug"\n')
+    with pytest.raises(ValueError, match=r"section \[ling\] in .*old.toml is now \[model\].*rename it"):
+        config.parse_args([f"--config={p}"])
+    with pytest.raises(ValueError, match=r"option --ling.preset is now --model.preset"):
+        config.parse_args(["--ling.preset=qwen3.5-debug"])
+    assert config.parse_args(["--model.preset=qwen3.5-debug"]).model.preset == "qwen3.5-debug"

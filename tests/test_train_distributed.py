@@ -13,7 +13,7 @@ rests on the split-invariant objective. The runs of one process count share one 
 - four processes: FSDP2 x TP x EP (with AC), FSDP2 x PP x EP (PP at the default capacity), TP + SP x PP x EP
   (with AC);
 - eight processes: the paper's three 8-GPU layouts at full degree (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
-  DP2 x TP2 + SP x PP2 x EP4, full AC), each rank initialising its own shards (ling.init_on_meta);
+  DP2 x TP2 + SP x PP2 x EP4, full AC), each rank initialising its own shards (model.init_on_meta);
 - kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 
@@ -100,7 +100,7 @@ def eight(ref):
     d, cfg, _ = ref
     torchrun_many([(cfg, d / name, ["--checkpoint.enable", "--activation_checkpoint.mode=selective",
                                     "--compile.enable=true", "--compile.backend=aot_eager",
-                                    "--ling.init_on_meta=true", *args], {}) for name, (_, args) in LAYOUTS_8.items()],
+                                    "--model.init_on_meta=true", *args], {}) for name, (_, args) in LAYOUTS_8.items()],
                   nproc=8)
     return d
 
@@ -212,7 +212,7 @@ def test_kill_and_resume_reproduces_the_run_exactly(ref, two):
 def test_paper_8gpu_layouts_on_eight_processes(ref, eight, layout):
     """Compiled regions (aot_eager) under selective activation checkpointing, as the GPU configs run them.
     Built on the meta device and initialised shard by shard on each rank
-    (ling.init_on_meta, as the GPU configs of these layouts): the one process initialised its whole model on
+    (model.init_on_meta, as the GPU configs of these layouts): the one process initialised its whole model on
     the host, so this also checks that every rank's shards, and every replica of the replicated tensors, hold
     the one-process weights."""
     want, _ = LAYOUTS_8[layout]

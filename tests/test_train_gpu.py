@@ -41,7 +41,7 @@ def compare_trainer_and_library(tmp_path: Path, config: str, **over) -> None:
     tr = Trainer(cfg)
     try:
         policy = tr.model
-        lib = build_model(tr.model_cfg, tr.device, tr.dtype, seed=cfg.ling.init_seed)
+        lib = build_model(tr.model_cfg, tr.device, tr.dtype, seed=cfg.model.init_seed)
         B = lib.config.kda_chunk_size
         trajs = _trees(B, lib.config.vocab_size, np.random.default_rng(7))
         batches = {"harts": pack(trajs, config=lib.config).to(tr.device),

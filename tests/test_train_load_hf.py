@@ -1,4 +1,4 @@
-"""``ling.load_hf``: the trainer starts from an HF folder through torchtitan's HF path (the family's state-dict
+"""``model.load_hf``: the trainer starts from an HF folder through torchtitan's HF path (the family's state-dict
 adapter, DCP's HuggingFace storage reader), after parallelisation.
 
 The truth is the folder itself: the tensors ``safetensors`` reads from it, mapped to our names by an
@@ -115,14 +115,14 @@ def _assert_loaded(model_sd: dict, truth: dict):
 def test_ling_load_hf(tmp_path, meta, transformers_names):
     path, kda, E = _ling_folder(tmp_path, transformers_names)
     tr = Trainer(load_config(_config(tmp_path, COMMON, "ling"), **{
-        "job.dump_folder": str(tmp_path / "out"), "ling.load_hf": str(path), "ling.init_on_meta": meta}))
+        "job.dump_folder": str(tmp_path / "out"), "model.load_hf": str(path), "model.init_on_meta": meta}))
     _assert_loaded(tr.model.state_dict(), _folder_truth(path, E, kda))
 
 
 def test_qwen35_load_hf_released_layout(tmp_path):
     path, E = _qwen_released_folder(tmp_path)
     tr = Trainer(load_config(_config(tmp_path, QWEN, "qwen"), **{
-        "job.dump_folder": str(tmp_path / "out"), "ling.load_hf": str(path), "ling.init_on_meta": True}))
+        "job.dump_folder": str(tmp_path / "out"), "model.load_hf": str(path), "model.init_on_meta": True}))
     _assert_loaded(tr.model.state_dict(), _folder_truth(path, E, gate_up=True))
 
 
@@ -138,7 +138,7 @@ def test_load_hf_names_every_missing_unexpected_and_misshaped_tensor(tmp_path):
     write_hf_folder(bad, sd, LingConfig.preset("ling3-tiny-debug", num_hidden_layers=4), 1 << 30)
     with pytest.raises(CheckpointError) as e:
         Trainer(load_config(_config(tmp_path, COMMON, "ling"), **{
-            "job.dump_folder": str(tmp_path / "out"), "ling.load_hf": str(bad)}))
+            "job.dump_folder": str(tmp_path / "out"), "model.load_hf": str(bad)}))
     for s in ("missing keys (1)", "model.layers.1.mlp.experts.3.up_proj.weight", "unexpected keys (1)",
               "model.layers.9.attention.bogus", "model.norm.weight: (5,) vs (64,)"):
         assert s in str(e.value), s
@@ -152,7 +152,7 @@ def _layout_worker(rank, world, port, cfg, out, path, truth_file, layout):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        tr = Trainer(load_config(cfg, **{"job.dump_folder": out, "ling.load_hf": path, "ling.init_on_meta": True,
+        tr = Trainer(load_config(cfg, **{"job.dump_folder": out, "model.load_hf": path, "model.init_on_meta": True,
                                          **LAYOUTS[layout]}))
         full = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True))
         truth = torch.load(truth_file)

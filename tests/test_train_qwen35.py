@@ -1,13 +1,13 @@
-"""The trainer on Qwen3.5-MoE (``ling.preset = "qwen3.5-debug"``, 4 layers: 3 GDN + 1 gated attention), float64,
+"""The trainer on Qwen3.5-MoE (``model.preset = "qwen3.5-debug"``, 4 layers: 3 GDN + 1 gated attention), float64,
 reference ops, a truncated tiny workload.
 
 - One process: two HARTS steps and two trajectory-wise baseline steps from the same seed give the same
   losses, router losses and gradient norms (1e-9 relative) and the same exported weights: HARTS ==
   trajectory-wise through the whole trainer (planner, packing, GDN rounds, tree attention, objective). The
   export is an HF folder that ``Qwen35ForCausalLM.from_pretrained`` reads back bit for bit and that
-  ``ling.load_hf`` starts a run from.
+  ``model.load_hf`` starts a run from.
 - Two gloo processes: the 8-GPU config's layout (FSDP2 + EP over all ranks), once with host init and once
-  with each rank initialising its own shards (``ling.init_on_meta``) and full activation checkpointing, two
+  with each rank initialising its own shards (``model.init_on_meta``) and full activation checkpointing, two
   pipeline stages (PP2, full AC), context parallelism (CP2 with full AC; CP2 + EP2), and on four processes
   dp_shard 2 x CP2 x EP4, and tensor parallelism (TP2; TP2 + SP compiled under selective checkpointing), each
   equal the one-process run (losses, grad norms, final weights;
@@ -68,14 +68,14 @@ def test_harts_equals_baseline_and_export_round_trips(runs):
     assert set(loaded.state_dict()) == set(own)
     for k, v in loaded.state_dict().items():
         assert v.dtype == own[k].dtype == torch.float64 and torch.equal(v, own[k]), k
-    start = Trainer(load_config(str(cfg), **{"job.dump_folder": str(d / "load"), "ling.load_hf": str(hf)}))
+    start = Trainer(load_config(str(cfg), **{"job.dump_folder": str(d / "load"), "model.load_hf": str(hf)}))
     for k, v in start.model.state_dict().items():
         assert torch.equal(v, own[k]), k
 
 
 # the two-process layouts: (extra arguments, the layout every record reports)
 TWO = {"fsdp_ep": (FSDP_EP, dict(dp=2, cp=1, ep=2, pp=1)),
-       "fsdp_ep_meta_ac": ([*FSDP_EP, "--ling.init_on_meta=true", "--activation_checkpoint.mode=full"],
+       "fsdp_ep_meta_ac": ([*FSDP_EP, "--model.init_on_meta=true", "--activation_checkpoint.mode=full"],
                            dict(dp=2, cp=1, ep=2, pp=1)),
        "pp_ac": (["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=full"],
                  dict(dp=1, cp=1, ep=1, pp=2)),

@@ -6,7 +6,7 @@ Like torchtitan's ``JobConfig`` this is a tree of dataclasses parsed by tyro fro
 ``compile``, ``metrics``, ``debug`` and ``comm`` carry torchtitan's names, defaults (read from torchtitan's
 classes) and meanings for the settings the trainer reads, plus HARTS's additions; the three that a torchtitan
 component takes (optimizer, lr_scheduler, checkpoint) convert to torchtitan's class with ``to_torchtitan()``.
-HARTS adds ``ling`` (the model), ``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``,
+HARTS adds ``model`` (the model), ``harts`` (prefix sharing on/off, planner capacity), ``data``, ``rl``,
 ``online`` (rollouts sampled from the policy) and ``profile``. Every key is read, so ``--help`` lists exactly
 what has an effect; any other key is an error naming it (and saying when it is a torchtitan setting the
 trainer does not use).
@@ -38,7 +38,7 @@ __all__ = ["HartsJobConfig", "parse_args", "load_config", "validate"]
 
 
 @dataclass
-class Ling:
+class Model:
     preset: str = "ling3-tiny-debug"
     """Model preset, naming the family: a LingConfig one ('ling3-tiny-debug' | 'ling3-small' | 'ling3-tiny') or a
     Qwen35Config one ('qwen3.5-debug' | 'qwen3.5-8l' | 'qwen3.5-35b-a3b': Qwen3.5-MoE, whose GDN chunk size
@@ -67,10 +67,10 @@ class Ling:
 
     def validate(self) -> None:
         if not isinstance(self.preset, str) or not self.preset:
-            raise ValueError(f"config: ling.preset = {self.preset!r} must name a model preset")
+            raise ValueError(f"config: model.preset = {self.preset!r} must name a model preset")
         for name in ("num_hidden_layers", "kda_chunk_size"):
             if getattr(self, name) < 0:
-                raise ValueError(f"config: ling.{name} = {getattr(self, name)} must be >= 0 (0 keeps the preset's)")
+                raise ValueError(f"config: model.{name} = {getattr(self, name)} must be >= 0 (0 keeps the preset's)")
 
 
 @dataclass
@@ -442,7 +442,7 @@ class Optimizer:
     implementation: Literal["for-loop", "foreach", "fused"]
     """torch's optimizer implementation ('fused' falls back where a layout refuses it, logged)."""
     bf16_update: Literal["fp32_master", "plain"] = "fp32_master"
-    """With ling.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
+    """With model.dtype = bfloat16: 'fp32_master' (harts.train.bf16_adamw: fp32 gradient accumulation, and
     an fp32 master weight held as the bf16 weight plus its 16 low bits) or 'plain' (torch's AdamW on the
     bf16 tensors: updates below half a bf16 ulp are lost)."""
     bf16_fused: Literal["auto", "true", "false"] = "auto"
@@ -474,7 +474,7 @@ class LRScheduler:
 @dataclass
 class HartsJobConfig:
     """The trainer's config. Sections job ... comm carry torchtitan's names, defaults and meanings for the
-    fields the trainer reads (and HARTS's additions); ling ... profile are HARTS's."""
+    fields the trainer reads (and HARTS's additions); model ... profile are HARTS's."""
 
     job: Job = field(default_factory=Job)
     training: Training = field(default_factory=Training)
@@ -487,7 +487,7 @@ class HartsJobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)
-    ling: Ling = field(default_factory=Ling)
+    model: Model = field(default_factory=Model)
     harts: Harts = field(default_factory=Harts)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
@@ -571,6 +571,8 @@ def _from_toml(cls, data: dict, path: str, section: str | None = None):
     known = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
+        if key == "ling" and section is None:
+            raise ValueError(f"config: section [ling] in {path} is now [model] (the same keys): rename it")
         if key not in known:
             where = f"key '{key}' of [{section}]" if section else f"section [{key}]"
             extra = _torchtitan_hint(section, key)
@@ -652,6 +654,8 @@ def _unknown_option(token: str) -> str:
         return f"config: unexpected argument {token!r}; options are written --section.key=value"
     sec, _, name = key[2:].partition(".")
     sections = typing.get_type_hints(HartsJobConfig)  # section name -> its dataclass
+    if sec == "ling":
+        return f"config: option {key} is now --model.{name} (the section [ling] is [model]): rename it"
     if sec not in sections:
         hint = _torchtitan_hint(None, sec)
         return f"config: unknown option {key}: no section [{sec}]{did_you_mean(sec, sections)}{hint}"

@@ -1,6 +1,6 @@
 """The trainer's model: ``LingForCausalLM`` or ``Qwen35ForCausalLM`` itself, built with deterministic weights.
 
-The ``[ling]`` section's preset names the family (``harts.models.family.model_config``: ``qwen3.5-*`` presets
+The ``[model]`` section's preset names the family (``harts.models.family.model_config``: ``qwen3.5-*`` presets
 are Qwen3.5-MoE, ``ling3-*`` presets Ling-3.0). There is no trainer copy of the model: the trainer calls the
 model's ``logprobs(batch, router)``, the same forward the benchmarks and library users run, and
 harts.train.parallelize applies every parallelism from outside (TP/SP as DTensor parallel styles on Ling's
@@ -26,32 +26,32 @@ def is_qwen35(cfg) -> bool:
     return isinstance(getattr(cfg, "config", cfg), Qwen35Config)
 
 
-def model_config(ling) -> LingConfig | Qwen35Config:
-    """The ``[ling]`` section's model: the preset (``qwen3.5-*``: a Qwen35Config, ``ling3-*``: a LingConfig)
-    with its backend and size overrides; ``ling.kda_chunk_size`` sets the linear mixer's chunk size (KDA's, or
+def model_config(model) -> LingConfig | Qwen35Config:
+    """The ``[model]`` section's model: the preset (``qwen3.5-*``: a Qwen35Config, ``ling3-*``: a LingConfig)
+    with its backend and size overrides; ``model.kda_chunk_size`` sets the linear mixer's chunk size (KDA's, or
     GDN's ``gdn_chunk_size``). The trainer applies recomputation from outside (harts.train.parallelize.apply_ac)."""
     from harts.models.family import QWEN35, family_of
     from harts.models.family import model_config as preset_config
 
-    if not isinstance(ling.preset, str) or not ling.preset:
-        raise ValueError(f"ling.preset = {ling.preset!r} must name a model preset")
-    qwen = family_of(ling.preset) is QWEN35
-    overrides = {"backend": ling.backend}
-    if ling.num_hidden_layers:
-        overrides["num_hidden_layers"] = ling.num_hidden_layers
-    if ling.kda_chunk_size:
-        overrides["gdn_chunk_size" if qwen else "kda_chunk_size"] = ling.kda_chunk_size
+    if not isinstance(model.preset, str) or not model.preset:
+        raise ValueError(f"model.preset = {model.preset!r} must name a model preset")
+    qwen = family_of(model.preset) is QWEN35
+    overrides = {"backend": model.backend}
+    if model.num_hidden_layers:
+        overrides["num_hidden_layers"] = model.num_hidden_layers
+    if model.kda_chunk_size:
+        overrides["gdn_chunk_size" if qwen else "kda_chunk_size"] = model.kda_chunk_size
     # Qwen3.5's linear mixer is GDN; 'kda' names it too (LingConfig-style settings keep working)
     ops = ("attention", "gdn", "kda", "conv", "moe", "logprobs", "norm") if qwen else \
         ("attention", "kda", "conv", "moe", "logprobs", "norm")
-    for item in filter(None, (t.strip() for t in ling.op_backends.split(","))):
+    for item in filter(None, (t.strip() for t in model.op_backends.split(","))):
         op, _, which = item.partition("=")
         op, which = op.strip(), which.strip()
         if op not in ops or not which:
-            raise ValueError(f"ling.op_backends: {item!r} is not op=backend with op one of {', '.join(ops)}")
+            raise ValueError(f"model.op_backends: {item!r} is not op=backend with op one of {', '.join(ops)}")
         op = "gdn" if qwen and op == "kda" else op
         overrides[f"{op}_backend"] = which  # the model config checks the backend name
-    return preset_config(ling.preset, **overrides)
+    return preset_config(model.preset, **overrides)
 
 
 def state_dict_adapter(cfg: LingConfig | Qwen35Config, hf_assets_path: str | None = None):

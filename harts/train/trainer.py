@@ -114,7 +114,7 @@ class Trainer:
         self.hooks = hooks if hooks is not None else hooks_from_config(cfg.debug)
         self._init_distributed()
         self._check_dump_folder()
-        dc, lc, pc = cfg.debug, cfg.ling, cfg.parallelism
+        dc, lc, pc = cfg.debug, cfg.model, cfg.parallelism
         seed = dc.seed if dc.seed is not None else 0
         torch.manual_seed(seed)
         if dc.deterministic:
@@ -316,7 +316,7 @@ class Trainer:
         ]
         bad = [f"{what} ({why})" for flag, what, why in unsupported if flag]
         if bad:
-            raise ValueError(f"config: ling.preset = {cfg.ling.preset!r} (Qwen3.5-MoE) does not support "
+            raise ValueError(f"config: model.preset = {cfg.model.preset!r} (Qwen3.5-MoE) does not support "
                              + "; ".join(bad))
 
     def _check_cp(self):
