@@ -213,6 +213,20 @@ def test_train_step_equals_trl(tokenizer, float64_trl):
         assert rel(p.detach(), q.detach()) <= REL, n
 
 
+def test_reference_model_with_beta(tokenizer, float64_trl):
+    """beta != 0: the reference model is a frozen copy of the HARTS model, scored through HARTS like the policy."""
+    tr = trainer("qwen35", tokenizer, 4, beta=0.04)
+    ref = tr.ref_model
+    assert ref.harts is not tr.model.harts and not any(p.requires_grad for p in ref.parameters())
+    for p, q in zip(ref.parameters(), tr.model.parameters()):
+        assert p.data_ptr() != q.data_ptr() and torch.equal(p, q)
+    ids, am, K = groups(4, np.random.default_rng(5))
+    with torch.no_grad():
+        lp_h, _, _ = tr._get_per_token_logps_and_entropies(ref, ids, am, K)
+        lp_t, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, am, K)
+    assert rel(lp_h, lp_t) <= REL
+
+
 def test_misuse(tokenizer):
     with pytest.raises(TypeError, match="processing_class"):
         htrl.GRPOTrainer(make("ling"), reward_funcs=reward, args=config(4), train_dataset=dataset(4))
@@ -222,3 +236,15 @@ def test_misuse(tokenizer):
     ids, am, K = groups(4, np.random.default_rng(0))
     with pytest.raises(ValueError, match="multimodal inputs \\(pixel_values\\)"):
         tr._get_per_token_logps_and_entropies(tr.model, ids, am, K, pixel_values=torch.zeros(1))
+
+
+def test_imports_without_trl():
+    """harts and harts.integrations.trl import without trl; the trainer then names the install."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['trl'] = None\n"
+            "import harts, harts.runtime, harts.integrations.trl as t\n"
+            "try:\n    t.GRPOTrainer\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'harts[trl]'" in out

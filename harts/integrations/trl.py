@@ -314,7 +314,9 @@ def _grpo_trainer_class():
                 args.beta = beta
             self.beta = beta
             if beta != 0.0:
-                ref = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+                hf = self.accelerator.unwrap_model(self.model)
+                ref = as_hf_model(copy.deepcopy(hf.harts), eos_token_id=hf.config.eos_token_id,
+                                  pad_token_id=hf.config.pad_token_id).eval()
                 ref.requires_grad_(False)
                 self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
 
