@@ -148,7 +148,7 @@ def _row_stats(lm_head_weight, h_RD, want_entropy: bool, want_sum_pi2: bool, chu
 
 
 def _temperature(micro_batch, n: int, device):
-    """(scalar or None, per-position tensor or None): verl's temperature, a number or one per sample."""
+    """verl's temperature of a micro-batch (a number, or one per sample, which must then all be equal), and None."""
     t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
     t = tu.unwrap_non_tensor_data(t) if not isinstance(t, torch.Tensor) else t
     if isinstance(t, torch.Tensor):
@@ -159,7 +159,8 @@ def _temperature(micro_batch, n: int, device):
             raise ValueError(f"harts verl engine: temperature has {t.numel()} entries for {n} samples")
         if bool((t == t[0]).all()):
             return float(t[0].item()), None
-        return None, t.to(device=device, dtype=torch.float32).clamp(min=1e-8)
+        raise ValueError(f"harts verl engine: temperature differs between the samples of a micro-batch "
+                         f"({t.min().item():g} to {t.max().item():g}); use one rollout temperature")
     return float(t), None
 
 
@@ -247,23 +248,16 @@ class HartsEngineWithLMHead(FSDPEngineWithLMHead):
 
         h = model(layout=batch)  # [P, D] final-normed rows; FSDP2's root hooks run around it
         weight = model.lm_head.weight
-        temp, temp_pos = _temperature(micro_batch, len(trajs), device)
+        temp, _ = _temperature(micro_batch, len(trajs), device)
         offsets = input_ids.offsets()
-        if temp_pos is None:  # one temperature: scale the rows, one log-prob per distinct (row, target)
-            hs = h if temp == 1.0 else h / max(temp, 1e-8)
-            lp = model.token_logprobs(hs, batch.logprob_pair_targets, batch.logprob_pair_rows)
-            lp = lp.index_select(0, batch.logprob_pair_of)
-            if want_entropy or want_pi2:
-                rows_u, inv = torch.unique(batch.logprob_rows, return_inverse=True)
-                stats = [s.index_select(0, inv) for s in _row_stats(weight, hs.index_select(0, rows_u),
-                                                                     want_entropy, want_pi2)]
-        else:  # a temperature per sample: each position's row scaled by its sample's temperature
-            lengths = offsets.diff().to(device)
-            t_S = torch.repeat_interleave(temp_pos, lengths).to(h.dtype)
-            hs = h.index_select(0, batch.logprob_rows) / t_S[:, None]
-            lp = model.token_logprobs(hs, batch.logprob_targets)
-            if want_entropy or want_pi2:
-                stats = list(_row_stats(weight, hs, want_entropy, want_pi2))
+        # logits / T = (h / T) W^T: scale the rows once, one log-prob per distinct (row, target)
+        hs = h if temp == 1.0 else h / max(temp, 1e-8)
+        lp = model.token_logprobs(hs, batch.logprob_pair_targets, batch.logprob_pair_rows)
+        lp = lp.index_select(0, batch.logprob_pair_of)
+        if want_entropy or want_pi2:
+            rows_u, inv = torch.unique(batch.logprob_rows, return_inverse=True)
+            stats = [s.index_select(0, inv) for s in _row_stats(weight, hs.index_select(0, rows_u),
+                                                                 want_entropy, want_pi2)]
         out = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, offsets)}
         if want_entropy:
             out["entropy"] = torch.nested.nested_tensor_from_jagged(stats.pop(0), offsets)
