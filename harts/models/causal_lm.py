@@ -38,6 +38,25 @@ class CausalLM(nn.Module):
 
         return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
+    # ------------------------------------------------------------------ HF checkpoints
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> "CausalLM":
+        """A model of this class's family from an HF folder (``harts.models.family``: the family's
+        ``load_pretrained``, e.g. ``device``, ``dtype``; Ling-3.0's official / transformers' bailing_hybrid
+        layouts, Qwen3.5-MoE's transformers and released layouts)."""
+        from harts.models.family import FAMILIES
+
+        fam = next((f for f in FAMILIES.values() if issubclass(cls, f.model_class)), None)
+        if fam is None:
+            raise TypeError(f"{cls.__name__} belongs to no model family (harts.models.family.FAMILIES)")
+        return fam.load_pretrained(path, **kwargs)
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        """config.json + safetensors shards in the family's HF layout (what transformers loads)."""
+        from harts.models.family import family_of
+
+        family_of(self).save_pretrained(self, path, **kwargs)
+
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor | None = None, position_ids_T: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, token_weight_T: torch.Tensor | None = None,

@@ -15,8 +15,6 @@ Construct on ``torch.device("meta")`` for deferred init, then ``to_empty`` + ``i
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -69,20 +67,6 @@ class Qwen35ForCausalLM(CausalLM):
         for name, t in self.named_parameters():
             t.data = t.data.to(keep if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
         return self
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "Qwen35ForCausalLM":
-        """An HF folder (ours, transformers' ``Qwen3_5MoeForCausalLM``, or the released multimodal layout's
-        text part); keyword arguments: see ``harts.models.qwen35.checkpoint.load_pretrained``."""
-        from harts.models.qwen35.checkpoint import load_pretrained
-
-        return load_pretrained(path, **kwargs)
-
-    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        """config.json + safetensors shards that transformers' ``Qwen3_5MoeForCausalLM`` loads."""
-        from harts.models.qwen35.checkpoint import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
 
     # ------------------------------------------------------------------ MoE
     def moe_layers(self) -> list[SparseMoE]:
