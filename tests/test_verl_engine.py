@@ -313,3 +313,10 @@ def test_registry_and_refusals(tmp_path):
     td = _data([([5, 6, 7], [8, 9]), ([5, 6, 7], [10])], np.random.default_rng(0), torch.tensor([0.5, 1.0]), 2)
     with pytest.raises(ValueError, match="temperature differs between the samples"):
         engine.forward_backward_batch(td, lambda **kw: ppo_loss(None, **kw), forward_only=True)
+    # the rollout engine's weight sync: the HF names and tensors save_pretrained writes
+    from harts.models.ling.checkpoint import read_hf_tensors
+
+    saved = read_hf_tensors(tmp_path)
+    synced = dict(engine.get_per_tensor_param()[0])
+    assert synced.keys() == saved.keys()
+    assert all(torch.equal(synced[k], saved[k]) for k in saved)
