@@ -207,17 +207,18 @@ class KernelLoads:
         self.available = True
 
 
-def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1) -> dict:
+def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1, graphs=lambda: 0) -> dict:
     """Seconds of ``fn()`` once no kernel load happens during it (runs until one is clean, at most ``max_runs``
     of them loading; ``reset()`` before each), then the median of ``repeats`` clean runs in all (``all_s`` lists
     them): one run of a 2 s microbatch moves by a few per cent between runs. ``first_s`` keeps the first run's
-    time when it was repeated; ``clean`` is False when no run was clean (``s`` is then the last run's)."""
+    time when it was repeated; ``clean`` is False when no run was clean (``s`` is then the last run's).
+    ``graphs()``: torch.compile graphs compiled so far (a run that compiled one is not clean either)."""
     if repeats < 1 or max_runs < 1:
         raise ValueError(f"timed_run: max_runs={max_runs} and repeats={repeats} must be >= 1")
     out, clean_s, loading = {"runs": 0}, [], 0
     while len(clean_s) < repeats and loading < max_runs:
         reset()
-        n0, s0 = loads.n, loads.seconds
+        n0, s0, g0 = loads.n, loads.seconds, graphs()
         sync()
         t0 = time.perf_counter()
         fn()
@@ -228,11 +229,11 @@ def timed_run(fn, reset, sync, loads, max_runs: int = 3, repeats: int = 1) -> di
         if out["runs"] == 1 and loads.n > n0:  # which kernels the first run loaded and the seconds it took
             out["loaded"] = sorted(set(loads.names[n0:loads.n]))
             out["load_s"] = loads.seconds - s0
-        if loads.n == n0:
+        if loads.n == n0 and graphs() == g0:
             clean_s.append(t)
         else:
             loading += 1
-            out["s"], out["loads"] = t, loads.n - n0
+            out["s"], out["loads"] = t, loads.n - n0 + graphs() - g0
     out["clean"] = bool(clean_s)
     if clean_s:
         out["s"], out["loads"] = statistics.median(clean_s), 0
@@ -305,6 +306,11 @@ def report(res: dict) -> None:
           f"({res['core_over_compression']:.3f} of compression)")
     print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
           f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
+    c, w = res.get("compile"), res.get("warmup_s")
+    if c is not None and w is not None:
+        print(f"compile ({c['backend']}, checkpointing {res.get('activation_checkpointing')}): "
+              f"{c['compilations_in_warmup']} graphs and {c['backend_seconds_in_warmup']:.1f} s in the backend during "
+              f"the untimed warm-up (HARTS {w['harts']:.1f} s, baseline {w['baseline']:.1f} s); none in the timed runs")
     if "profile" in res:
         p = res["profile"]
         what = "CPU op self time" if res["device"] == "cpu" else "GPU kernel time"
@@ -374,6 +380,13 @@ def main(argv=None) -> int:
                     help="profile one microbatch of each path by op family (shard 0); on a CPU with per-token "
                          "reference cores the profiler's event parsing can take longer than the timed runs")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge shard JSONs into speedup.json and exit")
+    ap.add_argument("--ac", choices=("full", "selective", "none"), default="full",
+                    help="activation checkpointing of both paths (full: the paper's setting; selective: the "
+                         "trainer's default)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile both paths' decoder layers the same way (harts.models.ling.compile_model, dynamic "
+                         "rows); compilation happens in the untimed warm-up and is reported separately")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile")
     ap.add_argument("--flops-only", action="store_true",
                     help="no timing: plan and pack the same microbatches, count forward FLOPs of both paths on a "
                          "meta-device model and print the ceiling speedup / compression = FLOP compression / row "
@@ -388,8 +401,10 @@ def main(argv=None) -> int:
     t_proc = time.perf_counter()
 
     from benchmarks.flops import active_matmul_params, batch_forward_flops
+    from harts.models.ling.compile import compile_model
     from harts.planning.calls import plan_calls
     from harts.runtime import pack
+    from harts.train.parallelize import apply_ac
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -397,7 +412,10 @@ def main(argv=None) -> int:
     shard, nshard = args.shard
     mbs, plan, t_mb = planned_microbatches(args)
     mine = list(range(shard, len(mbs), nshard))
-    model = build_model(args.preset, dev, dtype, args.seed, recompute=True)
+    model = build_model(args.preset, dev, dtype, args.seed, recompute=False)
+    apply_ac(model, args.ac)
+    if args.compile:  # after checkpointing, as the trainer applies them
+        compile_model(model, backend=args.compile_backend, dynamic=True)
     cfg = model.config
     B = chunk_size_of(cfg)
     act = active_matmul_params(model)
@@ -422,11 +440,18 @@ def main(argv=None) -> int:
     def peak_gb():
         return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
 
-    # Warm-up (kernel compilation / autotuning) on the smallest microbatch, both paths, not timed.
+    # Warm-up (kernel compilation / autotuning, and torch.compile's graphs) on the smallest microbatch, both
+    # paths, not timed; with --compile its seconds and the graphs compiled are reported on their own.
     small = min(mbs, key=lambda m: sum(len(t) for t in m))
-    run_harts(small)
-    run_baseline(small)
+    warmup_s = {}
+    for name, fn in (("harts", run_harts), ("baseline", run_baseline)):
+        sync()
+        t0 = time.perf_counter()
+        fn(small)
+        sync()
+        warmup_s[name] = time.perf_counter() - t0
     reset()
+    compiled = model.compile_report
 
     meta = {"args": vars(args), "model": type(model).__name__,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -434,7 +459,11 @@ def main(argv=None) -> int:
             "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
             "peak_tflops": args.peak_tflops,
             "kernel_load_detection": ("triton jit_post_compile_hook" if loads.available else "triton: unavailable")
-            + ", cuDNN attention shapes"}
+            + ", cuDNN attention shapes" + (", torch.compile graphs" if compiled is not None else ""),
+            "activation_checkpointing": args.ac, "warmup_s": warmup_s,
+            "compile": None if compiled is None else {
+                "backend": compiled.backend, "compilations_in_warmup": compiled.compilations,
+                "backend_seconds_in_warmup": compiled.compile_seconds}}
     profile = None
     if shard == 0 and args.profile:
         # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,
@@ -461,9 +490,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         plan_calls([t.tokens for t in trajs], chunk_size=B)  # planner time charged to Core
         t_calls = time.perf_counter() - t0
-        h = timed_run(lambda: run_harts(trajs), reset, sync, loads, repeats=args.repeats)
+        graphs = (lambda: compiled.compilations) if compiled is not None else (lambda: 0)
+        h = timed_run(lambda: run_harts(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         h_peak = peak_gb()
-        b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats)
+        b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         b_peak = peak_gb()
         reset()
         hb = pack(trajs, config=cfg)

@@ -151,3 +151,18 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     assert r["profile"] == s0["profile"] and r["shards"] == 2
     with pytest.raises(SystemExit, match="every shard"):
         main(["--merge", shards[0], "--out", str(tmp_path)])
+
+
+def test_compiled_speedup_compiles_both_paths_in_the_warm_up_only(tmp_path):
+    """--compile compiles both paths' layers the same way (aot_eager here: the partitioner without inductor's C++
+    compile), under --ac selective; every graph is built in the untimed warm-up, which is reported on its own,
+    and the timed runs are clean (no graph compiled during them)."""
+    args = ["--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "1",
+            "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path), "--no-profile", "--compile",
+            "--compile-backend", "aot_eager", "--ac", "selective"]
+    assert main(args) == 0
+    r = json.loads((tmp_path / "speedup.json").read_text())
+    assert r["activation_checkpointing"] == "selective" and r["compile"]["backend"] == "aot_eager"
+    assert r["compile"]["compilations_in_warmup"] > 0 and r["warmup_s"]["harts"] > 0 and r["warmup_s"]["baseline"] > 0
+    assert all(rec["harts_clean"] and rec["baseline_clean"] for rec in r["records"])
+    assert r["speedup_fbgrad"] > 0 and r["flop_compression"] > 1
