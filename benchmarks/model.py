@@ -39,8 +39,8 @@ import torch
 
 from benchmarks.common import build_model, family
 from benchmarks.trace_summary import device_idle
+from harts.models.common.stack import AC_POLICIES
 from harts.models.ling import LingConfig, LingForCausalLM
-from harts.models.ling.model import AC_POLICIES
 from harts.train.parallelize import apply_ac
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)

@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     t_proc = time.perf_counter()
 
     from benchmarks.flops import active_matmul_params, batch_forward_flops
-    from harts.models.ling.compile import compile_model
+    from harts.models.common.compile import compile_model
     from harts.planning.calls import plan_calls
     from harts.runtime import pack
     from harts.train.parallelize import apply_ac

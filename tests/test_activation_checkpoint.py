@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harts.models.common.stack import AC_POLICIES
 from harts.models.ling import compile_model
-from harts.models.ling.model import AC_POLICIES
 from harts.runtime import logprobs, pack
 from harts.train.parallelize import apply_ac
 from tests.helpers import fork_tree, make_model

@@ -1,4 +1,4 @@
-"""torch.compile as the execution engine (harts.models.ling.compile) on CPU, inductor's CPU backend.
+"""torch.compile as the execution engine (harts.models.common.compile) on CPU, inductor's CPU backend.
 
 The compiled model runs the same modules in the same order as the eager one, so in float64 its log-probs
 and gradients equal the eager model's to rounding (both HARTS's compact layout and packed trajectories);

@@ -1,4 +1,4 @@
-"""torch.compile and selective activation checkpointing for Qwen3.5-MoE (harts.models.ling.compile), on CPU in
+"""torch.compile and selective activation checkpointing for Qwen3.5-MoE (harts.models.common.compile), on CPU in
 float64 on the reference ops, the qwen3.5-debug model (3 Gated DeltaNet layers + 1 gated attention layer, every
 layer a SparseMoE).
 

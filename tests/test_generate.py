@@ -1,4 +1,4 @@
-"""Incremental decoding (harts.models.ling.generate) against the training forward, in float64 on CPU.
+"""Incremental decoding (harts.models.common.generate) against the training forward, in float64 on CPU.
 
 The references are independent of the decoder: the model's own trajectory-wise log-probs (the chunked
 KDA, the packed short convolution and varlen attention over whole sequences), decoding a full path from
@@ -10,8 +10,8 @@ import torch
 
 import harts
 from harts.data.trajectory import Trajectory
+from harts.models.common.generate import DecodeCache, Sampling, feed, feed_sequences, generate, sample
 from harts.models.ling import LingConfig, LingForCausalLM
-from harts.models.ling.generate import DecodeCache, Sampling, feed, feed_sequences, generate, sample
 
 V = 512
 

@@ -1,4 +1,4 @@
-"""Incremental decoding of Qwen3.5-MoE (harts.models.ling.generate with the Gated DeltaNet and gated attention
+"""Incremental decoding of Qwen3.5-MoE (harts.models.common.generate with the Gated DeltaNet and gated attention
 ``step``s) against the training forward, in float64 on CPU.
 
 The references are independent of the decoder: the model's trajectory-wise log-probs (the chunked GDN core,
@@ -12,7 +12,7 @@ import torch
 
 import harts
 from harts.data.trajectory import Trajectory
-from harts.models.ling.generate import DecodeCache, LayerCache, Sampling, feed, feed_sequences, generate
+from harts.models.common.generate import DecodeCache, LayerCache, Sampling, feed, feed_sequences, generate
 from harts.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 V = 512

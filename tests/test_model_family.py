@@ -141,7 +141,7 @@ def test_trainer_refuses_what_the_family_lacks(f):
 def test_declared_capabilities_run(f):
     """What a family declares goes through the functions the trainer applies: selective checkpointing and
     compile's region split on every decoder layer, the EP dispatch's stacked expert weights, a pipeline stage."""
-    from harts.models.ling.compile import check_region_split
+    from harts.models.common.compile import check_region_split
     from harts.train import parallelize as par
     from harts.train.pipeline import prune_to_stage
 

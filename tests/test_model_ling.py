@@ -275,10 +275,11 @@ def test_fast_kernels_alone_equals_packed_interpreter_fp32(fla_interpreter_patch
 
 
 def test_each_tensor_has_its_own_generator():
-    """A parameter's initial value depends on the seed and its name only (harts.models.ling.blocks.param_seed):
+    """A parameter's initial value depends on the seed and its name only (harts.models.common.init.param_seed):
     a model initialised shard by shard on each rank, in any module order, draws the same values as one built
     whole. Same-shaped parameters still differ, and a different seed changes every random tensor."""
-    from harts.models.ling.blocks import init_targets, initial_value, param_seed
+    from harts.models.common.init import init_targets, param_seed
+    from harts.models.ling.blocks import initial_value
 
     cfg = LingConfig.preset("ling3-tiny-debug")
     a = LingForCausalLM(cfg).init_weights(seed=3)

@@ -30,7 +30,7 @@ _INSTALL = "pip install 'harts[trl]' (trl==1.16.0)"
 
 def _harts_module(model) -> nn.Module:
     """The HARTS CausalLM inside ``model`` (itself, a ``HartsForCausalLM``, or either under a wrapper with .module)."""
-    from harts.models.causal_lm import CausalLM
+    from harts.models.common.causal_lm import CausalLM
 
     seen = model
     for _ in range(4):
@@ -185,7 +185,7 @@ def _hf_model_class():
 def as_hf_model(model: nn.Module, *, eos_token_id=None, pad_token_id=None, bos_token_id=None):
     """``model`` (a HARTS ``CausalLM``) as a ``HartsForCausalLM`` holding the same module (no copy). Token ids
     default to the model config's own where it has them."""
-    from harts.models.causal_lm import CausalLM
+    from harts.models.common.causal_lm import CausalLM
 
     if not isinstance(model, CausalLM):
         raise TypeError(f"as_hf_model: expected a HARTS model (LingForCausalLM, Qwen35ForCausalLM), got "
@@ -294,7 +294,7 @@ def _grpo_trainer_class():
         model is a frozen copy of the initial model, made here (TRL would reload it from a hub id)."""
 
         def __init__(self, model, reward_funcs=None, args=None, *, processing_class=None, **kwargs):
-            from harts.models.causal_lm import CausalLM
+            from harts.models.common.causal_lm import CausalLM
 
             if processing_class is None:
                 raise TypeError("HARTS GRPOTrainer: pass processing_class= (the tokenizer of the model's vocabulary)")

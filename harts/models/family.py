@@ -20,7 +20,7 @@ Capabilities (what harts.train runs today):
 - ``compile``: ``harts.models.ling.compile_model``; ``selective_ac``: selective activation checkpointing
 - ``expert_bias``: aux-loss-free expert-bias updates (``rl.expert_bias_rate``; Qwen3.5 routes by softmax
   without a bias)
-- ``generate``: incremental decoding for online RL (``harts.models.ling.generate``)
+- ``generate``: incremental decoding for online RL (``harts.models.common.generate``)
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from harts.models.ling.generate import Sampling
+from harts.models.common.generate import Sampling
 from harts.rl.rollout import Rollouts, rollout_trees
 from harts.rl.tasks import make_task
 

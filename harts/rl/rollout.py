@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from harts.data.trajectory import Trajectory
-from harts.models.ling.generate import DecodeCache, Sampling, feed, feed_sequences, sample
+from harts.models.common.generate import DecodeCache, Sampling, feed, feed_sequences, sample
 
 __all__ = ["rollout_trees", "Rollouts"]
 
@@ -51,7 +51,7 @@ class Rollouts:
 def rollout_trees(model, env, seeds, branching, *, sampling: Sampling = Sampling(),
                   generator: torch.Generator | None = None, max_turns: int = 16, group_offset: int = 0) -> Rollouts:
     """One rollout tree per episode seed (module docstring). ``model``: a whole causal LM (Ling-3.0 or
-    Qwen3.5-MoE; harts.models.ling.generate decodes either). ``branching``: branches per turn, e.g. (4, 2).
+    Qwen3.5-MoE; harts.models.common.generate decodes either). ``branching``: branches per turn, e.g. (4, 2).
     Stats: mean reward, mean entropy of the policy at the sampled tokens, generated and fed tokens,
     seconds."""
     seeds = [int(s) for s in seeds]

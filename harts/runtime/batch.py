@@ -165,7 +165,7 @@ class CompactBatch:
 
     def local_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a per-row tensor (all rows without context parallelism)."""
-        return t if self.cp is None else self.cp.local(t)
+        return t if self.cp is None else self.cp.own_rows(t)
 
     def context_parallel(self, group) -> "CompactBatch":
         """This batch sharded over a context-parallel group (Ulysses style, see harts.runtime.cp):

@@ -67,7 +67,8 @@ class ContextParallel:
     def row_range(self) -> tuple[int, int]:
         return self.rank * self.rows, (self.rank + 1) * self.rows
 
-    def local(self, t: torch.Tensor) -> torch.Tensor:
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of ``t``'s rows."""
         lo, hi = self.row_range
         return t[lo:hi]
 

@@ -368,7 +368,7 @@ class Parallelism:
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "selective"
     """'selective' (the default: save matrix products and the mixer cores, recompute norms, gates and casts:
-    harts.models.ling.compile; Ling-3.0-tiny at 65,536 rows fits one H200 with it, 'none' does not); 'full'
+    harts.models.common.compile; Ling-3.0-tiny at 65,536 rows fits one H200 with it, 'none' does not); 'full'
     (recompute each decoder layer in backward, the plan and layout reused: the paper's setting, and what fits
     next to a whole optimizer state on one GPU, or with tensor / expert parallelism); 'none'."""
 

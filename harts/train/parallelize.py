@@ -221,19 +221,20 @@ def clip_grad_norm_mixed_(params, max_norm: float, pp_group=None, grads=None) ->
 
 # ------------------------------------------------------------------------------------------ AC / compile
 def apply_ac(model, mode: str, collectives_in_layers: bool = False) -> None:
-    """Activation checkpointing policy of the decoder layers (``LingModel.checkpoint_policy``; Qwen3.5's is the
-    same): "none", "selective" (keep the mixer cores' and matrix products' outputs, recompute norms, gates,
-    RoPE, SwiGLU, routing; ``harts.models.ling.compile``) or "full" (torchtitan's 'full': recompute every layer whole).
-    Layers with collectives (TP all-reduces, EP all-to-alls, CP exchanges) recompute without early stop, or
-    ranks can stop at different collectives (observed: wrong gradients with TP x PP). "selective" runs a
-    layer as regions that call its submodules directly, so TP hooks and expert parallelism are refused
-    with a ValueError naming the layer."""
-    from harts.models.ling.model import AC_POLICIES
+    """Activation checkpointing of the decoder layers, applied from outside (the decoder stack's policy,
+    ``harts.models.common.stack.DecoderStack``; both families): "none", "selective" (keep the mixer cores' and
+    matrix products' outputs, recompute norms, gates, RoPE, SwiGLU, routing; ``harts.models.common.compile``)
+    or "full" (torchtitan's 'full': recompute every layer whole). Layers with collectives (TP all-reduces, EP
+    all-to-alls, CP exchanges) recompute without early stop, or ranks can stop at different collectives
+    (observed: wrong gradients with TP x PP). "selective" runs a layer as regions that call its norms, MLP /
+    MoE and the mixer's projections as modules (the parallel styles on them run); hooks on a mixer module
+    itself are refused with a ValueError naming the layer."""
+    from harts.models.common.stack import AC_POLICIES
 
     if mode not in AC_POLICIES:
         raise ValueError(f"activation checkpointing: checkpoint_policy = {mode!r}; expected one of {AC_POLICIES}")
     if mode == "selective":
-        from harts.models.ling.compile import check_region_split
+        from harts.models.common.compile import check_region_split
 
         for layer in model.decoder_layers():
             check_region_split(layer, "selective activation checkpointing")
@@ -247,7 +248,7 @@ def apply_compile(model, backend: str = "inductor", fullgraph: bool = True) -> l
     count of compilations is ``model.compile_report`` (``.summary(steps)``). Applied after TP and
     activation checkpointing, before FSDP2. ``fullgraph=False`` lets a region break its graph where a
     module runs what Dynamo cannot trace (expert parallelism's all-to-all with host split sizes)."""
-    from harts.models.ling.compile import compile_model
+    from harts.models.common.compile import compile_model
 
     return list(compile_model(model, backend=backend, dynamic=True, fullgraph=fullgraph).regions)
 

@@ -15,7 +15,7 @@ family's plan (``ling_plan`` / ``qwen35_plan``) with ``parallelize_module``:
   every rank, whose view is this rank's slice of every segment. Why one boundary around the layer rather
   than per-Linear styles: the mixers' cores (Triton kernels, the compact layout's rounds) and the fused
   norms take plain tensors, and the compiled / selectively checkpointed regions of a layer
-  (``harts.models.ling.compile``) call its submodules' code, so a DTensor would reach code that does not
+  (``harts.models.common.compile``) call its submodules' code, so a DTensor would reach code that does not
   take one; with local views the same code runs eager, compiled and checkpointed.
 - ``RegionInput`` on the module whose output enters a region (the two layer norms): identity forward
   (sequence parallelism: all-gather of the row shards), and in backward the sum over tp of the partial
@@ -164,7 +164,7 @@ class LocalParams(_base_style()):
         module.register_forward_pre_hook(swap_in)
         module.register_forward_hook(swap_out, always_call=True)
         # a selective checkpoint's recomputation in backward runs after these hooks: it gets the same views
-        from harts.models.ling.compile import register_recompute_state
+        from harts.models.common.compile import register_recompute_state
 
         register_recompute_state(module, local_views)
         return module

@@ -368,7 +368,7 @@ class Trainer:
             # expert parallelism's dispatch reads host split sizes: the MoE regions break their graph there
             names = par.apply_compile(self.model, cfg.compile.backend, fullgraph=d.ep == 1)
             log.info("compiled %d regions (pre/post around each decoder layer's mixer core, dynamic rows; "
-                     "harts.models.ling.compile)", len(names))
+                     "harts.models.common.compile)", len(names))
         self.amp = contextlib.nullcontext()
         self.mp_param_dtype = None
         self.replicated_params, self.replicated_mesh = [], None

@@ -1,12 +1,12 @@
 """Native Ling-3.0 (BailingMoeV3 / HF ``bailing_hybrid``): config, model, HF checkpoint I/O, generation
-(``harts.models.ling.generate``: incremental decoding, sampling, forkable decoding state), torch.compile
+(``harts.models.common.generate``: incremental decoding, sampling, forkable decoding state), torch.compile
 as the layers' execution engine (``compile_model``)."""
 from harts.models.ling.config import LingConfig
 from harts.models.ling.model import LingForCausalLM, LingModel
 
 _CHECKPOINT = ("load_pretrained", "save_pretrained", "load_hf_state_dict", "to_hf_state_dict", "CheckpointError")
 
-_GENERATE = ("DecodeCache", "Sampling")  # generate(): harts.models.ling.generate.generate
+_GENERATE = ("DecodeCache", "Sampling")  # generate(): harts.models.common.generate.generate
 
 _COMPILE = ("compile_model", "CompileReport")
 
@@ -26,13 +26,13 @@ def __getattr__(name):
     if name in _GENERATE:
         import importlib
 
-        return getattr(importlib.import_module("harts.models.ling.generate"), name)
+        return getattr(importlib.import_module("harts.models.common.generate"), name)
     if name in _COMPILE:
-        from harts.models.ling import compile as compile_module
+        from harts.models.common import compile as compile_module
 
         return getattr(compile_module, name)
     if name == "compact_logprobs_reference":
-        from harts.models.ling.logprobs import compact_logprobs_reference
+        from harts.models.common.logprobs import compact_logprobs_reference
 
         return compact_logprobs_reference
     raise AttributeError(f"module 'harts.models.ling' has no attribute {name!r}")

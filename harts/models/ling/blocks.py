@@ -18,14 +18,13 @@ statistics are kept on the MoE module.
 """
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.models.common import init as common_init
 from harts.models.ling.config import LingConfig
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
@@ -68,26 +67,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(o, gate, self.weight, self.eps, self.backend)
-
-
-@dataclass(frozen=True, eq=False)
-class Packed:
-    """Packed trajectories as a batch description: every sequence its own varlen segment (reset at the
-    ``cu_seqlens`` boundaries), positions explicit, no prefix sharing and no context parallelism. A
-    trajectory-wise ``harts.CompactBatch`` (``prefix_sharing=False``) reads the same way."""
-
-    position_ids: torch.Tensor  # [T] long
-    cu_seqlens: torch.Tensor  # [N+1] long
-    max_seqlen: int | None = None  # optional: avoids a host sync in the fast attention path
-    # optional host copy of cu_seqlens: the fast kernels plan their chunks and per-sequence calls from it
-    # instead of reading the device tensor (a host sync per call, i.e. several per layer)
-    cu_seqlens_cpu: torch.Tensor | None = None
-    prefix_sharing = False
-    cp = None
-
-    @staticmethod
-    def local_rows(t: torch.Tensor) -> torch.Tensor:
-        return t
 
 
 def rope_interleaved(x_THR: torch.Tensor, position_ids_T: torch.Tensor, theta: float) -> torch.Tensor:
@@ -169,14 +148,14 @@ class MLA(nn.Module):
         return self.output(self.core(*proj, batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet."""
-        from harts.models.ling.generate import LayerCache
+        """Decoding state of n empty sequences (harts.models.common.generate): no keys and values yet."""
+        from harts.models.common.generate import LayerCache
 
         return LayerCache(k=[torch.zeros(0, self.H, self.Dqk, dtype=dtype, device=device)] * n,
                           v=[torch.zeros(0, self.H, self.Dv, dtype=dtype, device=device)] * n)
 
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
-        """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
+        """One decoding step of N sequences (harts.models.common.generate): row n at ``position_ids_N[n]``
         attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, H,
         Dqk] / [t_n, H, Dv]; the new row's key and value are appended by replacing the list entries (a
         forked cache that shares the old tensors is unaffected)."""
@@ -253,9 +232,9 @@ class KDA(nn.Module):
         return self.output(self.core(*self.project(x_TD), batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """Decoding state of n empty sequences (harts.models.ling.generate): zero convolution windows (the
+        """Decoding state of n empty sequences (harts.models.common.generate): zero convolution windows (the
         packed convolution's zero padding) and a zero delta-rule state in float32+."""
-        from harts.models.ling.generate import LayerCache
+        from harts.models.common.generate import LayerCache
 
         P, W = self.H * self.Kh, self.cfg.short_conv_kernel_size
         conv = tuple(torch.zeros(n, W - 1, P, dtype=dtype, device=device) for _ in range(3))
@@ -263,7 +242,7 @@ class KDA(nn.Module):
                                                        device=device))
 
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
-        """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward``
+        """One decoding step of N sequences (harts.models.common.generate), the recurrent form of ``forward``
         in float32+ torch ops (positions are not read: the recurrence carries them). ``cache.conv``: the last
         W-1 pre-convolution q, k, v rows of each sequence ([N, W-1, P] each; zeros before its first token, as
         the packed convolution's zero padding);
@@ -434,15 +413,15 @@ class DecoderLayer(nn.Module):
     @property
     def region_kind(self) -> tuple[str, str]:
         """The (pre, post) region families that run this layer compiled or under selective checkpointing
-        (harts.models.ling.compile): ``pre_mla`` / ``pre_kda``, ``post_moe`` / ``post_dense``."""
+        (harts.models.common.compile): ``pre_mla`` / ``pre_kda``, ``post_moe`` / ``post_dense``."""
         return self.kind, ("moe" if isinstance(self.mlp, MoE) else "dense")
 
     def forward(self, h_TD: torch.Tensor, batch, token_weight_T: torch.Tensor | None = None,
                 router: tuple | None = None, *, selective: bool = False) -> torch.Tensor:
         """``batch``: ``Packed`` or a ``harts.CompactBatch``; ``token_weight_T`` and ``router``: see MoE;
-        ``selective``: run as selectively checkpointed regions (harts.models.ling.compile)."""
+        ``selective``: run as selectively checkpointed regions (harts.models.common.compile)."""
         if selective:
-            from harts.models.ling.compile import selective_layer_forward
+            from harts.models.common.compile import selective_layer_forward
 
             return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
@@ -453,7 +432,7 @@ class DecoderLayer(nn.Module):
         return h_TD + self.mlp(x)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
+        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.common.generate)."""
         return self.attention.empty_cache(n, dtype, device)
 
     def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
@@ -461,17 +440,6 @@ class DecoderLayer(nn.Module):
         h_ND = h_ND + self.attention.step(self.input_layernorm(h_ND), cache, position_ids_N)
         x = self.post_attention_layernorm(h_ND)
         return h_ND + (self.mlp(x)[0] if isinstance(self.mlp, MoE) else self.mlp(x))
-
-
-def param_seed(seed: int, name: str) -> int:
-    """One parameter's RNG seed, from the model seed and the parameter's qualified name.
-
-    Every parameter draws from its own generator, so its initial value depends on neither the order in
-    which modules are visited nor on which rank (or shard) initialises it: a model built on the meta
-    device and initialised shard by shard on each rank (harts.train.model.init_sharded) equals the one
-    built whole on one device, and replicated tensors agree across ranks."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**63
 
 
 def initial_value(module: nn.Module, attr: str, shape, cfg: LingConfig, generator: torch.Generator | None,
@@ -502,27 +470,12 @@ def initial_value(module: nn.Module, attr: str, shape, cfg: LingConfig, generato
     raise ValueError(f"no initial value defined for {type(module).__name__}.{attr}")
 
 
-def init_targets(model: nn.Module):
-    """(qualified name, owning module, attribute, tensor) of every parameter and buffer to initialise."""
-    for mname, m in model.named_modules():
-        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is not None:
-                yield (f"{mname}.{attr}" if mname else attr), m, attr, t
+def initial_tensors(model: nn.Module, cfg: LingConfig, seed: int | None = None):
+    """Ling-3.0's initial values (``initial_value``) of every parameter and buffer of ``model``
+    (``harts.models.common.init.initial_tensors``)."""
+    return common_init.initial_tensors(model, cfg, seed, initial_value)
 
 
-def initial_tensors(model: nn.Module, cfg: LingConfig, seed: int | None = None, value=None):
-    """(tensor, its whole initial value) for every parameter and buffer of ``model``: with a seed, each
-    drawn from its own generator (``param_seed``) on the tensor's device, without one from torch's global
-    generator. Names are qualified from ``model``, so pass the root model to reproduce a whole model's init.
-    ``value``: the model family's ``initial_value`` (default Ling's)."""
-    value = initial_value if value is None else value
-    for name, m, attr, t in init_targets(model):
-        gen = None if seed is None else torch.Generator(device=t.device).manual_seed(param_seed(seed, name))
-        yield t, value(m, attr, t.shape, cfg, gen, t.device)
-
-
-@torch.no_grad()
-def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None, value=None) -> None:
-    """Initialise every parameter and buffer of ``model`` in place (``initial_tensors``)."""
-    for t, full in initial_tensors(model, cfg, seed, value):
-        t.copy_(full)
+def init_module_weights(model: nn.Module, cfg: LingConfig, seed: int | None = None) -> None:
+    """Initialise every parameter and buffer of ``model`` in place with Ling-3.0's initial values."""
+    common_init.init_module_weights(model, cfg, seed, initial_value)

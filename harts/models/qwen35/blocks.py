@@ -13,7 +13,7 @@ onto the HF layout unchanged (routed experts are stacked in both).
 
 Each mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)`` and the MoE's
 ``finish(*compute(x), router)``, as Ling's: ``project`` / ``output`` / ``compute`` are row-wise (the compiled
-and selectively checkpointed regions of harts.models.ling.compile, named by ``DecoderLayer.region_kind``),
+and selectively checkpointed regions of harts.models.common.compile, named by ``DecoderLayer.region_kind``),
 ``core`` is the part that reads the layout, ``finish`` the part that writes module state.
 
 As in harts.models.ling.blocks, a sequence mixer has one ``forward(x, batch)``: ``batch`` is ``Packed``
@@ -24,7 +24,7 @@ precomputed per-head log decay is broadcast over K and q, k repeated to the valu
 with ``"fla_pieces"`` the scalar decay [T, HV] and key-head q, k go to fla's GDN pieces with our boundary-state
 scans; the trajectory-wise core makes the same choice); the attention mixer runs varlen attention (packed) or
 ``harts.runtime.compact.mla_tree_attention`` (each branch over its ancestors + own rows). Row-wise parts
-never look at the layout. For incremental decoding (harts.models.ling.generate) each mixer also has
+never look at the layout. For incremental decoding (harts.models.common.generate) each mixer also has
 ``empty_cache`` (the state it keeps per sequence) and ``step`` (one token per sequence, plain torch).
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harts.models.ling import blocks as ling_blocks
-from harts.models.ling.blocks import MLP, MoE, Packed, ShortConvWeight
+from harts.models.common import init as common_init
+from harts.models.ling.blocks import MLP, MoE, ShortConvWeight
 from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import repeat_heads, varlen_attention
 from harts.ops.conv import short_conv
@@ -44,7 +44,7 @@ from harts.ops.gdn import gated_delta_rule
 from harts.ops.moe import grouped_experts, routed_experts, router_logits, router_stats
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "GatedDeltaNet", "GatedAttention", "SparseMoE", "DecoderLayer",
-           "init_module_weights", "initial_tensors", "Packed"]
+           "init_module_weights", "initial_tensors"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -158,15 +158,15 @@ class GatedAttention(nn.Module):
         return self.output(self.core(*self.project(x_TD, batch.local_rows(batch.position_ids)), batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """Decoding state of n empty sequences (harts.models.ling.generate): no keys and values yet, kept per
+        """Decoding state of n empty sequences (harts.models.common.generate): no keys and values yet, kept per
         key/value head ([t_n, G, Dh]; repeated to the query heads when attended)."""
-        from harts.models.ling.generate import LayerCache
+        from harts.models.common.generate import LayerCache
 
         empty = torch.zeros(0, self.G, self.Dh, dtype=dtype, device=device)
         return LayerCache(k=[empty] * n, v=[empty] * n)
 
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
-        """One decoding step of N sequences (harts.models.ling.generate): row n at ``position_ids_N[n]``
+        """One decoding step of N sequences (harts.models.common.generate): row n at ``position_ids_N[n]``
         attends to its cached keys and itself. ``cache.k`` / ``cache.v``: per-sequence lists of [t_n, G, Dh];
         the new row's key and value are appended by replacing the list entries (a forked cache that shares
         the old tensors is unaffected)."""
@@ -300,17 +300,17 @@ class GatedDeltaNet(nn.Module):
         return self.output(self.core(*self.project(x_TD), batch), x_TD)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """Decoding state of n empty sequences (harts.models.ling.generate): a zero window of W-1
+        """Decoding state of n empty sequences (harts.models.common.generate): a zero window of W-1
         pre-convolution q|k|v rows [n, W-1, C] (the packed convolution's zero padding) and a zero delta-rule
         state [n, HV, Dk, Dv] in float32+."""
-        from harts.models.ling.generate import LayerCache
+        from harts.models.common.generate import LayerCache
 
         W, C = self.cfg.linear_conv_kernel_dim, self.in_proj_qkv.out_features
         return LayerCache(conv=(torch.zeros(n, W - 1, C, dtype=dtype, device=device),),
                           state=torch.zeros(n, self.HV, self.Dk, self.Dv, dtype=_compute_dtype(dtype), device=device))
 
     def step(self, x_ND: torch.Tensor, cache, position_ids_N: torch.Tensor | None = None) -> torch.Tensor:
-        """One decoding step of N sequences (harts.models.ling.generate), the recurrent form of ``forward`` in
+        """One decoding step of N sequences (harts.models.common.generate), the recurrent form of ``forward`` in
         float32+ torch ops (positions are not read: the recurrence carries them). ``cache.conv``: the last W-1
         pre-convolution q|k|v rows of each sequence (one [N, W-1, C] tensor); ``cache.state``: [N, HV, Dk, Dv].
         Both are replaced, never written in place, so a forked cache that shares them is unaffected. Per value
@@ -429,7 +429,7 @@ class DecoderLayer(nn.Module):
     @property
     def region_kind(self) -> tuple[str, str]:
         """The (pre, post) region families that run this layer compiled or under selective checkpointing
-        (harts.models.ling.compile): ``pre_gdn`` / ``pre_gated_attention`` (norm + the mixer's ``project``),
+        (harts.models.common.compile): ``pre_gdn`` / ``pre_gated_attention`` (norm + the mixer's ``project``),
         ``post_sparse_moe`` (the mixer's ``output`` + residual + norm + ``SparseMoE.forward`` + residual)."""
         return ("gdn" if self.kind == "gdn" else "gated_attention"), "sparse_moe"
 
@@ -437,7 +437,7 @@ class DecoderLayer(nn.Module):
                 router: tuple | None = None, *, selective: bool = False) -> torch.Tensor:
         """As Ling's ``DecoderLayer.forward`` (``selective``: the selectively checkpointed regions)."""
         if selective:
-            from harts.models.ling.compile import selective_layer_forward
+            from harts.models.common.compile import selective_layer_forward
 
             return selective_layer_forward(self)(h_TD, batch, token_weight_T, router)
         h_TD = h_TD + self.attention(self.input_layernorm(h_TD), batch)
@@ -445,7 +445,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.finish(h_TD + y, stats, router)
 
     def empty_cache(self, n: int, dtype: torch.dtype, device=None):
-        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.ling.generate)."""
+        """The decoding state this layer's mixer keeps for n empty sequences (harts.models.common.generate)."""
         return self.attention.empty_cache(n, dtype, device)
 
     def step(self, h_ND: torch.Tensor, cache, position_ids_N: torch.Tensor) -> torch.Tensor:
@@ -482,8 +482,8 @@ def initial_value(module: nn.Module, attr: str, shape, cfg: Qwen35Config, genera
 def initial_tensors(model: nn.Module, cfg: Qwen35Config, seed: int | None = None):
     """(tensor, its whole initial value) for every parameter and buffer of ``model``, each drawn from its own
     generator (``param_seed`` of the qualified name) when a seed is given (as Ling's, with Qwen's values)."""
-    return ling_blocks.initial_tensors(model, cfg, seed, value=initial_value)
+    return common_init.initial_tensors(model, cfg, seed, initial_value)
 
 
 def init_module_weights(model: nn.Module, cfg: Qwen35Config, seed: int | None = None) -> None:
-    ling_blocks.init_module_weights(model, cfg, seed, value=initial_value)
+    common_init.init_module_weights(model, cfg, seed, initial_value)

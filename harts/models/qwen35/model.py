@@ -7,7 +7,7 @@ The user surface is LingForCausalLM's: ``forward(input_ids_T, position_ids_T, cu
 ``harts.CompactBatch`` (prefix-shared or trajectory-wise) without an [S, V] tensor, ``router_stats()`` /
 ``moe_counts()`` give the last forward's multiplicity-weighted router statistics, and
 ``from_pretrained`` / ``save_pretrained`` read and write HF folders (harts.models.qwen35.checkpoint), and
-harts.models.ling.generate decodes it incrementally (each layer's ``empty_cache`` and ``step``).
+harts.models.common.generate decodes it incrementally (each layer's ``empty_cache`` and ``step``).
 ``model.compile()`` (``harts.models.ling.compile_model``) compiles the decoder layers as Ling's are (per-row
 regions around the eager mixer cores: ``DecoderLayer.region_kind``), and ``model.model.checkpoint_policy``
 ("none" | "selective" | "full") is LingModel's activation checkpointing policy over the same regions.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harts.models.causal_lm import CausalLM
-from harts.models.ling.model import DecoderStack
+from harts.models.common.causal_lm import CausalLM
+from harts.models.common.stack import DecoderStack
 from harts.models.qwen35.blocks import DecoderLayer, RMSNorm, SparseMoE, init_module_weights
 from harts.models.qwen35.config import Qwen35Config
 
@@ -31,7 +31,7 @@ FP32_PARAM_SUFFIXES = ("A_log", "dt_bias")
 
 class Qwen35Model(DecoderStack):
     """The decoder stack; its forward, layer loop and activation checkpointing policy ("none" | "selective" |
-    "full", over the pre / core / post regions of harts.models.ling.compile) are DecoderStack's."""
+    "full", over the pre / core / post regions of harts.models.common.compile) are DecoderStack's."""
 
     embedding_attr = "embed_tokens"
 

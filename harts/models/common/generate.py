@@ -141,7 +141,7 @@ def _embeddings(model):
 
 
 def _check_model(model) -> None:
-    from harts.models.causal_lm import CausalLM
+    from harts.models.common.causal_lm import CausalLM
 
     if not isinstance(model, CausalLM):
         raise TypeError("generation needs a causal LM (LingForCausalLM, Qwen35ForCausalLM), got "

@@ -17,9 +17,7 @@ are the functions ``_pre_<pre>`` / ``_post_<post>`` below, so nothing here dispa
 mixer's ``forward`` is ``output(core(*project(x, ...), batch), x)``; whatever ``core`` returns reaches
 ``output`` inside ``post`` (gated attention's core passes its gate on with its output).
 
-This module stays in harts.models.ling because it grew from Ling's layers and its users import it from here
-(the trainer, ``LingModel``); Qwen3.5's model already builds on harts.models.ling (blocks, generate), and a
-move would only add an import indirection.
+Both families' layers run through the same regions; nothing here dispatches on a family's module types.
 
 Between them the mixer's ``core`` runs eagerly on the batch description: the layout-specific parts
 (``harts.runtime.compact.kda_tree`` / ``kda_rounds`` / ``mla_tree_attention`` and the tree convolution on a
@@ -106,7 +104,7 @@ from harts.ops.moe import RouterStats
 __all__ = ["CompileReport", "compile_model", "compiled_layer_forward", "selective_layer_forward", "SAC_SAVE_OPS",
            "check_region_split", "register_recompute_state"]
 
-log = logging.getLogger("harts.models.ling.compile")
+log = logging.getLogger("harts.models.common.compile")
 _STATS_FIELDS = dataclasses.fields(RouterStats)
 
 

@@ -32,9 +32,9 @@ class CausalLM(nn.Module):
         return total
 
     def compile(self, *, backend: str = "inductor", dynamic: bool | None = True, fullgraph: bool = True):
-        """torch.compile every decoder layer in place (``harts.models.ling.compile.compile_model``: compiled
+        """torch.compile every decoder layer in place (``harts.models.common.compile.compile_model``: compiled
         per-row regions around the eager sequence-mixer cores) and return its ``CompileReport``."""
-        from harts.models.ling.compile import compile_model
+        from harts.models.common.compile import compile_model
 
         return compile_model(self, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
@@ -81,7 +81,7 @@ class CausalLM(nn.Module):
         ``harts.ops.compact_logprobs`` (blocked GEMMs with an online log-sum-exp, one log-sum-exp per
         row) where the ``logprobs`` op backend resolves to fast, else the chunked, checkpointed torch
         reference (``logprobs_chunk_size`` rows at a time)."""
-        from harts.models.ling.logprobs import compact_logprobs_reference  # (harts.models.ling imports this module)
+        from harts.models.common.logprobs import compact_logprobs_reference  # (harts.models.ling imports this module)
 
         if rows_S is None:
             rows_S = torch.arange(hidden_TD.shape[0], device=hidden_TD.device)
@@ -189,7 +189,7 @@ class CausalLM(nn.Module):
 
         "The last forward" is the last call of this module's forward, whatever its grad mode: a forward under
         ``torch.no_grad()`` or ``torch.inference_mode()`` (old or reference log-probs, evaluation, each
-        decoding step of ``harts.models.ling.generate``) replaces the statistics like any other, and its
+        decoding step of ``harts.models.common.generate``) replaces the statistics like any other, and its
         ``z_loss`` / ``P_E`` carry no graph. So read them right after the forward they belong to (before its
         backward, as the trainer does per microbatch); ``moe_counts`` and ``update_expert_bias`` read the same
         statistics. A recomputation inside backward (activation checkpointing) keeps the forward's.
