@@ -249,6 +249,9 @@ class HartsEngineWithLMHead(FSDPEngineWithLMHead):
         h = model(layout=batch)  # [P, D] final-normed rows; FSDP2's root hooks run around it
         weight = model.lm_head.weight
         temp, _ = _temperature(micro_batch, len(trajs), device)
+        # verl's engine divides by the temperature rounded to float32 (its forward_step: temperature.to(float32)):
+        # the same value here, so a float64 run equals verl's to rounding
+        temp = float(torch.tensor(temp, dtype=torch.float32))
         offsets = input_ids.offsets()
         # logits / T = (h / T) W^T: scale the rows once, one log-prob per distinct (row, target)
         hs = h if temp == 1.0 else h / max(temp, 1e-8)
