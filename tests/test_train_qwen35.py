@@ -111,7 +111,8 @@ def test_two_process_layouts_equal_one(two, name):
     got = records(two / name)
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["world"] == 2 and all(r[k] == v for k, v in TWO[name][1].items()) for r in got), name
-    assert_same_run(two / "harts", two / name, rel=1e-9, wrel=1e-9)
+    # the tensor-parallel layouts to the trainer's distributed bound (1e-10); the others keep 1e-9
+    assert_same_run(two / "harts", two / name, rel=1e-10 if name.startswith("tp") else 1e-9, wrel=1e-9)
     if name.startswith("cp"):  # both CP ranks see every microbatch: the step's counts are not doubled
         assert [r["compact_rows"] for r in got] == [r["compact_rows"] for r in records(two / "harts")]
     if name == "fsdp_ep":
