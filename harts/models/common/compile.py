@@ -79,7 +79,7 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   traces the checkpoint as a higher-order op and the partitioner applies the same policy), with their own
   graphs (``pre_kda_sac``, ...), one code object per region family as above, so the counts are the same.
   The MoE region's router statistics leave its checkpoint as a tuple of tensors and become ``RouterStats``
-  outside it (``_post_moe_sac``): torch 2.11's Dynamo loses tensors that a compiled checkpointed function
+  outside it (``_sac_moe_region``): torch 2.11's Dynamo loses tensors that a compiled checkpointed function
   returns inside a dataclass ("Node output referenced nonexistent value"), a tuple it keeps, on 2.11 and
   2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
   norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
@@ -93,6 +93,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import types
 import weakref
 
 import torch
@@ -148,14 +149,15 @@ def _counting_backend(report: CompileReport, region: str, backend):
     return compile_graph
 
 
-# The regions. One function per (region, kind) so each has its own Dynamo code cache; the layer is an
-# argument (its parameters become graph inputs), so every layer of a kind shares the graphs.
-def _pre_mla(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+# The regions: four bodies, each copied under its own code object per region family (``_REGIONS`` below),
+# so each family has its own Dynamo code cache; the layer is an argument (its parameters become graph
+# inputs), so every layer of a family shares the graphs.
+def _pre_attention(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
     x_TD = layer.input_layernorm(h_TD)
     return x_TD, layer.attention.project(x_TD, position_ids_T)
 
 
-def _pre_kda(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
+def _pre_linear(layer: nn.Module, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
     x_TD = layer.input_layernorm(h_TD)
     return x_TD, layer.attention.project(x_TD)
 
@@ -173,18 +175,20 @@ def _post_dense(layer: nn.Module, h_TD: torch.Tensor, x_TD: torch.Tensor, o: tor
     return h_TD + layer.mlp(layer.post_attention_layernorm(h_TD)), None
 
 
-# Qwen3.5-MoE's families (harts.models.qwen35.blocks): the same code as Ling's, each in its own code object, so a
-# process that compiles both families keeps their graphs in separate Dynamo caches (none nears the recompile limit).
-def _pre_gdn(layer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
-    return _pre_kda(layer, h_TD, position_ids_T)
+# The region families a layer can declare (``region_kind``): Ling-3.0's ``mla`` / ``kda`` and ``moe`` / ``dense``,
+# Qwen3.5-MoE's ``gated_attention`` / ``gdn`` and ``sparse_moe``.
+_PRE = {"mla": _pre_attention, "kda": _pre_linear, "gated_attention": _pre_attention, "gdn": _pre_linear}
+_POST = {"moe": _post_moe, "dense": _post_dense, "sparse_moe": _post_moe}
 
 
-def _pre_gated_attention(layer, h_TD: torch.Tensor, position_ids_T: torch.Tensor):
-    return _pre_mla(layer, h_TD, position_ids_T)
-
-
-def _post_sparse_moe(layer, h_TD: torch.Tensor, x_TD: torch.Tensor, o, token_weight_T: torch.Tensor | None):
-    return _post_moe(layer, h_TD, x_TD, o, token_weight_T)
+def _own_code(fn, name: str):
+    """``fn`` under a code object of its own, named ``name``: Dynamo keeps its graphs and guards per code
+    object, so each region family compiles (and counts towards torch's recompile limit of 8 per code object)
+    apart from the others, even where two families run the same body."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    out = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    out.__qualname__ = name
+    return out
 
 
 # Selective activation checkpointing of the regions (module docstring).
@@ -256,48 +260,41 @@ def _sac(fn, layer, *args):
     return checkpoint(fn, layer, *args, use_reentrant=False, context_fn=lambda: _sac_context_for(layer))
 
 
-# One function per region and kind again (own code caches when compiled).
-def _pre_mla_sac(layer, h_TD, position_ids_T):
-    return _sac(_pre_mla, layer, h_TD, position_ids_T)
+def _sac_region(fn):
+    def region(layer, *args):
+        return _sac(fn, layer, *args)
+
+    return region
 
 
-def _pre_kda_sac(layer, h_TD, position_ids_T):
-    return _sac(_pre_kda, layer, h_TD, position_ids_T)
-
-
-def _post_moe_fields(layer, h_TD, x_TD, o, token_weight_T):
-    out_TD, stats = _post_moe(layer, h_TD, x_TD, o, token_weight_T)
-    return out_TD, tuple(getattr(stats, f.name) for f in _STATS_FIELDS)
-
-
-def _post_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
-    # The statistics cross the checkpoint as a tuple of tensors and become RouterStats outside it: torch
-    # 2.11's Dynamo loses tensors a checkpointed function returns inside a dataclass ("Node output referenced
+def _sac_moe_region(fn):
+    # The statistics cross the checkpoint as a tuple of tensors and become RouterStats outside it: torch 2.11's
+    # Dynamo loses tensors a checkpointed function returns inside a dataclass ("Node output referenced
     # nonexistent value") when the region is compiled; a tuple it keeps.
-    out_TD, fields = _sac(_post_moe_fields, layer, h_TD, x_TD, o, token_weight_T)
-    return out_TD, RouterStats(*fields)
+    def fields(layer, *args):
+        out_TD, stats = fn(layer, *args)
+        return out_TD, tuple(getattr(stats, f.name) for f in _STATS_FIELDS)
+
+    def region(layer, *args):
+        out_TD, values = _sac(fields, layer, *args)
+        return out_TD, RouterStats(*values)
+
+    return region
 
 
-def _post_dense_sac(layer, h_TD, x_TD, o, token_weight_T):
-    return _sac(_post_dense, layer, h_TD, x_TD, o, token_weight_T)
+def _regions() -> dict:
+    """Every region function by name: ``pre_<family>`` / ``post_<family>`` and their selectively checkpointed
+    ``..._sac`` forms, each under its own code object."""
+    out = {}
+    for kind, families in (("pre", _PRE), ("post", _POST)):
+        for family, body in families.items():
+            name = f"{kind}_{family}"
+            sac = _sac_moe_region(body) if body is _post_moe else _sac_region(body)
+            out[name], out[f"{name}_sac"] = _own_code(body, name), _own_code(sac, f"{name}_sac")
+    return out
 
 
-def _pre_gdn_sac(layer, h_TD, position_ids_T):
-    return _sac(_pre_kda, layer, h_TD, position_ids_T)
-
-
-def _pre_gated_attention_sac(layer, h_TD, position_ids_T):
-    return _sac(_pre_mla, layer, h_TD, position_ids_T)
-
-
-def _post_sparse_moe_sac(layer, h_TD, x_TD, o, token_weight_T):
-    out_TD, fields = _sac(_post_moe_fields, layer, h_TD, x_TD, o, token_weight_T)  # a tuple: see _post_moe_sac
-    return out_TD, RouterStats(*fields)
-
-
-_REGIONS = {f.__name__[1:]: f for f in (
-    _pre_mla, _pre_kda, _post_moe, _post_dense, _pre_mla_sac, _pre_kda_sac, _post_moe_sac, _post_dense_sac,
-    _pre_gdn, _pre_gated_attention, _post_sparse_moe, _pre_gdn_sac, _pre_gated_attention_sac, _post_sparse_moe_sac)}
+_REGIONS = _regions()
 
 
 def _region_names(layer: nn.Module, suffix: str = "") -> tuple[str, str]:
