@@ -37,7 +37,8 @@ def test_trl_example_runs(tmp_path, monkeypatch):
     """docs/trl.md: one GRPO step of TRL's trainer on a HARTS model, its log-prob passes through HARTS."""
     import pytest
 
-    pytest.importorskip("trl", minversion="1.16.0")
+    pytest.importorskip("trl", minversion="1.16.0",
+                        reason="the TRL example needs the trl extra (the README's test command installs it)")
     blocks = python_blocks("trl.md")
     assert len(blocks) == 1, f"docs/trl.md has {len(blocks)} python blocks; this test runs exactly one"
     monkeypatch.chdir(tmp_path)  # the example writes under out/

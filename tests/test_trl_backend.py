@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", minversion="1.16.0")
+trl = pytest.importorskip("trl", minversion="1.16.0",
+                          reason="TRL is optional: pip install 'harts[trl]' (the README's test command installs it)")
 
 from harts.integrations import trl as htrl  # noqa: E402
 

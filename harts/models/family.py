@@ -82,40 +82,22 @@ class ModelFamily:
 
 
 # HF checkpoint I/O, imported when used (the checkpoint modules import torchtitan and safetensors)
-def _ling_adapter(config, hf_assets_path=None):
-    from harts.models.ling.checkpoint import LingStateDictAdapter
+def _lazy(module: str, name: str):
+    """``module.name``, imported at the first call."""
+    def call(*args, **kwargs):
+        import importlib
 
-    return LingStateDictAdapter(config, hf_assets_path)
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
-
-def _ling_load(path, **kwargs):
-    from harts.models.ling.checkpoint import load_pretrained
-
-    return load_pretrained(path, **kwargs)
-
-
-def _ling_save(model, path, **kwargs):
-    from harts.models.ling.checkpoint import save_pretrained
-
-    return save_pretrained(model, path, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
-def _qwen35_adapter(config, hf_assets_path=None):
-    from harts.models.qwen35.checkpoint import Qwen35StateDictAdapter
-
-    return Qwen35StateDictAdapter(config, hf_assets_path)
-
-
-def _qwen35_load(path, **kwargs):
-    from harts.models.qwen35.checkpoint import load_pretrained
-
-    return load_pretrained(path, **kwargs)
-
-
-def _qwen35_save(model, path, **kwargs):
-    from harts.models.qwen35.checkpoint import save_pretrained
-
-    return save_pretrained(model, path, **kwargs)
+_LING_CKPT, _QWEN35_CKPT = "harts.models.ling.checkpoint", "harts.models.qwen35.checkpoint"
+_ling_adapter, _ling_load, _ling_save = (_lazy(_LING_CKPT, n) for n in
+                                         ("LingStateDictAdapter", "load_pretrained", "save_pretrained"))
+_qwen35_adapter, _qwen35_load, _qwen35_save = (_lazy(_QWEN35_CKPT, n) for n in
+                                               ("Qwen35StateDictAdapter", "load_pretrained", "save_pretrained"))
 
 
 LING3 = ModelFamily(

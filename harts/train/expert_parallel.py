@@ -28,6 +28,8 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ExpertParallel", "is_expert_parallel", "expert_major_order"]
 
@@ -62,13 +64,7 @@ def _slice_counts(counts_E: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return (torch.minimum(ends, ends.new_tensor(b)) - torch.maximum(ends - counts_E, ends.new_tensor(a))).clamp_min(0)
 
 
-def _base_style():
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    return ParallelStyle
-
-
-class ExpertParallel(_base_style()):
+class ExpertParallel(ParallelStyle):
     """Routed experts over the mesh this style is applied with (module docstring). ``tp_mesh``: the
     tensor-parallel mesh when the experts sit inside a TP region."""
 
@@ -77,8 +73,6 @@ class ExpertParallel(_base_style()):
         self.tp_mesh = tp_mesh
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from torch.distributed.tensor import Shard, distribute_tensor
-
         from harts.train.parallelize import expert_weights
 
         names = expert_weights(module)

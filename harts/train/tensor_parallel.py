@@ -36,6 +36,8 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["Segments", "LocalParams", "RegionInput", "RegionOutput", "ling_plan", "qwen35_plan", "PARTIAL",
            "check_heads"]
@@ -67,7 +69,6 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _replicated_view(p: torch.Tensor) -> torch.Tensor:
     """The full value of a Replicate DTensor, its gradient partial: summed over the mesh in backward."""
-    from torch.distributed.tensor import DTensor, Partial
 
     if isinstance(p, nn.Parameter):  # a leaf: enter through from_local so the all-reduce lands in its backward
         p = DTensor.from_local(p.to_local(), p.device_mesh, p.placements, run_check=False)
@@ -75,7 +76,6 @@ def _replicated_view(p: torch.Tensor) -> torch.Tensor:
 
 
 def _local_view(p: torch.Tensor, spec) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
         raise TypeError(f"tensor parallelism: expected a DTensor parameter, got {type(p).__name__}")
@@ -91,7 +91,6 @@ def _local_view(p: torch.Tensor, spec) -> torch.Tensor:
 
 
 def _storage(spec):
-    from torch.distributed.tensor import Replicate, Shard
 
     if spec is PARTIAL or isinstance(spec, Segments):
         return Replicate()
@@ -101,7 +100,6 @@ def _storage(spec):
 
 
 def _check_divisible(name: str, p: torch.Tensor, spec, tp: int) -> None:
-    from torch.distributed.tensor import Shard
 
     if isinstance(spec, Shard) and p.shape[spec.dim] % tp:
         raise ValueError(f"tensor parallelism: {name} has {p.shape[spec.dim]} rows on dim {spec.dim}, not divisible "
@@ -113,13 +111,7 @@ def _check_divisible(name: str, p: torch.Tensor, spec, tp: int) -> None:
                                  f"by tensor_parallel_degree={tp}")
 
 
-def _base_style():
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    return ParallelStyle
-
-
-class LocalParams(_base_style()):
+class LocalParams(ParallelStyle):
     """Distribute ``placements`` ({dotted parameter name: Shard(d) | PARTIAL | Segments}) of the module over
     the mesh and run the module's code on local views of them (module docstring)."""
 
@@ -128,7 +120,6 @@ class LocalParams(_base_style()):
         self.placements = dict(placements)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from torch.distributed.tensor import distribute_tensor
 
         tp = device_mesh.size()
         targets = []
@@ -171,7 +162,6 @@ class LocalParams(_base_style()):
 
 
 def _region_in(x: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     d = DTensor.from_local(x, mesh, [Shard(0) if sequence_parallel else Replicate()], run_check=False)
     if sequence_parallel:
@@ -180,7 +170,6 @@ def _region_in(x: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
 
 
 def _region_out(y: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     d = DTensor.from_local(y, mesh, [Partial()], run_check=False)
     return d.redistribute(mesh, [Shard(0) if sequence_parallel else Replicate()]).to_local()
@@ -192,37 +181,37 @@ def _map_first(out, fn):
     return fn(out)
 
 
-class RegionInput(_base_style()):
+class _RegionBoundary(ParallelStyle):
+    """A forward hook converting the module's (first) output at a TP region boundary (``_convert``)."""
+
+    _convert = None  # (tensor, mesh, sequence_parallel) -> tensor
+
+    def __init__(self, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        convert, sp = type(self)._convert, self.sequence_parallel
+        module.register_forward_hook(lambda mod, args, out: _map_first(out, lambda t: convert(t, device_mesh, sp)))
+        return module
+
+
+class RegionInput(_RegionBoundary):
     """The module's output enters a TP region: forward identity (SP: all-gather rows), backward all-reduce
     of the partial gradient (SP: reduce-scatter)."""
 
-    def __init__(self, sequence_parallel: bool = False):
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        sp = self.sequence_parallel
-        module.register_forward_hook(lambda mod, args, out: _map_first(out, lambda x: _region_in(x, device_mesh, sp)))
-        return module
+    _convert = staticmethod(_region_in)
 
 
-class RegionOutput(_base_style()):
+class RegionOutput(_RegionBoundary):
     """The module's (first) output leaves a TP region: forward all-reduce of the partial sums (SP:
     reduce-scatter into row shards), backward identity (SP: all-gather)."""
 
-    def __init__(self, sequence_parallel: bool = False):
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        sp = self.sequence_parallel
-        module.register_forward_hook(lambda mod, args, out: _map_first(out, lambda y: _region_out(y, device_mesh, sp)))
-        return module
+    _convert = staticmethod(_region_out)
 
 
 # ------------------------------------------------------------------------------------------ plans
 def _ffn(prefix: str) -> dict:
-    from torch.distributed.tensor import Shard
 
     return {f"{prefix}.gate_proj.weight": Shard(0), f"{prefix}.up_proj.weight": Shard(0),
             f"{prefix}.down_proj.weight": Shard(1)}
@@ -245,7 +234,6 @@ def check_heads(family: str, tp: int, **heads: int) -> None:
 def ling_plan(layer: nn.Module, *, sequence_parallel: bool, experts_sharded_elsewhere: bool, tp: int) -> dict:
     """{module path: style} of one Ling-3.0 decoder layer (KDA or MLA mixer, dense FFN or MoE).
     ``experts_sharded_elsewhere``: the routed experts are already distributed (expert parallelism)."""
-    from torch.distributed.tensor import Shard
 
     from harts.models.ling.blocks import MoE
 
@@ -283,7 +271,6 @@ def ling_plan(layer: nn.Module, *, sequence_parallel: bool, experts_sharded_else
 
 def qwen35_plan(layer: nn.Module, *, sequence_parallel: bool, experts_sharded_elsewhere: bool, tp: int) -> dict:
     """{module path: style} of one Qwen3.5-MoE decoder layer (GDN or gated attention, sparse MoE)."""
-    from torch.distributed.tensor import Shard
 
     c = layer.attention.cfg
     check_heads("Qwen3.5-MoE", tp, num_attention_heads=c.num_attention_heads,

@@ -234,24 +234,19 @@ def register_recompute_state(layer: nn.Module, context_factory) -> None:
     _RECOMPUTE_STATE.setdefault(layer, []).append(context_factory)
 
 
+@contextlib.contextmanager
+def _recompute_under(factories, recompute):
+    with contextlib.ExitStack() as stack:
+        for f in factories:
+            stack.enter_context(f())
+        with recompute:
+            yield
+
+
 def _sac_context_for(layer: nn.Module):
     fwd, recompute = create_selective_checkpoint_contexts(_sac_policy)
     factories = _RECOMPUTE_STATE.get(layer)
-    if not factories:
-        return fwd, recompute
-    stack = contextlib.ExitStack()
-
-    class _Recompute:
-        def __enter__(self):
-            stack.__enter__()
-            for f in factories:
-                stack.enter_context(f())
-            return stack.enter_context(recompute)
-
-        def __exit__(self, *exc):
-            return stack.__exit__(*exc)
-
-    return fwd, _Recompute()
+    return (fwd, _recompute_under(factories, recompute)) if factories else (fwd, recompute)
 
 
 def _sac(fn, layer, *args):
