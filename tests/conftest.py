@@ -83,12 +83,35 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    """A GPU run (``-m gpu``, ``-m gpu_bench``) names each test as it starts and its time when it ends (-v):
-    compiling kernels from empty caches can keep one test busy for a while."""
+def _gpu_run(config) -> bool:
     expr = config.option.markexpr or ""
-    if "gpu" in expr and "not gpu" not in expr and config.option.verbose < 1:
+    return "gpu" in expr and "not gpu" not in expr
+
+
+# Test processes of a GPU run: from empty caches the suite's time is Triton compiling kernels (one CPU core per
+# kernel, minutes in all), so files run in parallel processes that share the one GPU (the tests are small).
+GPU_RUN_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into its worker list
+def pytest_cmdline_main(config):
+    """A GPU run (``-m gpu``, ``-m gpu_bench``) on a CUDA machine with pytest-xdist (the ``test`` extra) runs
+    its files in ``GPU_RUN_WORKERS`` processes (``--dist loadfile``: a file's module fixtures are built once),
+    unless ``-n`` / ``--dist`` are given (``-n 0``: one process)."""
+    if (_gpu_run(config) and torch.cuda.is_available() and config.pluginmanager.hasplugin("xdist")
+            and not hasattr(config, "workerinput") and config.option.numprocesses is None
+            and config.option.dist == "no" and not config.getvalue("collectonly")):
+        config.option.numprocesses = GPU_RUN_WORKERS
+        config.option.dist = "loadfile"
+
+
+def pytest_configure(config):
+    """A GPU run names each test as it ends with its outcome (-v), and ``--durations`` lists the slowest:
+    compiling kernels from empty caches can keep one test busy for a while."""
+    if _gpu_run(config) and config.option.verbose < 1:
         config.option.verbose = 1
+    if _gpu_run(config) and config.option.durations is None:
+        config.option.durations = 10
 
 
 @pytest.hookimpl(trylast=True)  # after the -m deselection: only the tests that would run
