@@ -34,10 +34,12 @@ def tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(V)}, unk_token="t3"))
+    # "t<i>" <-> id i; the special tokens' words are no substring of a "t<i>" (transformers matches them anywhere)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, V)}}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t2", bos_token="t1",
-                                   unk_token="t3")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   unk_token="<unk>")
 
 
 def make(family: str, seed: int = 0):
@@ -226,6 +228,41 @@ def test_reference_model_with_beta(tokenizer, float64_trl):
         lp_h, _, _ = tr._get_per_token_logps_and_entropies(ref, ids, am, K)
         lp_t, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, am, K)
     assert rel(lp_h, lp_t) <= REL
+
+
+def test_forward_logits_to_keep():
+    """``HartsForCausalLM.forward(..., logits_to_keep=k)`` gives exactly the last k positions of the full logits (as
+    transformers' causal LMs do; 0 or None: all), and its loss is the full loss over those positions' predictions."""
+    hf = htrl.as_hf_model(make("ling"), eos_token_id=2, pad_token_id=0)
+    ids, am, _ = groups(4, np.random.default_rng(3))
+    labels = ids.masked_fill(am == 0, -100)
+    L = ids.shape[1]
+    with torch.no_grad():
+        full = hf(input_ids=ids, attention_mask=am).logits
+        for k in (1, 5, L - 1, L):
+            out = hf(input_ids=ids, attention_mask=am, logits_to_keep=k, labels=labels)
+            assert out.logits.shape == (ids.shape[0], k, V) and torch.equal(out.logits, full[:, -k:]), k
+            if k > 1:
+                z = full[:, L - k:-1].reshape(-1, V)
+                ref = torch.nn.functional.cross_entropy(z, labels[:, L - k + 1:].reshape(-1), ignore_index=-100)
+                assert torch.equal(out.loss, ref), k
+        assert torch.equal(hf(input_ids=ids, attention_mask=am, logits_to_keep=0).logits, full)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        hf(input_ids=ids, attention_mask=am, logits_to_keep=-1)
+
+
+def test_gradient_checkpointing_switches_the_harts_policy():
+    """transformers' switches (the Trainer's ``gradient_checkpointing=True`` calls the first) set the HARTS model's
+    policy from outside: full on, none off; every_n_layers other than 1 is refused."""
+    hf = htrl.as_hf_model(make("qwen35"), eos_token_id=2, pad_token_id=0)
+    stack = hf.harts.model
+    assert stack.checkpoint_policy == "none" and not hf.is_gradient_checkpointing
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert stack.checkpoint_policy == "full" and hf.is_gradient_checkpointing
+    hf.gradient_checkpointing_disable()
+    assert stack.checkpoint_policy == "none" and not hf.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="every_n_layers=2"):
+        hf._set_gradient_checkpointing(True, every_n_layers=2)
 
 
 def test_misuse(tokenizer):

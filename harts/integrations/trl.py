@@ -132,21 +132,24 @@ def _hf_model_class():
         def _init_weights(self, module):  # the HARTS model is initialized (or loaded) already
             pass
 
-        def _activation_checkpointing_enable(self, *args, **kwargs):
-            """TRL's ``gradient_checkpointing=True`` (its default): the HARTS model's "full" policy, every decoder
-            layer recomputed in backward (``harts.train.parallelize.apply_ac``)."""
+        def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                        every_n_layers: int = 1, **kwargs):
+            """TRL's ``gradient_checkpointing=True`` (its default) and transformers' ``gradient_checkpointing_enable``
+            / ``activation_checkpointing_enable`` (transformers 5.17 and 5.23 route them here): the HARTS model's
+            "full" policy, every decoder layer recomputed in backward (``harts.train.parallelize.apply_ac``);
+            ``enable=False``: none."""
             from harts.train.parallelize import apply_ac
 
-            apply_ac(self.harts, "full")
-
-        def _activation_checkpointing_disable(self):
-            from harts.train.parallelize import apply_ac
-
-            apply_ac(self.harts, "none")
+            if enable and every_n_layers != 1:
+                raise ValueError(f"HartsForCausalLM: every_n_layers={every_n_layers} is not supported; HARTS "
+                                 "checkpoints every decoder layer (every_n_layers=1)")
+            apply_ac(self.harts, "full" if enable else "none")
 
         @property
-        def is_activation_checkpointing(self) -> bool:
+        def is_gradient_checkpointing(self) -> bool:
             return self.harts.model.checkpoint_policy != "none"
+
+        is_activation_checkpointing = is_gradient_checkpointing
 
         @property
         def harts(self) -> nn.Module:
@@ -158,21 +161,33 @@ def _hf_model_class():
         def get_output_embeddings(self):
             return self.harts.lm_head
 
-        def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, **kwargs):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None,
+                    logits_to_keep: int | None = None, **kwargs):
+            """Padded rows -> logits [B, L, V] (fp32+), or [B, K, V] for the last ``logits_to_keep`` = K
+            positions only, as transformers' causal LMs do (None or 0: all positions; TRL trainers that pass it
+            ask for K + 1 and drop the last). With ``labels`` [B, L] the loss is the mean next-token cross
+            entropy of the positions whose logits are computed (ignore index -100)."""
             for k in ("past_key_values", "inputs_embeds"):
                 if kwargs.get(k) is not None:
                     raise ValueError(f"HartsForCausalLM.forward: {k} is not supported (no KV cache); pass input_ids")
-            h = self.backbone(input_ids, attention_mask).last_hidden_state
-            logits = self.harts.logits(h)
+            if logits_to_keep is not None and (isinstance(logits_to_keep, bool)
+                                               or not isinstance(logits_to_keep, int) or logits_to_keep < 0):
+                raise ValueError(f"HartsForCausalLM.forward: logits_to_keep must be an int >= 0 (0 or None: all "
+                                 f"positions), got {logits_to_keep!r}")
+            h_BLD = self.backbone(input_ids, attention_mask).last_hidden_state
+            L = h_BLD.shape[1]
+            K = L if not logits_to_keep else min(int(logits_to_keep), L)
+            logits_BKV = self.harts.logits(h_BLD[:, L - K:])
             loss = None
-            if labels is not None:
-                lab = labels[:, 1:].reshape(-1)
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), lab,
+            if labels is not None:  # position L - K + j predicts token L - K + j + 1
+                lab = labels[:, L - K + 1:].reshape(-1)
+                loss = torch.nn.functional.cross_entropy(logits_BKV[:, :-1].reshape(-1, logits_BKV.shape[-1]), lab,
                                                          ignore_index=-100)
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
+            return CausalLMOutputWithPast(loss=loss, logits=logits_BKV)
 
-        def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-            return {"input_ids": input_ids, "attention_mask": attention_mask}
+        def prepare_inputs_for_generation(self, input_ids, attention_mask=None, logits_to_keep=None, **kwargs):
+            # generate asks for the last position's logits only (logits_to_keep=1), as of transformers' models
+            return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
 
         def save_pretrained(self, save_directory, *args, **kwargs):
             """The HARTS model's Hugging Face folder (loadable by its ``from_pretrained`` and by transformers)."""
