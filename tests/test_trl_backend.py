@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+import harts
+
 trl = pytest.importorskip("trl", minversion="1.16.0",
                           reason="TRL is optional: pip install 'harts[trl]' (the README's test command installs it)")
 
@@ -97,12 +99,18 @@ def float64_trl(monkeypatch):
 
 def groups(G: int, rng):
     """(input_ids, attention_mask, logits_to_keep) in TRL's layout: two prompts of different lengths (left padded)
-    with G completions each (right padded, different lengths, duplicates)."""
+    with G completions each (right padded, different lengths, a duplicate, two sharing their first tokens), and a
+    next turn of the first conversation: its prompt is the first prompt, its first completion and a new user
+    message, so its G completions share more than their own prompt with the first group's rows."""
     rows = []
-    for plen in (23, 17):
-        prompt = rng.integers(3, V, plen).tolist()
-        comps = [rng.integers(3, V, int(rng.integers(1, 9))).tolist() for _ in range(G)]
+    prompts = [rng.integers(4, V, 23).tolist(), rng.integers(4, V, 17).tolist()]
+    for g in range(3):
+        if g == 2:  # the next turn: history + the first group's first completion + a user message
+            prompts.append(rows[0][0] + rows[0][1] + rng.integers(4, V, 5).tolist())
+        prompt = prompts[g]
+        comps = [rng.integers(4, V, int(rng.integers(1, 9))).tolist() for _ in range(G)]
         comps[-1] = list(comps[0])  # a duplicate
+        comps[1] = comps[0][:3] + rng.integers(4, V, 4).tolist()  # the same first tokens, then its own
         rows += [(prompt, c) for c in comps]
     P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
     ids = torch.zeros(len(rows), P + C, dtype=torch.long)
@@ -138,6 +146,12 @@ def test_method_and_loss_equal_trl(family, G, tokenizer, float64_trl):
     assert rel(lp_h, lp_t) <= REL and rel(ent_h, ent_t) <= REL and rel(lp_b, lp_t) <= REL
     assert (lp_h[am[:, -K:] == 0] == 0).all()
     assert len(tr.harts_router_stats) == len(tr.model.harts.moe_layers())
+    # the rows really share: one compact row per distinct token prefix of the rows (brute force)
+    toks = [ids[i][am[i].bool()].tolist() for i in range(ids.shape[0])]
+    prefixes = {tuple(t[:j]) for t in toks for j in range(1, len(t) + 1)}
+    batch, _ = harts.pack_padded(ids, am, completion_mask=am * (torch.arange(ids.shape[1]) >= ids.shape[1] - K),
+                                 config=tr.model.harts)
+    assert batch.num_rows == len(prefixes) < sum(map(len, toks))
 
     # TRL's loss on both: a GRPO batch with advantages and an older policy's log-probs (clipping active)
     tr.current_gradient_accumulation_steps = 1  # (train() sets it)
