@@ -29,8 +29,9 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 REQUIRED = ("benchmark", "title", "date", "commit", "device", "command")
 # Section order on the page; a benchmark not listed here sorts after these, by name.
-ORDER = ("model", "kernels", "speedup", "train_speedup", "trl_grpo", "tree_attention", "gdn_round", "fidelity", "layout_fidelity",
-         "context_parallel", "planner", "calls", "workload", "online", "online_figure5", "cold_start")
+ORDER = ("model", "kernels", "speedup", "train_speedup", "trl_grpo", "tree_attention", "gdn_round", "fidelity",
+         "layout_fidelity", "context_parallel", "planner", "calls", "workload", "online", "online_figure5",
+         "cold_start")
 
 
 def fmt(x) -> str:
