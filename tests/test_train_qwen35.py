@@ -91,7 +91,10 @@ TWO = {"fsdp_ep": (FSDP_EP, dict(dp=2, cp=1, ep=2, pp=1)),
        "tp2_sp_sac_compile": (["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
                                "--parallelism.enable_sequence_parallel=true", "--activation_checkpoint.mode=selective",
                                "--compile.enable=true", "--compile.backend=aot_eager"],
-                              dict(dp=1, cp=1, ep=1, pp=1, tp=2))}
+                              dict(dp=1, cp=1, ep=1, pp=1, tp=2)),
+       # FSDP2 + EP2 with selective checkpointing and compiled regions (configs/qwen35_2gpu_ep2.toml's layout)
+       "fsdp_ep_sac_compile": ([*FSDP_EP, "--activation_checkpoint.mode=selective", "--compile.enable=true",
+                                "--compile.backend=aot_eager"], dict(dp=2, cp=1, ep=2, pp=1))}
 CP = "--parallelism.context_parallel_degree=2"
 
 
@@ -105,9 +108,9 @@ def two(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TWO))
 def test_two_process_layouts_equal_one(two, name):
-    """FSDP2 + EP (host init; per-rank init on meta with full AC), PP2 (full AC), CP2 (full AC), CP2 + EP2, TP2,
-    and TP2 + SP with selective checkpointing and compiled regions, each on two gloo processes, equal the
-    one-process run: losses, grad norms, final weights."""
+    """FSDP2 + EP (host init; per-rank init on meta with full AC; with selective checkpointing and compiled
+    regions), PP2 (full AC), CP2 (full AC), CP2 + EP2, TP2, and TP2 + SP with selective checkpointing and compiled
+    regions, each on two gloo processes, equal the one-process run: losses, grad norms, final weights."""
     got = records(two / name)
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["world"] == 2 and all(r[k] == v for k, v in TWO[name][1].items()) for r in got), name

@@ -41,6 +41,16 @@ __all__ = ["build_parallel_dims", "apply_ep", "apply_tp", "apply_ac", "apply_com
 def build_parallel_dims(pcfg, world_size: int, device_type: str):
     """torchtitan ParallelDims from the [parallelism] section, usable on a CPU (gloo) host."""
     import torch.distributed.fsdp  # noqa: F401  (registers the "fake" backend of the size-1 mesh dims)
+
+    dims = parallel_dims(pcfg, world_size)
+    if world_size > 1 or dims.pp > 1:
+        _build_mesh(dims, device_type)
+    return dims
+
+
+def parallel_dims(pcfg, world_size: int):
+    """The [parallelism] section's degrees on ``world_size`` ranks, checked (torchtitan's ParallelDims, whose
+    product must be the world size, and the trainer's expert-parallel rule) without building a mesh."""
     from torchtitan.distributed import ParallelDims
 
     cp = pcfg.context_parallel_degree
@@ -58,8 +68,6 @@ def build_parallel_dims(pcfg, world_size: int, device_type: str):
                              f"(= {dims.dp_shard * dims.cp * dims.tp}) and dp_replicate = 1 (no extra expert FSDP)")
         if dims.etp != 1:
             raise ValueError("expert_tensor_parallel_degree must be 1")
-    if world_size > 1 or dims.pp > 1:
-        _build_mesh(dims, device_type)
     return dims
 
 
