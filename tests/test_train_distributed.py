@@ -9,12 +9,12 @@ rests on the split-invariant objective. The runs of one process count share one 
 - two processes: FSDP2 (DP = 2), also under selective checkpointing; EP = 2 (experts sharded over the DP
   ranks, tokens exchanged by all-to-all); PP = 2 with full activation checkpointing on steps planned as one
   microbatch and replanned to fill the two stages (harts.fill_pipeline); PP = 2 with PPO recomputing old
-  log-probs; PP = 2 compiled with selective checkpointing; TP = 2 + SP dumping hidden states for
-  benchmarks.layout_fidelity;
+  log-probs; TP = 2 + SP dumping hidden states for benchmarks.layout_fidelity;
 - four processes: FSDP2 x TP x EP (with AC), FSDP2 x PP x EP (PP at the default capacity), TP + SP x PP x EP
   (with AC);
 - eight processes: the paper's three 8-GPU layouts at full degree (DP4 x TP2 + SP x EP8, DP2 x PP4 x EP2,
-  DP2 x TP2 + SP x PP2 x EP4, full AC), each rank initialising its own shards (model.init_on_meta);
+  DP2 x TP2 + SP x PP2 x EP4), compiled (aot_eager) under selective checkpointing, each rank initialising its
+  own shards (model.init_on_meta);
 - kill and resume: a run that exits right after step 2's checkpoint and is restarted reproduces the
   uninterrupted FSDP run's losses and final weights bit for bit.
 
@@ -49,9 +49,6 @@ TWO = {  # name -> extra arguments ({d}: the runs' folder)
     "ep_sac": ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective"],
     "ep_compile": ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=none",
                    "--compile.enable=true", "--compile.backend=aot_eager"],
-    # pipeline parallelism with selective checkpointing and compiled regions (configs/ling3_tiny_2gpu_pp2.toml)
-    "pp_sac_compile": ["--parallelism.pipeline_parallel_degree=2", "--activation_checkpoint.mode=selective",
-                       "--compile.enable=true", "--compile.backend=aot_eager"],
     # killed right after step 2's checkpoint (the process ends there, so this run comes last)
     "resume": ["--checkpoint.enable", "--debug.exit_after_step=2"],
 }
@@ -158,14 +155,6 @@ def test_pipeline_fill_with_activation_checkpointing(ref, two):
     assert_same_run(ref[2], two / "ppfill")
     assert all(r["pp"] == 2 and r["microbatches"] >= 2 and r["raw_tokens"] <= FILL_CAPACITY
                for r in records(two / "ppfill"))
-
-
-@pytest.mark.slow
-def test_pipeline_parallel_compiled_with_selective_checkpointing_equals_one_process(ref, two):
-    """PP2 with the stages' layers compiled (aot_eager) under selective checkpointing: each stage's regions,
-    their recomputation in the stage's backward, the schedule's interleaved microbatches."""
-    assert_same_run(ref[2], two / "pp_sac_compile")
-    assert all(r["pp"] == 2 for r in records(two / "pp_sac_compile"))
 
 
 @pytest.mark.slow
