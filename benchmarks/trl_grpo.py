@@ -48,7 +48,6 @@ Writes ``DIR/trl_grpo.json``. Needs trl==1.16.0 (``pip install 'harts[trl]'``).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import logging
@@ -184,10 +183,7 @@ class _FrozenReference:
             args.beta = beta
         self.beta = beta
         if beta != 0.0:
-            hf = self.accelerator.unwrap_model(self.model)
-            ref = htrl.as_hf_model(copy.deepcopy(hf.harts), eos_token_id=hf.config.eos_token_id,
-                                   pad_token_id=hf.config.pad_token_id).eval()
-            ref.requires_grad_(False)
+            ref = htrl.frozen_copy(self.accelerator.unwrap_model(self.model))
             add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
             self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
 
@@ -203,8 +199,8 @@ def trainer_class(run: str):
 
 
 class BackendLog(logging.Handler):
-    """The op-backend and kernel choices ``harts.ops.backend`` logs during a run (``log_once``'s record of what was
-    logged is cleared at the run's start, so each run lists its own choices)."""
+    """The op-backend and kernel choices ``harts.ops.backend`` logs during a run (``reset_log`` at the run's start,
+    so each run lists its own choices)."""
 
     _CHOICE = re.compile(r"^harts backend (\S+) -> (\S+) \((.*)\)$")
 
@@ -230,7 +226,7 @@ class BackendLog(logging.Handler):
     def __enter__(self):
         from harts.ops import backend
 
-        backend._logged.clear()
+        backend.reset_log()
         self.logger = logging.getLogger("harts.ops.backend")
         self.level = self.logger.level
         self.logger.addHandler(self)

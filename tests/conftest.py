@@ -108,10 +108,10 @@ def pytest_cmdline_main(config):
 def pytest_configure(config):
     """A GPU run names each test as it ends with its outcome (-v), and ``--durations`` lists the slowest:
     compiling kernels from empty caches can keep one test busy for a while."""
-    if _gpu_run(config) and config.option.verbose < 1:
-        config.option.verbose = 1
-    if _gpu_run(config) and config.option.durations is None:
-        config.option.durations = 10
+    if _gpu_run(config):
+        config.option.verbose = max(config.option.verbose, 1)
+        if config.option.durations is None:
+            config.option.durations = 10
 
 
 @pytest.hookimpl(trylast=True)  # after the -m deselection: only the tests that would run

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 # GRPOTrainer and HartsForCausalLM are made on first access (module __getattr__): they subclass trl / transformers
-__all__ = ["GRPOTrainer", "HartsForCausalLM", "as_hf_model", "HartsGRPOMixin", "SUPPORTED_TRL"]  # noqa: F822
+__all__ = ["GRPOTrainer", "HartsForCausalLM", "as_hf_model", "frozen_copy", "HartsGRPOMixin", "SUPPORTED_TRL"]  # noqa: F822
 
 SUPPORTED_TRL = "1.16.0"
 _INSTALL = "pip install 'harts[trl]' (trl==1.16.0)"
@@ -176,7 +176,7 @@ def _hf_model_class():
                                  f"positions), got {logits_to_keep!r}")
             h_BLD = self.backbone(input_ids, attention_mask).last_hidden_state
             L = h_BLD.shape[1]
-            K = L if not logits_to_keep else min(int(logits_to_keep), L)
+            K = min(logits_to_keep, L) if logits_to_keep else L
             logits_BKV = self.harts.logits(h_BLD[:, L - K:])
             loss = None
             if labels is not None:  # position L - K + j predicts token L - K + j + 1
@@ -218,6 +218,14 @@ def as_hf_model(model: nn.Module, *, eos_token_id=None, pad_token_id=None, bos_t
     for k, v in ids.items():
         setattr(hf.generation_config, k, v)
     return hf
+
+
+def frozen_copy(hf) -> nn.Module:
+    """A frozen copy of a ``HartsForCausalLM`` (eval mode, no gradients): the GRPO reference model at the start of
+    training, made from the policy itself (TRL would load one from a hub id)."""
+    ref = as_hf_model(copy.deepcopy(hf.harts), eos_token_id=hf.config.eos_token_id,
+                      pad_token_id=hf.config.pad_token_id).eval()
+    return ref.requires_grad_(False)
 
 
 class HartsGRPOMixin:
@@ -329,10 +337,7 @@ def _grpo_trainer_class():
                 args.beta = beta
             self.beta = beta
             if beta != 0.0:
-                hf = self.accelerator.unwrap_model(self.model)
-                ref = as_hf_model(copy.deepcopy(hf.harts), eos_token_id=hf.config.eos_token_id,
-                                  pad_token_id=hf.config.pad_token_id).eval()
-                ref.requires_grad_(False)
+                ref = frozen_copy(self.accelerator.unwrap_model(self.model))
                 self.ref_model = self.accelerator.prepare_model(ref, evaluation_mode=True)
 
     _CLASSES["trainer"] = GRPOTrainer

@@ -95,6 +95,12 @@ def log_once(key: tuple, msg: str, *args) -> None:
         log.info(msg, *args)
 
 
+def reset_log() -> None:
+    """Forget which choices were logged, so each is logged again when next made (a process that runs and
+    compares several configurations, each reporting its own)."""
+    _logged.clear()
+
+
 def resolve(op: str, requested: str, device: torch.device, dtype: torch.dtype) -> str:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {OPS}")
