@@ -312,27 +312,31 @@ def report(res: dict) -> None:
               f"{c['compilations_in_warmup']} graphs and {c['backend_seconds_in_warmup']:.1f} s in the backend during "
               f"the untimed warm-up (HARTS {w['harts']:.1f} s, baseline {w['baseline']:.1f} s); none in the timed runs")
     if "profile" in res:
-        p = res["profile"]
-        what = "CPU op self time" if res["device"] == "cpu" else "GPU kernel time"
-        print(f"\nprofile of one microbatch (raw {p['raw']:,}, compact {p['compact']:,}; {what} by family; "
-              f"ideal = baseline / its compression {p['compression']:.3f}x)")
-        print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
-        for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
-            print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
-        for key, title, label in (("kernels", "kernels by |excess| (s):", "family  name"),
-                                  ("host_ops", "host ops by |excess| of the kernels under them (nested ops repeat "
-                                               "their children's time):", "name")):
-            if p.get(key):
-                print(f"\n{title} {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  {label}")
-                for v in p[key][:20]:
-                    fam = f"{v['family']}  " if "family" in v else ""
-                    print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} "
-                          f"{v['excess_s']:8.4f}  {fam}{v['name'][:100]}")
-        for path, idle in (p.get("device_idle") or {}).items():
-            if idle:
-                ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
-                print(f"{path}: device span {idle['span_s']:.3f}s, busy {idle['busy_s']:.3f}s, idle "
-                      f"{idle['idle_s']:.3f}s in {idle['gaps_count']} gaps; idle by host op: {ops}")
+        report_profile(res["profile"], res["device"])
+
+
+def report_profile(p: dict, device: str) -> None:
+    """Print a ``profile_record``: per family, the kernels and host ops with the largest excess, device idle."""
+    what = "CPU op self time" if device == "cpu" else "GPU kernel time"
+    print(f"\nprofile of one microbatch (raw {p['raw']:,}, compact {p['compact']:,}; {what} by family; "
+          f"ideal = baseline / its compression {p['compression']:.3f}x)")
+    print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
+    for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
+        print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
+    for key, title, label in (("kernels", "kernels by |excess| (s):", "family  name"),
+                              ("host_ops", "host ops by |excess| of the kernels under them (nested ops repeat "
+                                           "their children's time):", "name")):
+        if p.get(key):
+            print(f"\n{title} {'baseline':>9s} {'ideal':>8s} {'HARTS':>8s} {'excess':>8s}  {label}")
+            for v in p[key][:20]:
+                fam = f"{v['family']}  " if "family" in v else ""
+                print(f"{'':24s} {v['baseline_s']:9.4f} {v['ideal_s']:8.4f} {v['harts_s']:8.4f} "
+                      f"{v['excess_s']:8.4f}  {fam}{v['name'][:100]}")
+    for path, idle in (p.get("device_idle") or {}).items():
+        if idle:
+            ops = ", ".join(f"{k} {v:.3f}s" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
+            print(f"{path}: device span {idle['span_s']:.3f}s, busy {idle['busy_s']:.3f}s, idle "
+                  f"{idle['idle_s']:.3f}s in {idle['gaps_count']} gaps; idle by host op: {ops}")
 
 
 def merge(paths: list[str], out: str) -> int:
@@ -379,6 +383,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="profile one microbatch of each path by op family (shard 0); on a CPU with per-token "
                          "reference cores the profiler's event parsing can take longer than the timed runs")
+    ap.add_argument("--profile-microbatch", choices=("median", "smallest", "largest"), default="median",
+                    help="which of the shard's microbatches (by raw rows) the profile runs; the profiler's own "
+                         "cost grows with the baseline's kernel count, so 'smallest' is the cheap one")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="profile one microbatch of each path (--profile-microbatch), print and write the profile "
+                         "(speedup_profile.json), and time nothing")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge shard JSONs into speedup.json and exit")
     ap.add_argument("--ac", choices=("full", "selective", "none"), default="full",
                     help="activation checkpointing of both paths (full: the paper's setting; selective: the "
@@ -396,6 +406,8 @@ def main(argv=None) -> int:
         ap.error(f"--repeats {args.repeats}: time each microbatch at least once")
     if args.merge:
         return merge(args.merge, args.out)
+    if args.profile_only and not args.profile:
+        ap.error("--profile-only with --no-profile: nothing to do")
     if args.flops_only:
         return flops_only(args)
     t_proc = time.perf_counter()
@@ -466,13 +478,23 @@ def main(argv=None) -> int:
                 "backend_seconds_in_warmup": compiled.compile_seconds}}
     profile = None
     if shard == 0 and args.profile:
-        # Where the time goes: the shard's median microbatch (by raw rows) of each path under the profiler,
+        # Where the time goes: one of the shard's microbatches (--profile-microbatch) of each path under the profiler,
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
-        j = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))[len(mine) // 2]
+        by_raw = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))
+        j = by_raw[{"smallest": 0, "median": len(by_raw) // 2, "largest": -1}[args.profile_microbatch]]
         hb = pack(mbs[j], config=cfg)
-        prof_h, prof_b = (profile_families(lambda: fn(mbs[j]), dev, loads, reset) for fn in (run_harts, run_baseline))
+        profs = []
+        for name, fn in (("HARTS", run_harts), ("baseline", run_baseline)):
+            print(f"  profiling microbatch {j} ({hb.stats['raw_tokens']:,} raw, {hb.num_rows:,} compact rows), {name} "
+                  f"[{time.perf_counter() - t_proc:.0f} s]", flush=True)
+            profs.append(profile_families(lambda fn=fn: fn(mbs[j]), dev, loads, reset))
+        prof_h, prof_b = profs
         reset()
         profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b)
+        if args.profile_only:
+            report_profile(profile, meta["device"])
+            write_results(args.out, "speedup_profile", dict(meta, profile=profile))
+            return 0
 
     records: list[dict] = []
     out_name = "speedup" if nshard == 1 else f"speedup_shard{shard}of{nshard}"

@@ -166,3 +166,33 @@ def test_compiled_speedup_compiles_both_paths_in_the_warm_up_only(tmp_path):
     assert r["compile"]["compilations_in_warmup"] > 0 and r["warmup_s"]["harts"] > 0 and r["warmup_s"]["baseline"] > 0
     assert all(rec["harts_clean"] and rec["baseline_clean"] for rec in r["records"])
     assert r["speedup_fbgrad"] > 0 and r["flop_compression"] > 1
+
+
+def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path, monkeypatch):
+    """``--profile-only``: one profile of the chosen microbatch (by raw rows) of each path, written as
+    speedup_profile.json; no microbatch is timed (no speedup.json). The profiler is replaced by a stub that
+    records which microbatch each path ran (its cost on a CPU is the event parsing, not what is tested)."""
+    import benchmarks.speedup as sp
+    from benchmarks.speedup import planned_microbatches
+
+    seen = []
+
+    def fake_profile(fn, device, loads, reset):
+        seen.append(fn)
+        return ({"gemm": 1.0}, None, {"aten::mm": 1.0}, {"aten::mm": 1.0})
+
+    monkeypatch.setattr(sp, "profile_families", fake_profile)
+    common = ["--preset", "ling3-tiny-debug", "--workload", "tiny", "--capacity", "128", "--microbatches", "3",
+              "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path), "--profile-only"]
+    assert main(common + ["--profile-microbatch", "smallest"]) == 0
+    assert len(seen) == 2 and not (tmp_path / "speedup.json").exists()
+    r = json.loads((tmp_path / "speedup_profile.json").read_text())
+
+    class A:
+        preset, workload, seed, scale, capacity, microbatches = "ling3-tiny-debug", "tiny", 0, 0.2, 128, 3
+    mbs, _, _ = planned_microbatches(A)
+    raws = [sum(len(t) for t in m) for m in mbs]
+    assert r["profile"]["index"] == raws.index(min(raws)) and r["profile"]["raw"] == min(raws)
+    assert r["profile"]["families"]["gemm"]["excess_s"] == 1.0 - 1.0 / r["profile"]["compression"]
+    with pytest.raises(SystemExit):
+        main(common + ["--no-profile"])
