@@ -5,7 +5,8 @@ Markers (pyproject.toml): ``gpu`` tests need a CUDA GPU and are deselected by th
 compilation from empty caches, so ``python -m pytest -m gpu_bench`` runs them apart from the GPU suite);
 ``python -m pytest -m gpu`` on a machine without CUDA is an error (exit code 4, one message), never a run
 of skips that looks green. ``slow`` marks the multi-process and multi-step tests; the default run, and CI,
-include them (``-m 'not slow'`` for a quick local pass).
+include them (``-m 'not slow'`` for a quick local pass). The whole suite (no test paths given) runs its files
+in one process per core, at most 4, with pytest-xdist (``-n 0``: one process); named files or tests run in one.
 
 On a machine without CUDA, Triton kernels (fla's and ours) run under the Triton interpreter in
 float32. TRITON_INTERPRET is read when ``@triton.jit`` is applied, so it is set here, before anything
@@ -91,17 +92,35 @@ def _gpu_run(config) -> bool:
 # Test processes of a GPU run: from empty caches the suite's time is Triton compiling kernels (one CPU core per
 # kernel, minutes in all), so files run in parallel processes that share the one GPU (the tests are small).
 GPU_RUN_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Test processes of a whole CPU run (no test paths given, e.g. CI's ``python -m pytest``): each test runs on one
+# intra-op thread (above), so one process keeps one core busy outside the multi-process tests; one process per
+# core, at most 4 (memory: the distributed tests fork up to eight ranks of their own).
+CPU_RUN_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                             (os.cpu_count() or 1)))
+
+
+def _whole_suite(config) -> bool:
+    """No test paths on the command line: the run collects the configured test paths (or the directory)."""
+    source = getattr(config, "args_source", None)
+    return source is not None and source != pytest.Config.ArgsSource.ARGS
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into its worker list
 def pytest_cmdline_main(config):
-    """A GPU run (``-m gpu``, ``-m gpu_bench``) on a CUDA machine with pytest-xdist (the ``test`` extra) runs
-    its files in ``GPU_RUN_WORKERS`` processes (``--dist loadfile``: a file's module fixtures are built once),
-    unless ``-n`` / ``--dist`` are given (``-n 0``: one process)."""
-    if (_gpu_run(config) and torch.cuda.is_available() and config.pluginmanager.hasplugin("xdist")
-            and not hasattr(config, "workerinput") and config.option.numprocesses is None
-            and config.option.dist == "no" and not config.getvalue("collectonly")):
-        config.option.numprocesses = GPU_RUN_WORKERS
+    """With pytest-xdist (the ``test`` extra) and neither ``-n`` nor ``--dist`` given, files run in parallel
+    processes (``--dist loadfile``: a file's module fixtures are built once, in one process): a GPU run
+    (``-m gpu``, ``-m gpu_bench``) on a CUDA machine in ``GPU_RUN_WORKERS``, a run of the whole suite on a CPU in
+    ``CPU_RUN_WORKERS``. A run of named files or tests stays in one process; ``-n 0`` keeps any run in one."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.option.numprocesses is not None or config.option.dist != "no"
+            or config.getvalue("collectonly")):
+        return
+    if _gpu_run(config):
+        workers = GPU_RUN_WORKERS if torch.cuda.is_available() else 0
+    else:
+        workers = CPU_RUN_WORKERS if _whole_suite(config) else 0
+    if workers > 1:
+        config.option.numprocesses = workers
         config.option.dist = "loadfile"
 
 

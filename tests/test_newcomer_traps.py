@@ -321,3 +321,29 @@ def test_torchrun_bad_second_file_is_one_line_from_rank_0(tmp_path):
     ours = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith(f"error: {b}:2: field 'tokens' position"), p.stderr
     assert not any(line.startswith("[rank") for line in p.stderr.splitlines()), p.stderr
+
+
+@pytest.mark.parametrize("source,argv_n,gpu,want", [
+    ("TESTPATHS", None, False, "cpu"),  # `python -m pytest`: the whole suite, one process per core
+    ("INVOCATION_DIR", None, False, "cpu"),
+    ("ARGS", None, False, None),  # named files or tests: one process
+    ("TESTPATHS", 0, False, None),  # -n 0 wins
+    ("TESTPATHS", 3, False, None),  # so does any -n the caller gives (left as given)
+])
+def test_whole_suite_runs_in_parallel_processes_and_named_tests_in_one(source, argv_n, gpu, want):
+    """The conftest's xdist switch: only a run without test paths is spread over processes; an explicit -n is
+    never changed."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    opt = SimpleNamespace(numprocesses=argv_n, dist="no", markexpr="gpu" if gpu else "not gpu and not gpu_bench")
+    config = SimpleNamespace(option=opt, args_source=getattr(pytest.Config.ArgsSource, source),
+                             pluginmanager=SimpleNamespace(hasplugin=lambda name: name == "xdist"),
+                             getvalue=lambda name: False)
+    conftest.pytest_cmdline_main(config)
+    if want is None:
+        assert (opt.numprocesses, opt.dist) == (argv_n, "no")
+    else:
+        n = conftest.CPU_RUN_WORKERS
+        assert (opt.numprocesses, opt.dist) == ((n, "loadfile") if n > 1 else (None, "no"))
