@@ -488,6 +488,11 @@ def main(argv=None) -> int:
             print(f"  profiling microbatch {j} ({hb.stats['raw_tokens']:,} raw, {hb.num_rows:,} compact rows), {name} "
                   f"[{time.perf_counter() - t_proc:.0f} s]", flush=True)
             profs.append(profile_families(lambda fn=fn: fn(mbs[j]), dev, loads, reset))
+            if len(profs) == 1:  # HARTS's share on its own first: a run cut off while profiling the baseline keeps it
+                fam, idle, _, _ = profs[0]
+                write_results(args.out, "speedup_profile", dict(meta, partial={
+                    "index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "harts_families_s": fam,
+                    "harts_device_idle": idle}))
         prof_h, prof_b = profs
         reset()
         profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b)

@@ -170,14 +170,17 @@ def test_compiled_speedup_compiles_both_paths_in_the_warm_up_only(tmp_path):
 
 def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path, monkeypatch):
     """``--profile-only``: one profile of the chosen microbatch (by raw rows) of each path, written as
-    speedup_profile.json; no microbatch is timed (no speedup.json). The profiler is replaced by a stub that
+    speedup_profile.json (HARTS's share written before the baseline is profiled); no microbatch is timed (no
+    speedup.json). The profiler is replaced by a stub that
     records which microbatch each path ran (its cost on a CPU is the event parsing, not what is tested)."""
     import benchmarks.speedup as sp
     from benchmarks.speedup import planned_microbatches
 
-    seen = []
+    seen, partial = [], []
 
     def fake_profile(fn, device, loads, reset):
+        if seen:  # the baseline's profile: HARTS's is already on disk
+            partial.append(json.loads((tmp_path / "speedup_profile.json").read_text())["partial"])
         seen.append(fn)
         return ({"gemm": 1.0}, None, {"aten::mm": 1.0}, {"aten::mm": 1.0})
 
@@ -193,6 +196,8 @@ def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path,
     mbs, _, _ = planned_microbatches(A)
     raws = [sum(len(t) for t in m) for m in mbs]
     assert r["profile"]["index"] == raws.index(min(raws)) and r["profile"]["raw"] == min(raws)
+    assert partial[0]["harts_families_s"] == {"gemm": 1.0} and partial[0]["index"] == r["profile"]["index"]
+    assert "partial" not in r
     assert r["profile"]["families"]["gemm"]["excess_s"] == 1.0 - 1.0 / r["profile"]["compression"]
     with pytest.raises(SystemExit):
         main(common + ["--no-profile"])
