@@ -483,17 +483,18 @@ def main(argv=None) -> int:
         by_raw = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))
         j = by_raw[{"smallest": 0, "median": len(by_raw) // 2, "largest": -1}[args.profile_microbatch]]
         hb = pack(mbs[j], config=cfg)
-        profs = []
-        for name, fn in (("HARTS", run_harts), ("baseline", run_baseline)):
+
+        def profiled(name, fn):
             print(f"  profiling microbatch {j} ({hb.stats['raw_tokens']:,} raw, {hb.num_rows:,} compact rows), {name} "
                   f"[{time.perf_counter() - t_proc:.0f} s]", flush=True)
-            profs.append(profile_families(lambda fn=fn: fn(mbs[j]), dev, loads, reset))
-            if len(profs) == 1:  # HARTS's share on its own first: a run cut off while profiling the baseline keeps it
-                fam, idle, _, _ = profs[0]
-                write_results(args.out, "speedup_profile", dict(meta, partial={
-                    "index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "harts_families_s": fam,
-                    "harts_device_idle": idle}))
-        prof_h, prof_b = profs
+            return profile_families(lambda: fn(mbs[j]), dev, loads, reset)
+
+        prof_h = profiled("HARTS", run_harts)
+        # HARTS's share on its own first: a run cut off while profiling the baseline keeps it
+        write_results(args.out, "speedup_profile", dict(meta, partial={
+            "index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "harts_families_s": prof_h[0],
+            "harts_device_idle": prof_h[1]}))
+        prof_b = profiled("baseline", run_baseline)
         reset()
         profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b)
         if args.profile_only:

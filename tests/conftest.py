@@ -92,11 +92,11 @@ def _gpu_run(config) -> bool:
 # Test processes of a GPU run: from empty caches the suite's time is Triton compiling kernels (one CPU core per
 # kernel, minutes in all), so files run in parallel processes that share the one GPU (the tests are small).
 GPU_RUN_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-# Test processes of a whole CPU run (no test paths given, e.g. CI's ``python -m pytest``): each test runs on one
-# intra-op thread (above), so one process keeps one core busy outside the multi-process tests; one process per
-# core, at most 4 (memory: the distributed tests fork up to eight ranks of their own).
-CPU_RUN_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                             (os.cpu_count() or 1)))
+# Test processes of a whole run without GPU tests (no test paths given, e.g. CI's ``python -m pytest``): each
+# test runs on one intra-op thread (above), so one process keeps one core busy outside the multi-process tests;
+# one process per core, at most 4 (memory: the distributed tests fork up to eight ranks of their own).
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+CPU_RUN_WORKERS = max(1, min(4, _CORES))
 
 
 def _whole_suite(config) -> bool:
@@ -109,8 +109,9 @@ def _whole_suite(config) -> bool:
 def pytest_cmdline_main(config):
     """With pytest-xdist (the ``test`` extra) and neither ``-n`` nor ``--dist`` given, files run in parallel
     processes (``--dist loadfile``: a file's module fixtures are built once, in one process): a GPU run
-    (``-m gpu``, ``-m gpu_bench``) on a CUDA machine in ``GPU_RUN_WORKERS``, a run of the whole suite on a CPU in
-    ``CPU_RUN_WORKERS``. A run of named files or tests stays in one process; ``-n 0`` keeps any run in one."""
+    (``-m gpu``, ``-m gpu_bench``) on a CUDA machine in ``GPU_RUN_WORKERS``, any other run of the whole suite
+    (the default ``-m``: every test but the GPU ones) in ``CPU_RUN_WORKERS``. A run of named files or tests
+    stays in one process; ``-n 0`` keeps any run in one."""
     if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
             or config.option.numprocesses is not None or config.option.dist != "no"
             or config.getvalue("collectonly")):
