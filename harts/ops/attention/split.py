@@ -416,6 +416,22 @@ def _stacked(x_CHX, ranges, total: int):
     return out
 
 
+def _grad_heads_first(do_CHDv, ranges, front: int, total: int):
+    """The output gradient of a piece, contiguous heads-first [1, H, total, Dv]: zero rows, then the rows ``ranges``
+    ((first, count) each) of dO one after the other from row ``front``, then zero rows. One copy of the rows
+    (padding rows first and then transposing would copy them twice)."""
+    out = do_CHDv.new_empty(1, do_CHDv.shape[1], total, do_CHDv.shape[2])
+    at = front
+    if at:
+        out[0, :, :at].zero_()
+    for q0, L in ranges:
+        out[0, :, at:at + L].copy_(do_CHDv[q0:q0 + L].transpose(0, 1))
+        at += L
+    if at < total:
+        out[0, :, at:].zero_()
+    return out
+
+
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_CHD, k_XHD, v_XHDv, plan: SplitPlan, scale: float, piece: str):
@@ -455,38 +471,41 @@ class _Split(torch.autograd.Function):
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
         dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
         do_CHDv = do_CHDv.contiguous()
-        # the merged output gradient, output and lse at each piece's query rows (zero on dropped and padded rows).
-        # dO heads-first contiguous, o and lse in the forward's layouts: the layouts torch's own SDPA backward
-        # passes (see _cudnn_bwd)
-        merged = (do_CHDv, o_CHDv, lse_CH[..., None])
+        # the merged output gradient, output and lse at each piece's query rows (zero on dropped and padded rows):
+        # dO heads-first contiguous (_grad_heads_first), o and lse in the forward's layouts, the layouts torch's own
+        # SDPA backward passes (see _cudnn_bwd)
+        merged = (o_CHDv, lse_CH[..., None])
         for view, aux_v in zip(plan.views, ctx.auxes):
             L, R, q0 = view.L, view.R, view.q0
             causal, gathered = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
-            go, o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
-            g = bwd(go.contiguous(), *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
+            go = _grad_heads_first(do_CHDv, ((q0, L),), R, view.own_rows)
+            o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
+            g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
             dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
             dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
             if gathered is not None:
                 q, k, v, rows = gathered
-                go, o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                g = bwd(go.contiguous(), *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux_v[1], False, scale)
-                dq[q0:q0 + L] += g[0][0, :, :L].transpose(0, 1)
+                go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
+                o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
+                g = bwd(go, *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux_v[1], False, scale)
+                dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
                 dk.index_add_(0, rows, g[1][0].transpose(0, 1))
                 dv.index_add_(0, rows, g[2][0].transpose(0, 1))
         for sp, aux in zip(plan.shared, ctx.shared_auxes):
             spans = sp.spans
-            go, o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
+            go = _grad_heads_first(do_CHDv, spans, 0, sp.query_rows)
+            o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
-            g = bwd(go.contiguous(), _heads_first(q), _heads_first(k_XHD[keys]), _heads_first(v_XHDv[keys]), o,
+            g = bwd(go, _heads_first(q), _heads_first(k_XHD[keys]), _heads_first(v_XHDv[keys]), o,
                     lse[..., 0], aux, False, scale)
             at = 0
             for q0, L in spans:
-                dq[q0:q0 + L] += g[0][0, :, at:at + L].transpose(0, 1)
+                dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
                 at += L
-            dk[keys] += g[1][0].transpose(0, 1)
-            dv[keys] += g[2][0].transpose(0, 1)
+            dk[keys].add_(g[1][0].transpose(0, 1))
+            dv[keys].add_(g[2][0].transpose(0, 1))
         return dq, dk, dv, None, None, None
 
 
