@@ -162,6 +162,9 @@ def test_split_reads_ancestor_runs_in_place_float64(monkeypatch, H, G):
     three = [v for v in plan.views if len(v.slices) == 2 and v.gather[1] and v.R]
     assert three, [(v.slices, v.gather, v.R) for v in plan.views]
     assert plan.in_place_rows >= 640 + 256
+    # causal pieces read in place, padding keys included (the rows that follow, seen by padding queries only)
+    assert any(v.causal_start >= 0 and v.own_rows > v.causal[1] for v in plan.views), plan.views
+    assert any(v.causal_start < 0 for v in plan.views), plan.views
     D, Dv, scale = 16, 8, 0.3
     q = _qkv(batch.num_phys, H, D, Dv, torch.float64, seed=7)[0]
     _, k, v = _qkv(batch.num_phys, G, D, Dv, torch.float64, seed=8)
@@ -219,6 +222,36 @@ def test_split_key_chunks_float64(monkeypatch, La, L):
     assert max(chunks) > 1, chunks
     o_ref = varlen_attention_reference(q, k, v, cu_q, cu_k, scale)
     _assert_same_float64(o, o_ref, (q, k, v), g)
+
+
+@pytest.mark.parametrize("H,G", [(2, 2), (4, 2)])
+def test_split_backward_key_chunks_float64(monkeypatch, H, G):
+    """The backward of unmasked pieces (in place and gathered) as batched key chunks, each chunk's dq summed
+    (the chunk minimum lowered so that small pieces chunk): q/k/v gradients equal brute-force bottom-right
+    causal attention in float64, also with grouped key / value heads, and chunked backward calls did run."""
+    import harts.ops.attention.split as split
+
+    monkeypatch.setattr(split, "BWD_MIN_CHUNK_KEYS", 128)
+    chunks, bwd_key_chunks = [], split.bwd_key_chunks
+    monkeypatch.setattr(split, "bwd_key_chunks", lambda *a: chunks.append(bwd_key_chunks(*a)) or chunks[-1])
+    anc = [np.arange(1024), np.r_[np.arange(1024), np.arange(1100, 1612)]]
+    own = [np.arange(1024, 1100), np.arange(1612, 1650)]
+    kv_rows = np.concatenate([np.r_[a, o] for a, o in zip(anc, own)])
+    cu_q = torch.tensor([0, *np.cumsum([len(o) for o in own])])
+    cu_k = torch.tensor([0, *np.cumsum([len(a) + len(o) for a, o in zip(anc, own)])])
+    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=1650, min_in_place=1024)
+    assert plan.shared and any(v.gather[1] for v in plan.views), (plan.shared, plan.views)
+    D, Dv, scale = 16, 8, 0.3
+    g = torch.Generator().manual_seed(H + G)
+    q = torch.randn(int(cu_q[-1]), H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1650, G, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1650, G, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    o = split.split_attention(q, k, v, plan, scale, piece="math")
+    rows = torch.as_tensor(kv_rows)
+    k_ref, v_ref = (t.repeat_interleave(H // G, dim=1).index_select(0, rows) for t in (k, v))
+    o_ref = varlen_attention_reference(q, k_ref, v_ref, cu_q, cu_k, scale)
+    _assert_same_float64(o, o_ref, (q, k, v), g)
+    assert max(chunks) == split.BWD_CHUNKS, chunks  # the in-place piece: 1024 keys in 4 chunks of 256
 
 
 def test_split_shares_in_place_runs_between_views_float64():

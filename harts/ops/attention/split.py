@@ -15,6 +15,8 @@ Keys in place. In a compact layout a view's ancestors are a few runs of contiguo
 prefixes are DFS ranges of the trie), so ``split_plan`` gives each long run its own unmasked piece on a slice of
 the key rows: no per-view copy of the shared keys and values, and their gradients accumulate into the slice, no
 index_add scatter. Short runs and the remainders are gathered (one unmasked piece of them and the causal piece).
+A causal piece whose key rows are contiguous (a view's own rows, behind its parent's tail when it is a first
+child) reads them in place too, its padding keys being the rows that follow (see ``_View``).
 A run read by several views (a shared prompt under many branches) is one piece for all their queries, stacked:
 its keys are read once, where a piece per view would read them once per view and leave most of the GPU idle
 for a short branch.
@@ -200,6 +202,45 @@ def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -
     return best
 
 
+# Key chunks of an unmasked piece's backward. The backward runs one program per (key tile, head), each walking
+# every query tile and adding its share of dQ into one fp32 buffer; over many keys and few queries (a shared
+# prefix under its branches) every resident program adds into the same few query rows at once, where a causal
+# square spreads them along its diagonal. Cut into B key chunks as a batch, each chunk adds into its own dQ
+# (summed after), and the programs of a wave spread over B buffers. B is the largest of BWD_CHUNKS that leaves
+# at least BWD_MIN_CHUNK_KEYS keys per chunk in whole 128-key tiles (1 for a piece with at least as many queries
+# as keys: its adds are spread already).
+BWD_CHUNKS = 4
+BWD_MIN_CHUNK_KEYS = 2048
+
+
+def bwd_key_chunks(query_rows: int, keys: int, limit: int | None = None) -> int:
+    """How many key chunks the backward of an unmasked piece of ``query_rows`` x ``keys`` runs as (1: one call)."""
+    limit = BWD_CHUNKS if limit is None else limit
+    if query_rows >= keys:
+        return 1
+    for b in range(limit, 1, -1):
+        if keys % (b * 128) == 0 and keys // b >= BWD_MIN_CHUNK_KEYS:
+            return b
+    return 1
+
+
+def _bwd_chunked(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, B: int):
+    """The backward of an unmasked piece (keys and values [S, G, X] rows) as ``B`` key chunks of one batched
+    call: dq [1, H, L, D] (the chunks' summed), dk [1, G, S, D], dv [1, G, S, Dv]. The queries, output gradient,
+    output and lse repeat per chunk in the layouts the unchunked call gets (see ``_cudnn_bwd``)."""
+    if B == 1:
+        return bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False, scale)
+    q, k, v = _chunked(q_1HLD[0].transpose(0, 1), k_SGD, v_SGDv, B)
+    rep = (B, *do_1HLDv.shape[1:])
+    do = do_1HLDv.expand(rep).contiguous()
+    o = o_1HLDv.transpose(1, 2).expand(B, *o_1HLDv.transpose(1, 2).shape[1:]).contiguous().transpose(1, 2)
+    lse = lse_1HL.expand(B, *lse_1HL.shape[1:])
+    dq, dk, dv = bwd(do, q, k, v, o, lse, aux, False, scale)
+    S = k_SGD.shape[0]
+    dk, dv = (d.transpose(1, 2).reshape(S, *d.shape[1:2], d.shape[-1]) for d in (dk, dv))
+    return dq.sum(0, keepdim=True), _heads_first(dk), _heads_first(dv)
+
+
 def _chunked(q_LHD, k_SGD, v_SGDv, B: int):
     """The dense operands [B, heads, rows, dim] of an unmasked piece cut into B key chunks (views of the key
     rows; the queries repeated per chunk)."""
@@ -247,12 +288,17 @@ class _View:
       bucket, or 0);
     - ``causal``: (offset, R + L) into ``index``: the other R ancestors, then the L own rows; the L queries go
       behind R dropped query rows (their outputs are cut, their zero output gradient adds nothing), padded at
-      the end to ``own_rows``, so top-left causal over the square is bottom-right causal for the real rows."""
+      the end to ``own_rows``, so top-left causal over the square is bottom-right causal for the real rows;
+    - ``causal_start``: where those R + L key rows are contiguous (a first child's rows follow its parent's tail)
+      and ``own_rows`` of them fit in the key rows, the first of them, read in place (-1: gathered). Its padding
+      keys are then the rows that follow, which only the padding queries see (top-left causal) and whose output
+      gradient is zero, so they change neither outputs nor gradients."""
     q0: int
     L: int
     slices: tuple
     gather: tuple
     causal: tuple
+    causal_start: int = -1
 
     @property
     def R(self) -> int:
@@ -372,7 +418,11 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
         gather = (at, A)
         causal = (at + A, rest_rows.size - A + L)
         at += rest_rows.size + L
-        views.append(_View(int(cq[n]), L, tuple(slices), gather, causal))
+        cr = np.r_[piece_rows[1], piece_rows[2]]
+        start = int(cr[0]) if cr[-1] - cr[0] + 1 == cr.size and np.all(np.diff(cr) == 1) else -1
+        if start >= 0 and start + _bucket(cr.size) > num_keys:
+            start = -1
+        views.append(_View(int(cq[n]), L, tuple(slices), gather, causal, start))
     # one in-place piece per run, for all its views' queries: the run's keys are read once per layer
     shared, where = [], {}
     for (start, B), readers in runs.items():
@@ -388,13 +438,18 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
 
 # ------------------------------------------------------------------------------------------ the function
 def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
-    """(causal, gathered) pieces of one view, each (q, k, v, key rows) with key rows an index tensor for the
-    backward's accumulation; gathered is None when the view has no gathered unmasked piece."""
+    """(causal, gathered) pieces of one view, each (q, k, v, key rows) with key rows an index tensor (or a slice,
+    for a causal piece read in place) for the backward's accumulation; gathered is None when the view has no
+    gathered unmasked piece."""
     qv = q_CHD[view.q0:view.q0 + view.L]
     o0, m = view.causal
-    ci = idx[o0:o0 + m]
     n = view.own_rows
-    causal = (_rows(qv, view.R, n), _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
+    if view.causal_start >= 0:
+        s = view.causal_start
+        causal = (_rows(qv, view.R, n), k_XHD[s:s + n], v_XHDv[s:s + n], slice(s, s + m))
+    else:
+        ci = idx[o0:o0 + m]
+        causal = (_rows(qv, view.R, n), _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
     g0, A = view.gather
     if not A:
         return causal, None
@@ -482,13 +537,18 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
             g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
-            dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
-            dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
+            if isinstance(causal[3], slice):  # read in place: the key rows' gradients add into their slice
+                dk[causal[3]].add_(g[1][0, :, :R + L].transpose(0, 1))
+                dv[causal[3]].add_(g[2][0, :, :R + L].transpose(0, 1))
+            else:
+                dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
+                dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
             if gathered is not None:
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
                 o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                g = bwd(go, *(_heads_first(t) for t in (q, k, v)), o, lse[..., 0], aux_v[1], False, scale)
+                g = _bwd_chunked(bwd, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale,
+                                 bwd_key_chunks(q.shape[0], k.shape[0]))
                 dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
                 dk.index_add_(0, rows, g[1][0].transpose(0, 1))
                 dv.index_add_(0, rows, g[2][0].transpose(0, 1))
@@ -498,8 +558,8 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
-            g = bwd(go, _heads_first(q), _heads_first(k_XHD[keys]), _heads_first(v_XHDv[keys]), o,
-                    lse[..., 0], aux, False, scale)
+            g = _bwd_chunked(bwd, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux, scale,
+                             bwd_key_chunks(sp.query_rows, sp.keys))
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
