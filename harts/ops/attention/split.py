@@ -202,14 +202,17 @@ def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -
     return best
 
 
-# Key chunks of an unmasked piece's backward. The backward runs one program per (key tile, head), each walking
-# every query tile and adding its share of dQ into one fp32 buffer; over many keys and few queries (a shared
-# prefix under its branches) every resident program adds into the same few query rows at once, where a causal
-# square spreads them along its diagonal. Cut into B key chunks as a batch, each chunk adds into its own dQ
-# (summed after), and the programs of a wave spread over B buffers. B is the largest of BWD_CHUNKS that leaves
-# at least BWD_MIN_CHUNK_KEYS keys per chunk in whole 128-key tiles (1 for a piece with at least as many queries
-# as keys: its adds are spread already).
-BWD_CHUNKS = 4
+# Key chunks of an unmasked piece's backward. Profiled on Ling-3.0-tiny (benchmarks/results, speedup_profile),
+# the split's forward runs at the baseline's rate per FLOP and its backward slower, the unmasked pieces (few
+# queries over many keys) below the causal squares. cuDNN's backward runs one program per (key tile, head), each
+# walking every query tile and adding its share of dQ into one fp32 buffer: over an unmasked piece all programs
+# start at the first query tile, where a causal square spreads them along its diagonal. Cut into B key chunks
+# as a batch, each chunk adds into its own dQ (summed after), at the price of B copies of q, dO and o. Whether
+# that pays depends on the order cuDNN runs its programs in, which only a measurement tells
+# (``python -m benchmarks.split_pieces`` times every count), so the default is one call: BWD_CHUNKS = 1. With
+# BWD_CHUNKS > 1, B is the largest count up to it that leaves at least BWD_MIN_CHUNK_KEYS keys per chunk in
+# whole 128-key tiles (1 for a piece with at least as many queries as keys).
+BWD_CHUNKS = 1
 BWD_MIN_CHUNK_KEYS = 2048
 
 
