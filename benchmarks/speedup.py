@@ -95,23 +95,51 @@ def excess_table(harts: dict, baseline: dict, c0: float) -> dict:
                 "excess_s": harts.get(k, 0.0) - baseline.get(k, 0.0) / c0} for k in sorted(set(harts) | set(baseline))}
 
 
-def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: tuple, top: int = 30) -> dict:
+# The FLOP count (benchmarks.flops) whose compression each op family's work follows: the mixer cores their own,
+# every other family (projections, MoE, norms, gathers, log-probs) the per-row matmul count's, which is the row
+# compression.
+FAMILY_FLOPS = {"attention": "attention", "kda_state_scan": "kda", "kda_other": "kda", "conv": "conv"}
+
+
+def flop_ideal(table: dict, flop_compression: dict, family_of=lambda k: k) -> None:
+    """Adds to each entry of ``table`` (an ``excess_table``) its per-FLOP ideal: the baseline seconds over the
+    compression of the FLOPs its family does (``flop_compression``: benchmarks.flops component -> baseline /
+    HARTS forward FLOPs), and HARTS's excess over that. The row ideal overstates attention's excess, whose FLOPs
+    compress less than rows (branch queries attend over their whole path)."""
+    for k, v in table.items():
+        c = flop_compression.get(FAMILY_FLOPS.get(family_of(k), "matmul"))
+        if c:
+            v.update(flop_compression=c, flop_ideal_s=v["baseline_s"] / c,
+                     flop_excess_s=v["harts_s"] - v["baseline_s"] / c)
+
+
+def profile_record(index: int, raw: int, compact: int, harts: tuple, baseline: tuple, top: int = 30,
+                   flop_compression: dict | None = None) -> dict:
     """The report's ``profile``: per op family the HARTS and baseline seconds of one microbatch (``harts`` and
     ``baseline`` are ``profile_families`` results), the ideal (baseline / the microbatch's compression) and
     HARTS's excess over it, the ``top`` kernels by absolute excess with their family, and the device idle time
-    of each path."""
+    of each path. With ``flop_compression`` (benchmarks.flops component -> its compression on this microbatch)
+    the families and kernels also carry the per-FLOP ideal (``flop_ideal``), and ``flop_parity`` is the
+    per-FLOP ideal kernel time over HARTS's (1: HARTS as efficient per FLOP as the baseline)."""
     (fam_h, idle_h, names_h, ops_h), (fam_b, idle_b, names_b, ops_b) = harts, baseline
     c0 = raw / compact
     kernels, ops = excess_table(names_h, names_b, c0), excess_table(ops_h, ops_b, c0)
+    families = excess_table(fam_h, fam_b, c0)
 
     def worst(table):
         return sorted(table, key=lambda k: -abs(table[k]["excess_s"]))[:top]
 
-    return {"index": index, "raw": raw, "compact": compact, "compression": c0,
-            "device_idle": {"harts": idle_h, "baseline": idle_b},
-            "families": excess_table(fam_h, fam_b, c0),
-            "kernels": [{"name": k, "family": family(k), **kernels[k]} for k in worst(kernels)],
-            "host_ops": [{"name": k, **ops[k]} for k in worst(ops)]}
+    out = {"index": index, "raw": raw, "compact": compact, "compression": c0,
+           "device_idle": {"harts": idle_h, "baseline": idle_b}, "families": families}
+    if flop_compression:
+        flop_ideal(families, flop_compression)
+        flop_ideal(kernels, flop_compression, family)
+        out["flop_compression"] = dict(flop_compression)
+        out["flop_parity"] = sum(v["flop_ideal_s"] for v in families.values()) / sum(
+            v["harts_s"] for v in families.values())
+    out["kernels"] = [{"name": k, "family": family(k), **kernels[k]} for k in worst(kernels)]
+    out["host_ops"] = [{"name": k, **ops[k]} for k in worst(ops)]
+    return out
 
 
 def planned_microbatches(args):
@@ -126,13 +154,34 @@ def planned_microbatches(args):
     return [[step[i] for i in plan.microbatches[j]] for j in order], plan, t_mb
 
 
-def baseline_flops(model, trajs, capacity: int, act: int) -> float:
-    """Forward FLOPs of the trajectory-wise baseline's sub-batches of one microbatch."""
+def baseline_flop_parts(model, trajs, capacity: int, act: int) -> dict:
+    """Forward FLOPs of the trajectory-wise baseline's sub-batches of one microbatch, by benchmarks.flops component
+    (``total`` included)."""
     from benchmarks.flops import batch_forward_flops
     from harts.runtime import pack
 
-    return sum(batch_forward_flops(model, pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False),
-                                   act)["total"] for idx in subbatches(trajs, capacity))
+    out: dict = defaultdict(float)
+    for idx in subbatches(trajs, capacity):
+        parts = batch_forward_flops(model, pack([trajs[i] for i in idx], config=model.config, prefix_sharing=False),
+                                    act)
+        for k, v in parts.items():
+            out[k] += v
+    return dict(out)
+
+
+def baseline_flops(model, trajs, capacity: int, act: int) -> float:
+    """Forward FLOPs of the trajectory-wise baseline's sub-batches of one microbatch."""
+    return baseline_flop_parts(model, trajs, capacity, act)["total"]
+
+
+def flop_compressions(model, trajs, capacity: int, act: int, batch) -> dict:
+    """Per benchmarks.flops component, baseline / HARTS forward FLOPs of one microbatch (``batch``: its HARTS
+    layout); components HARTS does not run (zero FLOPs) are left out."""
+    from benchmarks.flops import batch_forward_flops
+
+    h = batch_forward_flops(model, batch, act)
+    b = baseline_flop_parts(model, trajs, capacity, act)
+    return {k: b[k] / v for k, v in h.items() if v}
 
 
 def flops_only(args) -> int:
@@ -320,9 +369,18 @@ def report_profile(p: dict, device: str) -> None:
     what = "CPU op self time" if device == "cpu" else "GPU kernel time"
     print(f"\nprofile of one microbatch (raw {p['raw']:,}, compact {p['compact']:,}; {what} by family; "
           f"ideal = baseline / its compression {p['compression']:.3f}x)")
-    print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}")
-    for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1]["excess_s"]):
-        print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}")
+    per_flop = "flop_parity" in p
+    print(f"{'family':20s} {'baseline s':>11s} {'ideal s':>9s} {'HARTS s':>9s} {'excess s':>9s}"
+          + (f" {'FLOP comp.':>10s} {'per-FLOP ideal s':>16s} {'per-FLOP excess s':>17s}" if per_flop else ""))
+    key = "flop_excess_s" if per_flop else "excess_s"
+    for f, v in sorted(p["families"].items(), key=lambda kv_: -kv_[1].get(key, kv_[1]["excess_s"])):
+        print(f"{f:20s} {v['baseline_s']:11.4f} {v['ideal_s']:9.4f} {v['harts_s']:9.4f} {v['excess_s']:9.4f}"
+              + (f" {v['flop_compression']:10.3f} {v['flop_ideal_s']:16.4f} {v['flop_excess_s']:17.4f}"
+                 if "flop_ideal_s" in v else ""))
+    if per_flop:
+        print(f"HARTS's kernel time is {1 / p['flop_parity']:.3f}x the per-FLOP ideal (each family's baseline seconds "
+              f"over the compression of its FLOPs: " + ", ".join(f"{k} {c:.3f}x" for k, c in
+                                                                 p["flop_compression"].items()) + ")")
     for key, title, label in (("kernels", "kernels by |excess| (s):", "family  name"),
                               ("host_ops", "host ops by |excess| of the kernels under them (nested ops repeat "
                                            "their children's time):", "name")):
@@ -496,7 +554,8 @@ def main(argv=None) -> int:
             "harts_device_idle": prof_h[1]}))
         prof_b = profiled("baseline", run_baseline)
         reset()
-        profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b)
+        profile = profile_record(j, hb.stats["raw_tokens"], hb.num_rows, prof_h, prof_b,
+                                 flop_compression=flop_compressions(model, mbs[j], args.capacity, act, hb))
         if args.profile_only:
             report_profile(profile, meta["device"])
             write_results(args.out, "speedup_profile", dict(meta, profile=profile))

@@ -168,6 +168,28 @@ def test_compiled_speedup_compiles_both_paths_in_the_warm_up_only(tmp_path):
     assert r["speedup_fbgrad"] > 0 and r["flop_compression"] > 1
 
 
+def test_profile_record_per_flop_ideal_follows_each_familys_flops():
+    """With FLOP compressions, each family's per-FLOP ideal divides its baseline seconds by the compression of the
+    FLOPs it does (attention its own, the KDA families kda's, the rest the matmul count's), kernels likewise by
+    their family, and flop_parity is the ideal kernel time over HARTS's."""
+    from benchmarks.speedup import profile_record
+
+    fam_h = {"attention": 1.0, "kda_other": 0.5, "gemm": 2.0}
+    fam_b = {"attention": 3.0, "kda_other": 1.6, "gemm": 8.0}
+    names_h = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 0.6, "nvjet_sm90_tst_256x160": 2.0}
+    names_b = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 1.5, "nvjet_sm90_tst_256x160": 8.0}
+    comp = {"matmul": 4.0, "attention": 2.0, "kda": 3.2, "total": 3.5}
+    p = profile_record(0, 400, 100, (fam_h, None, names_h, {}), (fam_b, None, names_b, {}), flop_compression=comp)
+    f = p["families"]
+    assert f["attention"]["flop_ideal_s"] == 1.5 and f["attention"]["flop_excess_s"] == -0.5
+    assert f["kda_other"]["flop_ideal_s"] == 0.5 and f["gemm"]["flop_ideal_s"] == 2.0
+    assert f["gemm"]["ideal_s"] == 2.0 and f["attention"]["ideal_s"] == 0.75  # the row ideal is kept beside it
+    k = {x["name"]: x for x in p["kernels"]}
+    assert k["cudnn_generated_fort_native_sdpa_sm90_flash_bprop"]["flop_ideal_s"] == 0.75
+    assert abs(p["flop_parity"] - (1.5 + 0.5 + 2.0) / 3.5) < 1e-12
+    assert "flop_parity" not in profile_record(0, 400, 100, (fam_h, None, {}, {}), (fam_b, None, {}, {}))
+
+
 def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path, monkeypatch):
     """``--profile-only``: one profile of the chosen microbatch (by raw rows) of each path, written as
     speedup_profile.json (HARTS's share written before the baseline is profiled); no microbatch is timed (no
@@ -199,5 +221,8 @@ def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path,
     assert partial[0]["harts_families_s"] == {"gemm": 1.0} and partial[0]["index"] == r["profile"]["index"]
     assert "partial" not in r
     assert r["profile"]["families"]["gemm"]["excess_s"] == 1.0 - 1.0 / r["profile"]["compression"]
+    # the per-FLOP ideal of the matmul families is the row ideal: matmul FLOPs compress exactly like rows
+    gemm = r["profile"]["families"]["gemm"]
+    assert abs(gemm["flop_ideal_s"] - gemm["ideal_s"]) < 1e-12 and "attention" in r["profile"]["flop_compression"]
     with pytest.raises(SystemExit):
         main(common + ["--no-profile"])
