@@ -10,12 +10,14 @@ inputs at Ling-3.0-tiny's heads and head dims; forward and backward are timed ap
 per FLOP than the baseline's calls shows where the split loses. The unmasked pieces' backward is timed at
 every key-chunk count of ``--bwd-chunks`` (``split._bwd_chunked``) beside the count the split picks.
 
-Writes ``split_pieces.json`` (a row per call) and prints a table per piece class.
+Writes ``split_pieces.json`` (a row per call) and prints a table per piece class. On a CPU (``--device cpu``, a
+debug preset and a small workload) the math pieces run the same plumbing: a smoke run, not a measurement.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -23,10 +25,15 @@ from benchmarks.common import add_workload_args, subbatches
 from benchmarks.output import write_results
 
 
-def _time_ms(fn, repeats: int) -> float:
+def _time_ms(fn, repeats: int, cuda: bool) -> float:
     fn()  # cuDNN plans, allocator
     times = []
     for _ in range(repeats):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -49,12 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatch", choices=("smallest", "largest"), default="smallest",
                     help="which of them by raw rows")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bwd-chunks", default="1,2,4,8", help="key-chunk counts timed for unmasked backward calls")
+    ap.add_argument("--bwd-chunks", default="1,2,4,8,16", help="key-chunk counts timed for unmasked backward calls")
     ap.add_argument("--out", default="out/bench_split_pieces")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.split_pieces times cuDNN calls: it needs a CUDA device")
-    dev, dt = torch.device("cuda"), getattr(torch, args.dtype)
+    dev, dt = torch.device(args.device), getattr(torch, args.dtype)
+    cuda = dev.type == "cuda"
     cfg = model_config(args.preset)
     H, D, Dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
     scale = D ** -0.5
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
     pick = (min if args.microbatch == "smallest" else max)(range(len(mbs)), key=raws.__getitem__)
     trajs = mbs[pick]
     plan = pack(trajs, config=cfg).mla_split_plan
-    fwd, bwd = split.PIECES["cudnn"]
+    fwd, bwd = split.PIECES["cudnn" if cuda else "math"]  # math: a CPU smoke run of the plumbing, no measurement
     chunk_counts = [int(b) for b in args.bwd_chunks.split(",")]
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -76,7 +82,7 @@ def main(argv=None) -> int:
         q, k, v = rand(Lq, H, D), rand(S, H, D), rand(S, H, Dv)
         fB = 1 if causal else split.key_chunks(Lq, S, H)
         ops = split._chunked(q, k, v, fB)
-        fwd_ms = _time_ms(lambda: fwd(*ops, causal, scale), args.repeats)
+        fwd_ms = _time_ms(lambda: fwd(*ops, causal, scale), args.repeats, cuda)
         o, lse, aux = fwd(*split._chunked(q, k, v, 1), causal, scale)
         do = rand(1, H, Lq, Dv)
         flops = 4 * (D + Dv) * H * pairs
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
                 call = lambda: bwd(do, *split._chunked(q, k, v, 1), o, lse, aux, True, scale)  # noqa: E731
             else:
                 call = lambda b=b: split._bwd_chunked(bwd, do, split._heads_first(q), k, v, o, lse, aux, scale, b)  # noqa: E731
-            ms = _time_ms(call, args.repeats)
+            ms = _time_ms(call, args.repeats, cuda)
             row[f"bwd_ms_B{b}"] = ms
             row[f"bwd_tflops_B{b}"] = 2.5 * flops / ms / 1e9
         row["bwd_chunks_picked"] = 1 if causal else split.bwd_key_chunks(Lq, S)
@@ -130,8 +136,9 @@ def main(argv=None) -> int:
         print(f"{k:10s} {s['pairs']:14,} {s['fwd_ms']:8.1f} {flops[k] / s['fwd_ms'] / 1e9:9.0f} {s['bwd_ms_B1']:10.1f} "
               f"{2.5 * flops[k] / s['bwd_ms_B1'] / 1e9:9.0f} {s['bwd_ms_picked']:14.1f} "
               f"{2.5 * flops[k] / s['bwd_ms_picked'] / 1e9:6.0f}")
-    res = {"args": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version(), "microbatch": pick, "raw": raws[pick], "heads": H,
+    res = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version() if cuda else None, "smoke": not cuda,
+           "microbatch": pick, "raw": raws[pick], "heads": H,
            "qk_head_dim": D, "v_head_dim": Dv, "summary": summary, "calls": rows}
     write_results(args.out, "split_pieces", res)
     return 0
