@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     for name, kinds in (("split", ("shared", "causal", "gathered")), ("baseline", ("baseline",))):
         pairs = sum(r["pairs"] for r in rows if r["kind"] in kinds)
         s = {"pairs": pairs, "fwd_ms": total(kinds, "fwd_ms"), "bwd_ms_B1": total(kinds, "bwd_ms_B1")}
-        s["bwd_ms_picked"] = sum(r[f"bwd_ms_B{r['bwd_chunks_picked']}"] if f"bwd_ms_B{r['bwd_chunks_picked']}" in r
-                                 else r["bwd_ms_B1"] for r in rows if r["kind"] in kinds)
+        s["bwd_ms_picked"] = sum(r.get(f"bwd_ms_B{r['bwd_chunks_picked']}", r["bwd_ms_B1"])
+                                 for r in rows if r["kind"] in kinds)
         for b in chunk_counts[1:]:
             s[f"bwd_ms_B{b}_where_admissible"] = total(kinds, f"bwd_ms_B{b}")
         summary[name] = s

@@ -234,10 +234,9 @@ def _bwd_chunked(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, sc
     if B == 1:
         return bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False, scale)
     q, k, v = _chunked(q_1HLD[0].transpose(0, 1), k_SGD, v_SGDv, B)
-    rep = (B, *do_1HLDv.shape[1:])
-    do = do_1HLDv.expand(rep).contiguous()
-    o = o_1HLDv.transpose(1, 2).expand(B, *o_1HLDv.transpose(1, 2).shape[1:]).contiguous().transpose(1, 2)
-    lse = lse_1HL.expand(B, *lse_1HL.shape[1:])
+    do = do_1HLDv.expand(B, -1, -1, -1).contiguous()
+    o = o_1HLDv.transpose(1, 2).expand(B, -1, -1, -1).contiguous().transpose(1, 2)  # rows-first, as o is
+    lse = lse_1HL.expand(B, -1, -1)
     dq, dk, dv = bwd(do, q, k, v, o, lse, aux, False, scale)
     S = k_SGD.shape[0]
     dk, dv = (d.transpose(1, 2).reshape(S, *d.shape[1:2], d.shape[-1]) for d in (dk, dv))
@@ -421,11 +420,9 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
         gather = (at, A)
         causal = (at + A, rest_rows.size - A + L)
         at += rest_rows.size + L
-        cr = np.r_[piece_rows[1], piece_rows[2]]
-        start = int(cr[0]) if cr[-1] - cr[0] + 1 == cr.size and np.all(np.diff(cr) == 1) else -1
-        if start >= 0 and start + _bucket(cr.size) > num_keys:
-            start = -1
-        views.append(_View(int(cq[n]), L, tuple(slices), gather, causal, start))
+        cr = np.r_[piece_rows[1], piece_rows[2]]  # the causal piece's key rows: read in place when contiguous
+        in_place = np.all(np.diff(cr) == 1) and cr[0] + _bucket(cr.size) <= num_keys
+        views.append(_View(int(cq[n]), L, tuple(slices), gather, causal, int(cr[0]) if in_place else -1))
     # one in-place piece per run, for all its views' queries: the run's keys are read once per layer
     shared, where = [], {}
     for (start, B), readers in runs.items():
@@ -447,8 +444,8 @@ def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
     qv = q_CHD[view.q0:view.q0 + view.L]
     o0, m = view.causal
     n = view.own_rows
-    if view.causal_start >= 0:
-        s = view.causal_start
+    s = view.causal_start
+    if s >= 0:
         causal = (_rows(qv, view.R, n), k_XHD[s:s + n], v_XHDv[s:s + n], slice(s, s + m))
     else:
         ci = idx[o0:o0 + m]
@@ -488,6 +485,14 @@ def _grad_heads_first(do_CHDv, ranges, front: int, total: int):
     if at < total:
         out[0, :, at:].zero_()
     return out
+
+
+def _add_rows(dx_XHX, rows, g_RHX) -> None:
+    """Adds a piece's key / value gradient into its key rows: a slice (rows read in place) or an index tensor."""
+    if isinstance(rows, slice):
+        dx_XHX[rows].add_(g_RHX)
+    else:
+        dx_XHX.index_add_(0, rows, g_RHX)
 
 
 class _Split(torch.autograd.Function):
@@ -540,12 +545,8 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
             g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
-            if isinstance(causal[3], slice):  # read in place: the key rows' gradients add into their slice
-                dk[causal[3]].add_(g[1][0, :, :R + L].transpose(0, 1))
-                dv[causal[3]].add_(g[2][0, :, :R + L].transpose(0, 1))
-            else:
-                dk.index_add_(0, causal[3], g[1][0, :, :R + L].transpose(0, 1))
-                dv.index_add_(0, causal[3], g[2][0, :, :R + L].transpose(0, 1))
+            _add_rows(dk, causal[3], g[1][0, :, :R + L].transpose(0, 1))
+            _add_rows(dv, causal[3], g[2][0, :, :R + L].transpose(0, 1))
             if gathered is not None:
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
