@@ -6,9 +6,10 @@ the split (``harts.ops.attention.split``: the shared in-place pieces, each view'
 of the trajectory-wise baseline (one causal call per trajectory, padded to its length bucket) runs on random
 inputs at Ling-3.0-tiny's heads and head dims; forward and backward are timed apart (CUDA events, median of
 ``--repeats`` after a warm-up call that builds cuDNN's plans). Each call's rate is its computed pairs' FLOPs
-(4 (Dqk + Dv) per pair and head forward, 2.5x that backward) over its time, so a piece class that runs slower
-per FLOP than the baseline's calls shows where the split loses. The unmasked pieces' backward is timed at
-every key-chunk count of ``--bwd-chunks`` (``split._bwd_chunked``) beside the count the split picks.
+(2 (Dqk + Dv) per pair and head forward, 2.5x that backward) over its time, so a piece class that runs slower
+per FLOP than the baseline's calls shows where the split loses. The unmasked pieces' backward is timed both
+ways ``split._bwd_unmasked`` runs it: one unmasked call, and causal calls over key chunks (the split's way
+where ``split.UNMASKED_BWD_AS_CAUSAL``).
 
 Writes ``split_pieces.json`` (a row per call) and prints a table per piece class. On a CPU (``--device cpu``, a
 debug preset and a small workload) the math pieces run the same plumbing: a smoke run, not a measurement.
@@ -56,7 +57,6 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatch", choices=("smallest", "largest"), default="smallest",
                     help="which of them by raw rows")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bwd-chunks", default="1,2,4,8,16", help="key-chunk counts timed for unmasked backward calls")
     ap.add_argument("--out", default="out/bench_split_pieces")
     args = ap.parse_args(argv)
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
@@ -70,13 +70,13 @@ def main(argv=None) -> int:
     trajs = mbs[pick]
     plan = pack(trajs, config=cfg).mla_split_plan
     fwd, bwd = split.PIECES["cudnn" if cuda else "math"]  # math: a CPU smoke run of the plumbing, no measurement
-    chunk_counts = [int(b) for b in args.bwd_chunks.split(",")]
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, device=dev, dtype=dt)
 
     rows = []
+    piece = "cudnn" if cuda else "math"
 
     def run(kind: str, Lq: int, S: int, causal: bool, pairs: int):
         q, k, v = rand(Lq, H, D), rand(S, H, D), rand(S, H, Dv)
@@ -85,23 +85,26 @@ def main(argv=None) -> int:
         fwd_ms = _time_ms(lambda: fwd(*ops, causal, scale), args.repeats, cuda)
         o, lse, aux = fwd(*split._chunked(q, k, v, 1), causal, scale)
         do = rand(1, H, Lq, Dv)
-        flops = 4 * (D + Dv) * H * pairs
+        flops = 2 * (D + Dv) * H * pairs
         row = {"kind": kind, "queries": Lq, "keys": S, "causal": causal, "pairs": pairs, "fwd_chunks": fB,
                "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9}
-        counts = [1] if causal else [b for b in chunk_counts if b == 1 or split.bwd_key_chunks(Lq, S, b) == b]
-        for b in counts:
-            if causal:
-                call = lambda: bwd(do, *split._chunked(q, k, v, 1), o, lse, aux, True, scale)  # noqa: E731
-            else:
-                call = lambda b=b: split._bwd_chunked(bwd, do, split._heads_first(q), k, v, o, lse, aux, scale, b)  # noqa: E731
+        if causal:
+            ways = {"causal": lambda: bwd(do, *split._chunked(q, k, v, 1), o, lse, aux, True, scale)}
+        else:
+            ways = {way: (lambda c=c: split._bwd_unmasked(bwd, c, do, split._heads_first(q), k, v, o, lse, aux, scale))
+                    for way, c in (("unmasked", False), ("as_causal", True))}
+            row["bwd_key_chunks"] = split.causal_key_chunks(Lq, S)
+        for way, call in ways.items():
             ms = _time_ms(call, args.repeats, cuda)
-            row[f"bwd_ms_B{b}"] = ms
-            row[f"bwd_tflops_B{b}"] = 2.5 * flops / ms / 1e9
-        row["bwd_chunks_picked"] = 1 if causal else split.bwd_key_chunks(Lq, S)
+            row[f"bwd_ms_{way}"] = ms
+            row[f"bwd_tflops_{way}"] = 2.5 * flops / ms / 1e9
+        picked = "causal" if causal else (
+            "as_causal" if split.UNMASKED_BWD_AS_CAUSAL[piece] and row["bwd_key_chunks"] else "unmasked")
+        row["bwd_ms"], row["bwd_picked"] = row[f"bwd_ms_{picked}"], picked
         rows.append(row)
         print(f"  {kind:8s} {Lq:>7,} x {S:>7,} {'causal' if causal else 'full':6s} fwd {fwd_ms:7.2f} ms "
-              f"{row['fwd_tflops']:5.0f} TF/s  bwd " + "  ".join(
-                  f"B{b} {row[f'bwd_ms_B{b}']:7.2f} ms {row[f'bwd_tflops_B{b}']:4.0f} TF/s" for b in counts),
+              f"{row['fwd_tflops']:4.0f} TF/s  bwd " + "  ".join(
+                  f"{way} {row[f'bwd_ms_{way}']:7.2f} ms {row[f'bwd_tflops_{way}']:4.0f} TF/s" for way in ways),
               flush=True)
 
     print(f"microbatch {pick} of {len(mbs)} (raw {raws[pick]:,}): {len(plan.shared)} shared, {len(plan.views)} views")
@@ -117,25 +120,18 @@ def main(argv=None) -> int:
             n = _bucket(len(trajs[i]))
             run("baseline", n, n, True, n * (n + 1) // 2)
 
-    def total(kinds, key):
-        return sum(r.get(key, r["bwd_ms_B1"]) for r in rows if r["kind"] in kinds)
-
     summary = {}
     for name, kinds in (("split", ("shared", "causal", "gathered")), ("baseline", ("baseline",))):
-        pairs = sum(r["pairs"] for r in rows if r["kind"] in kinds)
-        s = {"pairs": pairs, "fwd_ms": total(kinds, "fwd_ms"), "bwd_ms_B1": total(kinds, "bwd_ms_B1")}
-        s["bwd_ms_picked"] = sum(r.get(f"bwd_ms_B{r['bwd_chunks_picked']}", r["bwd_ms_B1"])
-                                 for r in rows if r["kind"] in kinds)
-        for b in chunk_counts[1:]:
-            s[f"bwd_ms_B{b}_where_admissible"] = total(kinds, f"bwd_ms_B{b}")
-        summary[name] = s
-    flops = {k: 4 * (D + Dv) * H * v["pairs"] for k, v in summary.items()}
-    print(f"\n{'':10s} {'pairs':>14s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'bwd ms B1':>10s} {'bwd TF/s':>9s} "
-          f"{'bwd ms picked':>14s} {'TF/s':>6s}")
+        mine = [r for r in rows if r["kind"] in kinds]
+        summary[name] = {"pairs": sum(r["pairs"] for r in mine), "fwd_ms": sum(r["fwd_ms"] for r in mine),
+                         "bwd_ms_unmasked": sum(r.get("bwd_ms_unmasked", r["bwd_ms"]) for r in mine),
+                         "bwd_ms": sum(r["bwd_ms"] for r in mine)}
+    print(f"\n{'':10s} {'pairs':>14s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'bwd ms':>8s} {'bwd TF/s':>9s} "
+          f"{'bwd ms, unmasked pieces unmasked':>33s}")
     for k, s in summary.items():
-        print(f"{k:10s} {s['pairs']:14,} {s['fwd_ms']:8.1f} {flops[k] / s['fwd_ms'] / 1e9:9.0f} {s['bwd_ms_B1']:10.1f} "
-              f"{2.5 * flops[k] / s['bwd_ms_B1'] / 1e9:9.0f} {s['bwd_ms_picked']:14.1f} "
-              f"{2.5 * flops[k] / s['bwd_ms_picked'] / 1e9:6.0f}")
+        f = 2 * (D + Dv) * H * s["pairs"]
+        print(f"{k:10s} {s['pairs']:14,} {s['fwd_ms']:8.1f} {f / s['fwd_ms'] / 1e9:9.0f} {s['bwd_ms']:8.1f} "
+              f"{2.5 * f / s['bwd_ms'] / 1e9:9.0f} {s['bwd_ms_unmasked']:33.1f}")
     res = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version() if cuda else None, "smoke": not cuda,
            "microbatch": pick, "raw": raws[pick], "heads": H,

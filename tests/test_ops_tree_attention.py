@@ -225,34 +225,57 @@ def test_split_key_chunks_float64(monkeypatch, La, L):
 
 
 @pytest.mark.parametrize("H,G", [(2, 2), (4, 2)])
-def test_split_backward_key_chunks_float64(monkeypatch, H, G):
-    """The backward of unmasked pieces (in place and gathered) as batched key chunks, each chunk's dq summed
-    (the chunk minimum lowered so that small pieces chunk): q/k/v gradients equal brute-force bottom-right
-    causal attention in float64, also with grouped key / value heads, and chunked backward calls did run."""
+def test_split_unmasked_backward_as_causal_float64(monkeypatch, H, G):
+    """The backward of unmasked pieces (in place and gathered) as causal calls over key chunks (the cuDNN
+    path's way, here on the math pieces): q/k/v gradients equal brute-force bottom-right causal attention in
+    float64, also with grouped key / value heads; pieces with more keys than queries (several chunks) and
+    with fewer (one chunk) both ran."""
     import harts.ops.attention.split as split
 
-    monkeypatch.setattr(split, "BWD_MIN_CHUNK_KEYS", 128)
-    monkeypatch.setattr(split, "BWD_CHUNKS", 4)
-    chunks, bwd_key_chunks = [], split.bwd_key_chunks
-    monkeypatch.setattr(split, "bwd_key_chunks", lambda *a: chunks.append(bwd_key_chunks(*a)) or chunks[-1])
-    anc = [np.arange(1024), np.r_[np.arange(1024), np.arange(1100, 1612)]]
-    own = [np.arange(1024, 1100), np.arange(1612, 1650)]
+    monkeypatch.setitem(split.UNMASKED_BWD_AS_CAUSAL, "math", True)
+    chunks, causal_key_chunks = [], split.causal_key_chunks
+    monkeypatch.setattr(split, "causal_key_chunks", lambda *a: chunks.append((a, causal_key_chunks(*a))) or
+                        chunks[-1][1])
+    anc = [np.arange(1024), np.r_[np.arange(1024), np.arange(1100, 1612)],
+           np.r_[np.arange(1650, 1800), np.arange(1900, 2050)]]
+    own = [np.arange(1024, 1100), np.arange(1612, 1650), np.arange(2050, 2400)]
     kv_rows = np.concatenate([np.r_[a, o] for a, o in zip(anc, own)])
     cu_q = torch.tensor([0, *np.cumsum([len(o) for o in own])])
     cu_k = torch.tensor([0, *np.cumsum([len(a) + len(o) for a, o in zip(anc, own)])])
-    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=1650, min_in_place=1024)
+    X = 2400
+    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=X, min_in_place=1024)
     assert plan.shared and any(v.gather[1] for v in plan.views), (plan.shared, plan.views)
     D, Dv, scale = 16, 8, 0.3
     g = torch.Generator().manual_seed(H + G)
     q = torch.randn(int(cu_q[-1]), H, D, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1650, G, D, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1650, G, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(X, G, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(X, G, Dv, generator=g, dtype=torch.float64, requires_grad=True)
     o = split.split_attention(q, k, v, plan, scale, piece="math")
     rows = torch.as_tensor(kv_rows)
     k_ref, v_ref = (t.repeat_interleave(H // G, dim=1).index_select(0, rows) for t in (k, v))
     o_ref = varlen_attention_reference(q, k_ref, v_ref, cu_q, cu_k, scale)
     _assert_same_float64(o, o_ref, (q, k, v), g)
-    assert max(chunks) == 4, chunks  # the in-place piece: 1024 keys in 4 chunks of 256
+    ran = {((L, S), B) for (L, S), B in chunks}
+    assert ((128, 1024), 8) in ran and ((128, 512), 4) in ran, ran  # the in-place run, the gathered run
+    assert any(B == 1 and S < L for (L, S), B in ran), ran  # the third view: 350 queries over 256 keys
+
+
+def test_causal_key_chunks():
+    """The backward's key chunks hold at most the piece's query rows each, in whole 128-key tiles, and are the
+    fewest that do, up to MAX_BWD_QUERY_REPEATS times the fewest possible; 0 when none fits."""
+    import harts.ops.attention.split as split
+
+    for L in (128, 200, 1000, 11776):
+        for S in range(128, 40000, 128 * 7):
+            B = split.causal_key_chunks(L, S)
+            if S <= L:
+                assert B == 1, (L, S, B)
+                continue
+            fewest = -(-S // L)
+            ok = [b for b in range(fewest, split.MAX_BWD_QUERY_REPEATS * fewest + 1) if S % (b * 128) == 0]
+            assert B == (ok[0] if ok else 0), (L, S, B)
+            if B:
+                assert S // B <= L and S // B % 128 == 0
 
 
 def test_split_shares_in_place_runs_between_views_float64():
@@ -510,3 +533,31 @@ def test_view_attention_impl_names_why_the_split_does_not_apply():
         assert view_attention_impl(q, v) == ("varlen", "requested")
     with pytest.raises(ValueError, match="view kernel 'flash'"):
         view_attention_impl(q, v, "flash")
+
+
+@pytest.mark.parametrize("L,S,c", [(40, 256, 64), (40, 96, 32), (100, 64, 64), (128, 384, 128)])
+def test_unmasked_backward_causal_variants_float64(L, S, c):
+    """Every way ``split`` can run an unmasked piece's backward as causal calls gives the unmasked call's
+    gradients in float64 (math pieces, grouped heads, padding query rows with zero output gradient)."""
+    import harts.ops.attention.split as split
+
+    H, G, D, Dv, scale = 4, 2, 16, 8, 0.3
+    g = torch.Generator().manual_seed(L + S + c)
+    q_LHD = torch.randn(L, H, D, generator=g, dtype=torch.float64)
+    q_LHD[-3:] = 0  # padding rows, as the pieces have
+    k, v = (torch.randn(S, G, x, generator=g, dtype=torch.float64) for x in (D, Dv))
+    fwd, bwd = split.PIECES["math"]
+    q = split._heads_first(q_LHD)
+    o, lse, aux = fwd(q, split._heads_first(k), split._heads_first(v), False, scale)
+    o = split._heads_first(o[0].transpose(0, 1).contiguous())
+    do = torch.randn(1, H, L, Dv, generator=g, dtype=torch.float64)
+    do[:, :, -3:] = 0
+    ref = split._bwd_unmasked(bwd, False, do, q, k, v, o, lse, aux, scale)
+    outs = {"pad": split._bwd_pad_calls(bwd, do, q, k, v, o, lse, aux, scale, c)}
+    if c <= L:
+        outs["flip"] = split._bwd_flip_calls(bwd, do, q, k, v, o, lse, aux, scale, c)
+    if split.causal_key_chunks(L, S):
+        outs["batched"] = split._bwd_unmasked(bwd, True, do, q, k, v, o, lse, aux, scale)
+    for way, got in outs.items():
+        for name, a, b in zip("qkv", got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{way} d{name}: {m}")

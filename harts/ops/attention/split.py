@@ -65,11 +65,12 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 
 def _scores(q_1HLD, k_1HSD, causal: bool, scale: float):
-    """Scaled scores in the accumulation dtype, -inf above the diagonal when causal (L == S)."""
+    """Scaled scores in the accumulation dtype, -inf above the diagonal when causal (top-left: query i sees
+    keys j <= i, as cuDNN aligns it)."""
     s = torch.matmul(q_1HLD, k_1HSD.transpose(-1, -2)).to(_acc(q_1HLD)) * scale
     if causal:
-        L = s.shape[-2]
-        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
@@ -202,45 +203,117 @@ def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -
     return best
 
 
-# Key chunks of an unmasked piece's backward. Profiled on Ling-3.0-tiny (benchmarks/results, speedup_profile),
-# the split's forward runs at the baseline's rate per FLOP and its backward slower, the unmasked pieces (few
-# queries over many keys) below the causal squares. cuDNN's backward runs one program per (key tile, head), each
-# walking every query tile and adding its share of dQ into one fp32 buffer: over an unmasked piece all programs
-# start at the first query tile, where a causal square spreads them along its diagonal. Cut into B key chunks
-# as a batch, each chunk adds into its own dQ (summed after), at the price of B copies of q, dO and o. Whether
-# that pays depends on the order cuDNN runs its programs in, which only a measurement tells
-# (``python -m benchmarks.split_pieces`` times every count), so the default is one call: BWD_CHUNKS = 1. With
-# BWD_CHUNKS > 1, B is the largest count up to it that leaves at least BWD_MIN_CHUNK_KEYS keys per chunk in
-# whole 128-key tiles (1 for a piece with at least as many queries as keys).
-BWD_CHUNKS = 1
-BWD_MIN_CHUNK_KEYS = 2048
+# The backward of an unmasked piece as causal calls. cuDNN's backward of an unmasked call runs at about 0.6 of the
+# rate per FLOP of its causal backward, whatever the shape (square or not, few or many queries: measured by
+# ``python -m benchmarks.split_pieces``), while the forwards run at one rate. So an unmasked piece's backward
+# runs as two causal calls that cover its pairs once: its keys cut into B chunks of c <= L keys, the "lower" call
+# is each chunk's top-left causal L x c (query i over the chunk's keys j <= i, every key for i >= c - 1), the
+# "upper" call each chunk's remaining pairs j > i of the first c - 1 queries, which are top-left causal c x c
+# over the chunk's keys and those queries in reverse order (query row r is query c - 2 - r, row c - 1 a zero
+# row whose zero output gradient adds nothing). Both take the merged output and lse, as every piece does, so
+# their gradients sum to the unmasked call's. The price is copies: the queries, output gradient and output
+# repeated per chunk and the chunks' keys reversed. Per piece implementation (the math piece is exact either
+# way; the tests run it with the causal calls too).
+UNMASKED_BWD_AS_CAUSAL = {"cudnn": True, "math": False}
+MAX_BWD_QUERY_REPEATS = 4  # at most this many more chunks than keys / queries (each repeats the queries once)
 
 
-def bwd_key_chunks(query_rows: int, keys: int, limit: int | None = None) -> int:
-    """How many key chunks the backward of an unmasked piece of ``query_rows`` x ``keys`` runs as (1: one call)."""
-    limit = BWD_CHUNKS if limit is None else limit
-    if query_rows >= keys:
+def causal_key_chunks(query_rows: int, keys: int) -> int:
+    """How many key chunks of at most ``query_rows`` keys, each whole 128-key tiles, the backward of an unmasked
+    piece of ``query_rows`` x ``keys`` runs its causal calls over (0: none fits, the piece runs unmasked)."""
+    if keys <= query_rows:
         return 1
-    for b in range(limit, 1, -1):
-        if keys % (b * 128) == 0 and keys // b >= BWD_MIN_CHUNK_KEYS:
+    fewest = -(-keys // query_rows)
+    for b in range(fewest, MAX_BWD_QUERY_REPEATS * fewest + 1):
+        if keys % (b * 128) == 0:
             return b
-    return 1
+    return 0
 
 
-def _bwd_chunked(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, B: int):
-    """The backward of an unmasked piece (keys and values [S, G, X] rows) as ``B`` key chunks of one batched
-    call: dq [1, H, L, D] (the chunks' summed), dk [1, G, S, D], dv [1, G, S, Dv]. The queries, output gradient,
-    output and lse repeat per chunk in the layouts the unchunked call gets (see ``_cudnn_bwd``)."""
-    if B == 1:
+def _bwd_unmasked(bwd, as_causal: bool, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float):
+    """The backward of an unmasked piece (keys and values [S, G, X] rows): dq [1, H, L, D], dk [1, G, S, D],
+    dv [1, G, S, Dv]; with ``as_causal`` as causal calls over key chunks (see UNMASKED_BWD_AS_CAUSAL). The
+    chunked operands keep the layouts the single call gets (see ``_cudnn_bwd``): queries and output rows-first,
+    output gradient heads-first."""
+    L, (S, G) = q_1HLD.shape[2], k_SGD.shape[:2]
+    B = causal_key_chunks(L, S) if as_causal else 0
+    if not B:
         return bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False, scale)
-    q, k, v = _chunked(q_1HLD[0].transpose(0, 1), k_SGD, v_SGDv, B)
-    do = do_1HLDv.expand(B, -1, -1, -1).contiguous()
-    o = o_1HLDv.transpose(1, 2).expand(B, -1, -1, -1).contiguous().transpose(1, 2)  # rows-first, as o is
-    lse = lse_1HL.expand(B, -1, -1)
-    dq, dk, dv = bwd(do, q, k, v, o, lse, aux, False, scale)
-    S = k_SGD.shape[0]
-    dk, dv = (d.transpose(1, 2).reshape(S, *d.shape[1:2], d.shape[-1]) for d in (dk, dv))
-    return dq.sum(0, keepdim=True), _heads_first(dk), _heads_first(dv)
+    c = S // B
+
+    def rows_first(x_1HRX):  # [B, H, R, X] over rows-first storage, the rows repeated per chunk
+        x = x_1HRX.transpose(1, 2)
+        return x.expand(B, *x.shape[1:]).contiguous().transpose(1, 2)
+
+    k_BcGD, v_BcGDv = (x.view(B, c, G, x.shape[-1]) for x in (k_SGD, v_SGDv))
+    q, o, do, lse = rows_first(q_1HLD), rows_first(o_1HLDv), do_1HLDv.expand(B, -1, -1, -1).contiguous(), \
+        lse_1HL.expand(B, -1, -1)
+    dq_lo, dk_lo, dv_lo = bwd(do, q, k_BcGD.transpose(1, 2), v_BcGDv.transpose(1, 2), o, lse, aux, True, scale)
+    # the upper pairs: queries c - 2, ..., 0 and a zero row over each chunk's keys reversed
+    rev = torch.arange(c - 2, -1, -1, device=q_1HLD.device)
+    q, o = rows_first(_rows_up(q_1HLD, rev)), rows_first(_rows_up(o_1HLDv, rev))
+    do = _rows_up(do_1HLDv, rev).expand(B, -1, -1, -1).contiguous()
+    lse = F.pad(lse_1HL[:, :, rev], (0, 1)).expand(B, -1, -1)
+    k_up, v_up = (x.flip(1).transpose(1, 2) for x in (k_BcGD, v_BcGDv))
+    dq_up, dk_up, dv_up = bwd(do, q, k_up, v_up, o, lse, aux, True, scale)
+    acc = _acc(dq_lo)
+    dq = dq_lo.sum(0, keepdim=True, dtype=acc)
+    dq[:, :, :c - 1] += dq_up[:, :, :c - 1].sum(0, keepdim=True, dtype=acc).flip(2)
+    dk, dv = ((lo + up.flip(2)).transpose(1, 2).reshape(S, G, lo.shape[-1]) for lo, up in ((dk_lo, dk_up),
+                                                                                          (dv_lo, dv_up)))
+    return dq.to(dq_lo.dtype), _heads_first(dk), _heads_first(dv)
+
+
+def _bwd_pad_calls(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, c: int):
+    """An unmasked piece's backward as one top-left causal call per chunk of ``c`` keys whose queries follow
+    c zero rows (every real query sees every key of the chunk; the zero rows' zero output gradient adds
+    nothing): no reversed copies, c^2 / 2 wasted pairs per chunk."""
+    S, G = k_SGD.shape[:2]
+
+    def front(x_1HLX):  # rows-first storage, heads-first view
+        return _heads_first(F.pad(x_1HLX[0].transpose(0, 1), (0, 0, 0, 0, c, 0)))
+
+    q, o = front(q_1HLD), front(o_1HLDv)
+    do = F.pad(do_1HLDv, (0, 0, c, 0))
+    lse = F.pad(lse_1HL, (c, 0))
+    dq = None
+    dk, dv = k_SGD.new_empty(S, G, k_SGD.shape[-1]), v_SGDv.new_empty(S, G, v_SGDv.shape[-1])
+    for j in range(0, S, c):
+        n = min(c, S - j)
+        g = bwd(do, q, _heads_first(k_SGD[j:j + n]), _heads_first(v_SGDv[j:j + n]), o, lse, aux, True, scale)
+        dq = g[0][:, :, c:].to(_acc(g[0])) if dq is None else dq.add_(g[0][:, :, c:])
+        dk[j:j + n], dv[j:j + n] = g[1][0].transpose(0, 1), g[2][0].transpose(0, 1)
+    return dq.to(q_1HLD.dtype), _heads_first(dk), _heads_first(dv)
+
+
+def _bwd_flip_calls(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, c: int):
+    """``_bwd_unmasked``'s lower and upper causal calls one chunk of ``c`` <= L keys at a time: the lower calls
+    read the queries and keys in place, the upper calls one reversed copy of the first c - 1 queries and of
+    the keys."""
+    S, G = k_SGD.shape[:2]
+    rev = torch.arange(c - 2, -1, -1, device=q_1HLD.device)
+    qu, ou = (_heads_first(_rows_up(x, rev)[0].transpose(0, 1).contiguous()) for x in (q_1HLD, o_1HLDv))
+    dou, lseu = _rows_up(do_1HLDv, rev), F.pad(lse_1HL[:, :, rev], (0, 1))
+    k_rev, v_rev = k_SGD.flip(0), v_SGDv.flip(0)
+    dq = dqu = None
+    dk, dv = k_SGD.new_empty(S, G, k_SGD.shape[-1]), v_SGDv.new_empty(S, G, v_SGDv.shape[-1])
+    for j in range(0, S, c):
+        lo = bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD[j:j + c]), _heads_first(v_SGDv[j:j + c]), o_1HLDv, lse_1HL,
+                 aux, True, scale)
+        r = S - j - c  # the chunk's keys reversed
+        up = bwd(dou, qu, _heads_first(k_rev[r:r + c]), _heads_first(v_rev[r:r + c]), ou, lseu, aux, True, scale)
+        dq = lo[0].to(_acc(lo[0])) if dq is None else dq.add_(lo[0])
+        dqu = up[0].to(_acc(up[0])) if dqu is None else dqu.add_(up[0])
+        dk[j:j + c] = (lo[1] + up[1].flip(2))[0].transpose(0, 1)
+        dv[j:j + c] = (lo[2] + up[2].flip(2))[0].transpose(0, 1)
+    dq[:, :, :c - 1] += dqu[:, :, :c - 1].flip(2)
+    return dq.to(q_1HLD.dtype), _heads_first(dk), _heads_first(dv)
+
+
+def _rows_up(x_1HLX, rev):
+    """The rows ``rev`` of x (heads-first), then one zero row: the upper causal call's queries (see
+    ``_bwd_unmasked``)."""
+    return F.pad(x_1HLX[:, :, rev], (0, 0, 0, 1))
 
 
 def _chunked(q_LHD, k_SGD, v_SGDv, B: int):
@@ -530,6 +603,7 @@ class _Split(torch.autograd.Function):
     def backward(ctx, do_CHDv):
         q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH = ctx.saved_tensors
         plan, scale, bwd = ctx.plan, ctx.scale, PIECES[ctx.piece][1]
+        as_causal = UNMASKED_BWD_AS_CAUSAL[ctx.piece]
         idx = plan.index_on(q_CHD.device)
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
         dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
@@ -551,8 +625,7 @@ class _Split(torch.autograd.Function):
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
                 o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                g = _bwd_chunked(bwd, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale,
-                                 bwd_key_chunks(q.shape[0], k.shape[0]))
+                g = _bwd_unmasked(bwd, as_causal, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale)
                 dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
                 dk.index_add_(0, rows, g[1][0].transpose(0, 1))
                 dv.index_add_(0, rows, g[2][0].transpose(0, 1))
@@ -562,8 +635,8 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
-            g = _bwd_chunked(bwd, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux, scale,
-                             bwd_key_chunks(sp.query_rows, sp.keys))
+            g = _bwd_unmasked(bwd, as_causal, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux,
+                              scale)
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
