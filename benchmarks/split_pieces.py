@@ -91,15 +91,16 @@ def main(argv=None) -> int:
         if causal:
             ways = {"causal": lambda: bwd(do, *split._chunked(q, k, v, 1), o, lse, aux, True, scale)}
         else:
-            ways = {way: (lambda c=c: split._bwd_unmasked(bwd, c, do, split._heads_first(q), k, v, o, lse, aux, scale))
-                    for way, c in (("unmasked", False), ("as_causal", True))}
-            row["bwd_key_chunks"] = split.causal_key_chunks(Lq, S)
+            B = split.causal_key_chunks(Lq, S, min_query_rows=0)  # timed on every piece, picked on some
+            ways = {way: (lambda b=b: split._bwd_unmasked(bwd, b, do, split._heads_first(q), k, v, o, lse, aux, scale))
+                    for way, b in (("unmasked", 0), ("as_causal", B)) if way == "unmasked" or B}
+            row["bwd_key_chunks"] = B
         for way, call in ways.items():
             ms = _time_ms(call, args.repeats, cuda)
             row[f"bwd_ms_{way}"] = ms
             row[f"bwd_tflops_{way}"] = 2.5 * flops / ms / 1e9
         picked = "causal" if causal else (
-            "as_causal" if split.UNMASKED_BWD_AS_CAUSAL[piece] and row["bwd_key_chunks"] else "unmasked")
+            "as_causal" if split.UNMASKED_BWD_AS_CAUSAL[piece] and split.causal_key_chunks(Lq, S) else "unmasked")
         row["bwd_ms"], row["bwd_picked"] = row[f"bwd_ms_{picked}"], picked
         rows.append(row)
         print(f"  {kind:8s} {Lq:>7,} x {S:>7,} {'causal' if causal else 'full':6s} fwd {fwd_ms:7.2f} ms "

@@ -233,6 +233,7 @@ def test_split_unmasked_backward_as_causal_float64(monkeypatch, H, G):
     import harts.ops.attention.split as split
 
     monkeypatch.setitem(split.UNMASKED_BWD_AS_CAUSAL, "math", True)
+    monkeypatch.setattr(split, "AS_CAUSAL_MIN_QUERY_ROWS", 0)  # these pieces are small
     chunks, causal_key_chunks = [], split.causal_key_chunks
     monkeypatch.setattr(split, "causal_key_chunks", lambda *a: chunks.append((a, causal_key_chunks(*a))) or
                         chunks[-1][1])
@@ -262,12 +263,15 @@ def test_split_unmasked_backward_as_causal_float64(monkeypatch, H, G):
 
 def test_causal_key_chunks():
     """The backward's key chunks hold at most the piece's query rows each, in whole 128-key tiles, and are the
-    fewest that do, up to MAX_BWD_QUERY_REPEATS times the fewest possible; 0 when none fits."""
+    fewest that do, up to MAX_BWD_QUERY_REPEATS times the fewest possible; 0 when none fits or the piece has
+    fewer queries than AS_CAUSAL_MIN_QUERY_ROWS."""
     import harts.ops.attention.split as split
 
+    m = split.AS_CAUSAL_MIN_QUERY_ROWS
+    assert split.causal_key_chunks(m - 1, 128) == 0 and split.causal_key_chunks(m, 128) == 1
     for L in (128, 200, 1000, 11776):
         for S in range(128, 40000, 128 * 7):
-            B = split.causal_key_chunks(L, S)
+            B = split.causal_key_chunks(L, S, min_query_rows=0)
             if S <= L:
                 assert B == 1, (L, S, B)
                 continue
@@ -552,12 +556,13 @@ def test_unmasked_backward_causal_variants_float64(L, S, c):
     o = split._heads_first(o[0].transpose(0, 1).contiguous())
     do = torch.randn(1, H, L, Dv, generator=g, dtype=torch.float64)
     do[:, :, -3:] = 0
-    ref = split._bwd_unmasked(bwd, False, do, q, k, v, o, lse, aux, scale)
+    ref = split._bwd_unmasked(bwd, 0, do, q, k, v, o, lse, aux, scale)
     outs = {"pad": split._bwd_pad_calls(bwd, do, q, k, v, o, lse, aux, scale, c)}
     if c <= L:
         outs["flip"] = split._bwd_flip_calls(bwd, do, q, k, v, o, lse, aux, scale, c)
-    if split.causal_key_chunks(L, S):
-        outs["batched"] = split._bwd_unmasked(bwd, True, do, q, k, v, o, lse, aux, scale)
+    B = split.causal_key_chunks(L, S, min_query_rows=0)
+    if B:
+        outs["batched"] = split._bwd_unmasked(bwd, B, do, q, k, v, o, lse, aux, scale)
     for way, got in outs.items():
         for name, a, b in zip("qkv", got, ref):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{way} d{name}: {m}")

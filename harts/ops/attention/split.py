@@ -214,13 +214,20 @@ def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -
 # their gradients sum to the unmasked call's. The price is copies: the queries, output gradient and output
 # repeated per chunk and the chunks' keys reversed. Per piece implementation (the math piece is exact either
 # way; the tests run it with the causal calls too).
+# The causal calls pay only on pieces with many queries: on Ling-3.0-tiny's MLA (benchmarks/results,
+# split_pieces-h200-seed9002) they took 0.75 of the unmasked call's time at 11,776 queries and 1.02-1.2 at 3,072
+# and fewer, where the causal calls are small (so slower per FLOP) and the copies weigh more.
 UNMASKED_BWD_AS_CAUSAL = {"cudnn": True, "math": False}
+AS_CAUSAL_MIN_QUERY_ROWS = 8192
 MAX_BWD_QUERY_REPEATS = 4  # at most this many more chunks than keys / queries (each repeats the queries once)
 
 
-def causal_key_chunks(query_rows: int, keys: int) -> int:
+def causal_key_chunks(query_rows: int, keys: int, min_query_rows: int | None = None) -> int:
     """How many key chunks of at most ``query_rows`` keys, each whole 128-key tiles, the backward of an unmasked
-    piece of ``query_rows`` x ``keys`` runs its causal calls over (0: none fits, the piece runs unmasked)."""
+    piece of ``query_rows`` x ``keys`` runs its causal calls over (0: the piece runs unmasked: fewer than
+    ``min_query_rows`` queries, AS_CAUSAL_MIN_QUERY_ROWS by default, or no chunking fits)."""
+    if query_rows < (AS_CAUSAL_MIN_QUERY_ROWS if min_query_rows is None else min_query_rows):
+        return 0
     if keys <= query_rows:
         return 1
     fewest = -(-keys // query_rows)
@@ -230,13 +237,12 @@ def causal_key_chunks(query_rows: int, keys: int) -> int:
     return 0
 
 
-def _bwd_unmasked(bwd, as_causal: bool, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float):
+def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float):
     """The backward of an unmasked piece (keys and values [S, G, X] rows): dq [1, H, L, D], dk [1, G, S, D],
-    dv [1, G, S, Dv]; with ``as_causal`` as causal calls over key chunks (see UNMASKED_BWD_AS_CAUSAL). The
-    chunked operands keep the layouts the single call gets (see ``_cudnn_bwd``): queries and output rows-first,
-    output gradient heads-first."""
-    L, (S, G) = q_1HLD.shape[2], k_SGD.shape[:2]
-    B = causal_key_chunks(L, S) if as_causal else 0
+    dv [1, G, S, Dv]; one unmasked call for B = 0, else causal calls over B key chunks (``causal_key_chunks``,
+    see UNMASKED_BWD_AS_CAUSAL). The chunked operands keep the layouts the single call gets (see
+    ``_cudnn_bwd``): queries and output rows-first, output gradient heads-first."""
+    S, G = k_SGD.shape[:2]
     if not B:
         return bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False, scale)
     c = S // B
@@ -625,7 +631,8 @@ class _Split(torch.autograd.Function):
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
                 o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                g = _bwd_unmasked(bwd, as_causal, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale)
+                B = causal_key_chunks(q.shape[0], k.shape[0]) if as_causal else 0
+                g = _bwd_unmasked(bwd, B, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale)
                 dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
                 dk.index_add_(0, rows, g[1][0].transpose(0, 1))
                 dv.index_add_(0, rows, g[2][0].transpose(0, 1))
@@ -635,8 +642,8 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
-            g = _bwd_unmasked(bwd, as_causal, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux,
-                              scale)
+            B = causal_key_chunks(sp.query_rows, sp.keys) if as_causal else 0
+            g = _bwd_unmasked(bwd, B, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux, scale)
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
