@@ -177,6 +177,9 @@ def dense_stand_ins():
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(split.PIECES, {"null": (_null_piece_fwd, _null_piece_bwd)}))
         stack.enter_context(mock.patch.dict(split.MERGES, {"null": _merge_traffic}))
+        # the backward of unmasked pieces as the cuDNN path runs it (its copies are traffic too)
+        stack.enter_context(mock.patch.dict(split.UNMASKED_BWD_AS_CAUSAL,
+                                            {"null": split.UNMASKED_BWD_AS_CAUSAL["cudnn"]}))
         stack.enter_context(mock.patch.object(fast.F, "scaled_dot_product_attention",
                                               lambda q, k, v, **kw: _NullSDPA.apply(q, k, v)))
         stack.enter_context(mock.patch("harts.runtime.compact._round_fn", lambda *a, **k: _null_round))
