@@ -415,7 +415,8 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch, D, Dv,
     ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
     shares cuDNN backward graphs between calls with equal q/k/v layouts. G < 4: grouped key / value heads, which
     cuDNN reads unrepeated (the truth and flash repeat them). Then with the key-chunk minimum lowered, so that
-    unmasked pieces run their forward as batched cuDNN calls over key chunks, merged by the Triton kernel."""
+    unmasked pieces run their forward as batched cuDNN calls over key chunks, merged by the Triton kernel; and
+    with every unmasked piece's backward as causal cuDNN calls over key chunks."""
     import harts.ops.attention.split as split_mod
     from harts.ops.attention.fast import _cudnn_per_sequence
     from harts.ops.attention.split import split_plan
@@ -453,12 +454,20 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch, D, Dv,
     monkeypatch.setattr(split_mod, "key_chunks", lambda *a: chunks.append(key_chunks(*a)) or chunks[-1])
     chunked = run(torch.bfloat16, "fast", plan=plan)
     assert max(chunks) > 1, chunks
-    for name, t, a, c, h, b in zip(("o", "dq", "dk", "dv"), truth, split, in_place, chunked, flash):
-        err, err_in_place, err_chunked, err_flash = ((x - t).abs().max().item() for x in (a, c, h, b))
+    # every unmasked piece's backward as causal calls (these pieces are below the query threshold)
+    monkeypatch.setattr(split_mod, "AS_CAUSAL_MIN_QUERY_ROWS", 0)
+    bwd_chunks, causal_key_chunks = [], split_mod.causal_key_chunks
+    monkeypatch.setattr(split_mod, "causal_key_chunks",
+                        lambda *a: bwd_chunks.append(causal_key_chunks(*a)) or bwd_chunks[-1])
+    as_causal = run(torch.bfloat16, "fast", plan=plan)
+    assert any(bwd_chunks), bwd_chunks  # causal calls ran
+    for name, t, a, c, h, u, b in zip(("o", "dq", "dk", "dv"), truth, split, in_place, chunked, as_causal, flash):
+        err, err_in_place, err_chunked, err_causal, err_flash = ((x - t).abs().max().item() for x in (a, c, h, u, b))
         bound = 2 * err_flash + 1e-3 * t.abs().max().item()
         assert err <= bound, f"{name}: split {err:.3g}, flash {err_flash:.3g}"
         assert err_in_place <= bound, f"{name}: split in place {err_in_place:.3g}, flash {err_flash:.3g}"
         assert err_chunked <= bound, f"{name}: split in key chunks {err_chunked:.3g}, flash {err_flash:.3g}"
+        assert err_causal <= bound, f"{name}: backward as causal calls {err_causal:.3g}, flash {err_flash:.3g}"
 
 
 @pytest.mark.parametrize("path", ["flex", "split_in_place"])
@@ -539,14 +548,15 @@ def test_view_attention_impl_names_why_the_split_does_not_apply():
         view_attention_impl(q, v, "flash")
 
 
-@pytest.mark.parametrize("L,S,c", [(40, 256, 64), (40, 96, 32), (100, 64, 64), (128, 384, 128)])
-def test_unmasked_backward_causal_variants_float64(L, S, c):
-    """Every way ``split`` can run an unmasked piece's backward as causal calls gives the unmasked call's
-    gradients in float64 (math pieces, grouped heads, padding query rows with zero output gradient)."""
+@pytest.mark.parametrize("L,S,chunks", [(130, 512, 4), (200, 1024, 8), (100, 64, 1), (128, 384, 3)])
+def test_unmasked_backward_as_causal_calls_float64(L, S, chunks):
+    """An unmasked piece's backward as causal calls over key chunks gives the unmasked call's gradients in
+    float64 (math pieces, grouped heads, padding query rows with zero output gradient), with one chunk (no more
+    keys than queries) and with several."""
     import harts.ops.attention.split as split
 
     H, G, D, Dv, scale = 4, 2, 16, 8, 0.3
-    g = torch.Generator().manual_seed(L + S + c)
+    g = torch.Generator().manual_seed(L + S)
     q_LHD = torch.randn(L, H, D, generator=g, dtype=torch.float64)
     q_LHD[-3:] = 0  # padding rows, as the pieces have
     k, v = (torch.randn(S, G, x, generator=g, dtype=torch.float64) for x in (D, Dv))
@@ -556,13 +566,9 @@ def test_unmasked_backward_causal_variants_float64(L, S, c):
     o = split._heads_first(o[0].transpose(0, 1).contiguous())
     do = torch.randn(1, H, L, Dv, generator=g, dtype=torch.float64)
     do[:, :, -3:] = 0
-    ref = split._bwd_unmasked(bwd, 0, do, q, k, v, o, lse, aux, scale)
-    outs = {"pad": split._bwd_pad_calls(bwd, do, q, k, v, o, lse, aux, scale, c)}
-    if c <= L:
-        outs["flip"] = split._bwd_flip_calls(bwd, do, q, k, v, o, lse, aux, scale, c)
     B = split.causal_key_chunks(L, S, min_query_rows=0)
-    if B:
-        outs["batched"] = split._bwd_unmasked(bwd, B, do, q, k, v, o, lse, aux, scale)
-    for way, got in outs.items():
-        for name, a, b in zip("qkv", got, ref):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{way} d{name}: {m}")
+    assert B == chunks, B
+    ref = split._bwd_unmasked(bwd, 0, do, q, k, v, o, lse, aux, scale)
+    got = split._bwd_unmasked(bwd, B, do, q, k, v, o, lse, aux, scale)
+    for name, a, b in zip("qkv", got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")

@@ -216,7 +216,9 @@ def key_chunks(query_rows: int, keys: int, heads: int, sms: int = DEFAULT_SMS) -
 # way; the tests run it with the causal calls too).
 # The causal calls pay only on pieces with many queries: on Ling-3.0-tiny's MLA (benchmarks/results,
 # split_pieces-h200-seed9002) they took 0.75 of the unmasked call's time at 11,776 queries and 1.02-1.2 at 3,072
-# and fewer, where the causal calls are small (so slower per FLOP) and the copies weigh more.
+# and fewer, where the causal calls are small (so slower per FLOP) and the copies weigh more. Calls one chunk at
+# a time (the lower and upper calls reading the queries in place, or queries behind c zero rows so that one
+# top-left causal call per chunk covers it whole) were slower than the batched calls on every such piece.
 UNMASKED_BWD_AS_CAUSAL = {"cudnn": True, "math": False}
 AS_CAUSAL_MIN_QUERY_ROWS = 8192
 MAX_BWD_QUERY_REPEATS = 4  # at most this many more chunks than keys / queries (each repeats the queries once)
@@ -268,52 +270,6 @@ def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL
     dk, dv = ((lo + up.flip(2)).transpose(1, 2).reshape(S, G, lo.shape[-1]) for lo, up in ((dk_lo, dk_up),
                                                                                           (dv_lo, dv_up)))
     return dq.to(dq_lo.dtype), _heads_first(dk), _heads_first(dv)
-
-
-def _bwd_pad_calls(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, c: int):
-    """An unmasked piece's backward as one top-left causal call per chunk of ``c`` keys whose queries follow
-    c zero rows (every real query sees every key of the chunk; the zero rows' zero output gradient adds
-    nothing): no reversed copies, c^2 / 2 wasted pairs per chunk."""
-    S, G = k_SGD.shape[:2]
-
-    def front(x_1HLX):  # rows-first storage, heads-first view
-        return _heads_first(F.pad(x_1HLX[0].transpose(0, 1), (0, 0, 0, 0, c, 0)))
-
-    q, o = front(q_1HLD), front(o_1HLDv)
-    do = F.pad(do_1HLDv, (0, 0, c, 0))
-    lse = F.pad(lse_1HL, (c, 0))
-    dq = None
-    dk, dv = k_SGD.new_empty(S, G, k_SGD.shape[-1]), v_SGDv.new_empty(S, G, v_SGDv.shape[-1])
-    for j in range(0, S, c):
-        n = min(c, S - j)
-        g = bwd(do, q, _heads_first(k_SGD[j:j + n]), _heads_first(v_SGDv[j:j + n]), o, lse, aux, True, scale)
-        dq = g[0][:, :, c:].to(_acc(g[0])) if dq is None else dq.add_(g[0][:, :, c:])
-        dk[j:j + n], dv[j:j + n] = g[1][0].transpose(0, 1), g[2][0].transpose(0, 1)
-    return dq.to(q_1HLD.dtype), _heads_first(dk), _heads_first(dv)
-
-
-def _bwd_flip_calls(bwd, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, c: int):
-    """``_bwd_unmasked``'s lower and upper causal calls one chunk of ``c`` <= L keys at a time: the lower calls
-    read the queries and keys in place, the upper calls one reversed copy of the first c - 1 queries and of
-    the keys."""
-    S, G = k_SGD.shape[:2]
-    rev = torch.arange(c - 2, -1, -1, device=q_1HLD.device)
-    qu, ou = (_heads_first(_rows_up(x, rev)[0].transpose(0, 1).contiguous()) for x in (q_1HLD, o_1HLDv))
-    dou, lseu = _rows_up(do_1HLDv, rev), F.pad(lse_1HL[:, :, rev], (0, 1))
-    k_rev, v_rev = k_SGD.flip(0), v_SGDv.flip(0)
-    dq = dqu = None
-    dk, dv = k_SGD.new_empty(S, G, k_SGD.shape[-1]), v_SGDv.new_empty(S, G, v_SGDv.shape[-1])
-    for j in range(0, S, c):
-        lo = bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD[j:j + c]), _heads_first(v_SGDv[j:j + c]), o_1HLDv, lse_1HL,
-                 aux, True, scale)
-        r = S - j - c  # the chunk's keys reversed
-        up = bwd(dou, qu, _heads_first(k_rev[r:r + c]), _heads_first(v_rev[r:r + c]), ou, lseu, aux, True, scale)
-        dq = lo[0].to(_acc(lo[0])) if dq is None else dq.add_(lo[0])
-        dqu = up[0].to(_acc(up[0])) if dqu is None else dqu.add_(up[0])
-        dk[j:j + c] = (lo[1] + up[1].flip(2))[0].transpose(0, 1)
-        dv[j:j + c] = (lo[2] + up[2].flip(2))[0].transpose(0, 1)
-    dq[:, :, :c - 1] += dqu[:, :, :c - 1].flip(2)
-    return dq.to(q_1HLD.dtype), _heads_first(dk), _heads_first(dv)
 
 
 def _rows_up(x_1HLX, rev):
