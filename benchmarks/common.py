@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import torch
 
@@ -135,3 +136,29 @@ def load_model(path, device, dtype, recompute: bool = False):
     model = fam.load_pretrained(path, device=device, dtype=dtype)
     apply_ac(model, "full" if recompute else "none")
     return model
+
+
+def time_ms(fn, warmup=2, reps=5, device="cuda"):
+    """Median milliseconds of ``reps`` calls after ``warmup``: CUDA events on the GPU, wall clock on CPU."""
+    if torch.device(device).type != "cuda":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]

@@ -55,8 +55,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import add_workload_args, fullest_microbatch, workload_step
-from benchmarks.kernels import _time_ms
+from benchmarks.common import add_workload_args, fullest_microbatch, time_ms, workload_step
 from benchmarks.output import write_results
 from harts.models.family import model_config
 from harts.ops import set_kernel_choices
@@ -328,7 +327,7 @@ def run(args) -> dict:
     samples = {name: [] for name in variants}
     for _ in range(args.rounds):  # interleaved: a drifting clock hits every variant alike
         for name, fn in variants.items():
-            samples[name].append(_time_ms(fn, warmup=args.warmup, reps=args.reps, device=dev))
+            samples[name].append(time_ms(fn, warmup=args.warmup, reps=args.reps, device=dev))
     ms = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
     t_time = time.perf_counter() - t0
     numerics = (check_numerics(x, lens, C, args.check_tokens, args.noise_factor, dtype, be) if args.check_tokens

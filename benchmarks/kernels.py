@@ -34,31 +34,7 @@ import time
 
 import torch
 
-
-def _time_ms(fn, warmup=2, reps=5, device="cuda"):
-    """Median milliseconds of ``reps`` calls after ``warmup``: CUDA events on the GPU, wall clock on CPU."""
-    if torch.device(device).type != "cuda":
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+from benchmarks.common import time_ms
 
 
 def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), every=4, reps=5, rounds=3,
@@ -117,7 +93,7 @@ def bench_kda(T=65536, H=16, K=128, V=128, layouts=((65536,), (4096,) * 16), eve
         samples = {name: [] for name in variants}
         for _ in range(rounds):
             for name, fn in variants.items():
-                samples[name].append(_time_ms(fn, reps=reps))
+                samples[name].append(time_ms(fn, reps=reps))
         med = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
         t_fla, t_none, t_req, t_fla_f, t_req_f = (med[n] for n in ("fla", "none", "req", "fla_f", "req_f"))
         rows.append(dict(layout=f"{len(lens)}x{lens[0]}", boundaries=len(seq), fla_fwd_bwd_ms=t_fla,
@@ -222,10 +198,10 @@ def bench_logprobs(C=65536, V=157184, D=1536, ratio=5.6, baseline_chunk=8192, re
     def base_t():
         hl.grad = wl.grad = None
         expand_chunked()
-    t_ours = _time_ms(ours_t, warmup=1, reps=reps, device=dev)
-    t_base = _time_ms(base_t, warmup=1, reps=reps, device=dev)
+    t_ours = time_ms(ours_t, warmup=1, reps=reps, device=dev)
+    t_base = time_ms(base_t, warmup=1, reps=reps, device=dev)
     with torch.no_grad():
-        t_ours_f = _time_ms(lambda: compact_logprobs(h, w, rows, tgts), warmup=1, reps=reps, device=dev)
+        t_ours_f = time_ms(lambda: compact_logprobs(h, w, rows, tgts), warmup=1, reps=reps, device=dev)
     limit = C * 8192 * 4
     return [dict(C=C, V=V, D=D, S=S, ours_fwd_bwd_ms=t_ours, ours_fwd_ms=t_ours_f, expand_fwd_bwd_ms=t_base,
                  speedup=t_base / t_ours, peak_extra_bytes=peak_extra,
@@ -247,10 +223,10 @@ def bench_moe_gather(T=65536, K=8, D=1536, reps=20):
     rows = []
     for what, s, idx, inv in (("combine (K=8)", src, slot_TK, token_M1), ("slot gather (K=1)", x, token_M1, slot_TK)):
         nbytes = (idx.numel() + idx.shape[0]) * D * 2  # rows read + rows written
-        r = {"what": what, "copy_ms": _time_ms(lambda: dst.copy_(src), reps=reps),
-             "kernel_ms": _time_ms(lambda: gather_sum(s, idx, inv, backend="fast"), reps=reps),
-             "inductor_ms": _time_ms(lambda: compiled(s, idx), reps=reps),
-             "eager_ms": _time_ms(lambda: gather_sum_reference(s, idx), reps=reps)}
+        r = {"what": what, "copy_ms": time_ms(lambda: dst.copy_(src), reps=reps),
+             "kernel_ms": time_ms(lambda: gather_sum(s, idx, inv, backend="fast"), reps=reps),
+             "inductor_ms": time_ms(lambda: compiled(s, idx), reps=reps),
+             "eager_ms": time_ms(lambda: gather_sum_reference(s, idx), reps=reps)}
         r["kernel_TBps"] = nbytes / r["kernel_ms"] / 1e9
         r["inductor_TBps"] = nbytes / r["inductor_ms"] / 1e9
         k_order = s.index_select(0, idx[:, 0]).float()  # the kernel's contract: fp32, summed in k order
@@ -280,8 +256,8 @@ def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), re
                  # a distinct cu_seqlens tensor for the keys takes the flash varlen kernel
                  "flash": lambda: varlen_attention_fast(q, k, v, cu, cu.clone(), D ** -0.5, max(lens), max(lens))}
         for path, fwd in paths.items():
-            r[f"{path}_fwd_ms"] = _time_ms(fwd, reps=reps)
-            r[f"{path}_fwd_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), do), reps=reps)
+            r[f"{path}_fwd_ms"] = time_ms(fwd, reps=reps)
+            r[f"{path}_fwd_bwd_ms"] = time_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), do), reps=reps)
             r[f"{path}_fwd_TFps"] = flops / r[f"{path}_fwd_ms"] / 1e9
         r["cudnn_over_flash_fwd"] = r["cudnn_fwd_ms"] / r["flash_fwd_ms"]
         r["cudnn_over_flash_fwd_bwd"] = r["cudnn_fwd_bwd_ms"] / r["flash_fwd_bwd_ms"]
@@ -305,8 +281,8 @@ def bench_router(T=65536, D=1536, E=128, reps=20):
     exact = dl.double() @ w.detach().double()
     r = {"T/D/E": f"{T}/{D}/{E}"}
     for name, fwd in paths.items():
-        r[f"{name}_fwd_ms"] = _time_ms(fwd, reps=reps)
-        r[f"{name}_fwd_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(fwd(), (x, w), dl), reps=reps)
+        r[f"{name}_fwd_ms"] = time_ms(fwd, reps=reps)
+        r[f"{name}_fwd_bwd_ms"] = time_ms(lambda: torch.autograd.grad(fwd(), (x, w), dl), reps=reps)
         gx = torch.autograd.grad(fwd(), (x,), dl)[0]
         r[f"{name}_dx_rel_err"] = ((gx.double() - exact).norm() / exact.norm()).item()
     return [r]

@@ -17,31 +17,11 @@ debug preset and a small workload) the math pieces run the same plumbing: a smok
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from benchmarks.common import add_workload_args, subbatches
+from benchmarks.common import add_workload_args, subbatches, time_ms
 from benchmarks.output import write_results
-
-
-def _time_ms(fn, repeats: int, cuda: bool) -> float:
-    fn()  # cuDNN plans, allocator
-    times = []
-    for _ in range(repeats):
-        if not cuda:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -69,20 +49,20 @@ def main(argv=None) -> int:
     pick = (min if args.microbatch == "smallest" else max)(range(len(mbs)), key=raws.__getitem__)
     trajs = mbs[pick]
     plan = pack(trajs, config=cfg).mla_split_plan
-    fwd, bwd = split.PIECES["cudnn" if cuda else "math"]  # math: a CPU smoke run of the plumbing, no measurement
+    piece = "cudnn" if cuda else "math"  # math: a CPU smoke run of the plumbing, no measurement
+    fwd, bwd = split.PIECES[piece]
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, device=dev, dtype=dt)
 
     rows = []
-    piece = "cudnn" if cuda else "math"
 
     def run(kind: str, Lq: int, S: int, causal: bool, pairs: int):
         q, k, v = rand(Lq, H, D), rand(S, H, D), rand(S, H, Dv)
         fB = 1 if causal else split.key_chunks(Lq, S, H)
         ops = split._chunked(q, k, v, fB)
-        fwd_ms = _time_ms(lambda: fwd(*ops, causal, scale), args.repeats, cuda)
+        fwd_ms = time_ms(lambda: fwd(*ops, causal, scale), warmup=1, reps=args.repeats, device=dev)
         o, lse, aux = fwd(*split._chunked(q, k, v, 1), causal, scale)
         do = rand(1, H, Lq, Dv)
         flops = 2 * (D + Dv) * H * pairs
@@ -96,7 +76,7 @@ def main(argv=None) -> int:
                     for way, b in (("unmasked", 0), ("as_causal", B)) if way == "unmasked" or B}
             row["bwd_key_chunks"] = B
         for way, call in ways.items():
-            ms = _time_ms(call, args.repeats, cuda)
+            ms = time_ms(call, warmup=1, reps=args.repeats, device=dev)
             row[f"bwd_ms_{way}"] = ms
             row[f"bwd_tflops_{way}"] = 2.5 * flops / ms / 1e9
         picked = "causal" if causal else (

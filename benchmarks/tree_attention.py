@@ -26,8 +26,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_workload_args, fullest_microbatch, subbatches, workload_step
-from benchmarks.kernels import _time_ms
+from benchmarks.common import add_workload_args, fullest_microbatch, subbatches, time_ms, workload_step
 from benchmarks.output import write_results
 
 
@@ -155,7 +154,7 @@ def run(args) -> dict:
     res["split_in_place_rows"] = plan.in_place_rows
     for name, attend, x, grad in (("views", views, (q, k, v), do), ("split", split, (q, k, v), do),
                                   ("split_in_place", split_in_place, (q, k, v), do), ("flex", flex, (q, k, v), do)):
-        ms = _time_ms(fwd_bwd(attend, x, grad), warmup=1, reps=args.reps, device=dev)
+        ms = time_ms(fwd_bwd(attend, x, grad), warmup=1, reps=args.reps, device=dev)
         res["paths"][name] = {"fwd_bwd_ms": ms, "peak_extra_mib": _peak_mib(fwd_bwd(attend, x, grad), dev)}
     del q, k, v, do
     base_ms, base_peak = 0.0, 0.0
@@ -169,7 +168,7 @@ def run(args) -> dict:
             return varlen_attention(q, k, v, lens, lens, scale, backend=views_backend, max_seqlen_q=mx,
                                     max_seqlen_k=mx)
 
-        base_ms += _time_ms(fwd_bwd(packed, xb, gb), warmup=1, reps=args.reps, device=dev)
+        base_ms += time_ms(fwd_bwd(packed, xb, gb), warmup=1, reps=args.reps, device=dev)
         base_peak = max(base_peak, _peak_mib(fwd_bwd(packed, xb, gb), dev) or 0.0)
     res["paths"]["baseline"] = {"fwd_bwd_ms": base_ms, "peak_extra_mib": base_peak if dev.type == "cuda" else None}
     ideal = base_ms / res["compression"]

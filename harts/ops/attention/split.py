@@ -566,6 +566,10 @@ class _Split(torch.autograd.Function):
         q_CHD, k_XHD, v_XHDv, o_CHDv, lse_CH = ctx.saved_tensors
         plan, scale, bwd = ctx.plan, ctx.scale, PIECES[ctx.piece][1]
         as_causal = UNMASKED_BWD_AS_CAUSAL[ctx.piece]
+
+        def chunks(query_rows: int, keys: int) -> int:  # the unmasked backward's causal key chunks (0: unmasked)
+            return causal_key_chunks(query_rows, keys) if as_causal else 0
+
         idx = plan.index_on(q_CHD.device)
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
         dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
@@ -587,8 +591,8 @@ class _Split(torch.autograd.Function):
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
                 o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                B = causal_key_chunks(q.shape[0], k.shape[0]) if as_causal else 0
-                g = _bwd_unmasked(bwd, B, go, _heads_first(q), k, v, o, lse[..., 0], aux_v[1], scale)
+                g = _bwd_unmasked(bwd, chunks(q.shape[0], k.shape[0]), go, _heads_first(q), k, v, o, lse[..., 0],
+                                  aux_v[1], scale)
                 dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
                 dk.index_add_(0, rows, g[1][0].transpose(0, 1))
                 dv.index_add_(0, rows, g[2][0].transpose(0, 1))
@@ -598,8 +602,8 @@ class _Split(torch.autograd.Function):
             o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
-            B = causal_key_chunks(sp.query_rows, sp.keys) if as_causal else 0
-            g = _bwd_unmasked(bwd, B, go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o, lse[..., 0], aux, scale)
+            g = _bwd_unmasked(bwd, chunks(sp.query_rows, sp.keys), go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o,
+                              lse[..., 0], aux, scale)
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
