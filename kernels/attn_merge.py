@@ -6,10 +6,13 @@ lse = logsumexp_i lse_i. ``attn_merge_fwd_kernel`` reads every piece once and wr
 the output's dtype) and lse straight into the packed rows: as torch ops the merge is an fp32 copy of each
 piece, a stack, a logsumexp, and an exp, a product and a sum per piece, each a pass over [L, H, Dv].
 
-Pieces come in up to ``MAX_GROUPS`` groups, each a tensor [B, H, rows, Dv] of B partial outputs with its
-lse [B, H, rows] (a group of B > 1: one cuDNN call over B key chunks) and the row ``r0`` where the view's
-query rows start in it (the causal piece's queries sit behind R dropped rows). Online rescaling as in
-flash attention: a running max m, a rescaled sum s and the rescaled weighted sum of outputs.
+Pieces come in groups, each a tensor [B, H, rows, Dv] of B partial outputs with its lse [B, H, rows] (a group
+of B > 1: one cuDNN call over B key chunks) and the row ``r0`` where the view's query rows start in it (the
+causal piece's queries sit behind R dropped rows). One launch folds up to ``MAX_GROUPS`` groups (a kernel
+argument slot each); a view with more (a long shared prefix cut into key segments at its branch points) is
+folded ``MAX_GROUPS`` at a time into a float32 partial that leads the next launch, so no precision is lost to the
+output's dtype on the way. Online rescaling as in flash attention: a running max m, a rescaled sum s and the
+rescaled weighted sum of outputs.
 Interpreter-safe (no data-dependent Python control flow).
 
 Legend: L the view's query rows, H heads, Dv value head dim, B partial outputs of a group.
@@ -73,14 +76,21 @@ def attn_merge_fwd_kernel(out, out_lse, so_r, so_h, sl_r, sl_h,
 
 def attn_merge(out_LHDv, lse_LH, groups) -> None:
     """Write the log-sum-exp merge of ``groups`` into ``out_LHDv`` (any float dtype, unit stride in Dv) and
-    ``lse_LH`` (fp32): ``groups`` a list of up to ``MAX_GROUPS`` (o [B, H, rows, Dv], lse [B, H, rows], r0),
-    the view's L query rows at rows r0 .. r0 + L - 1 of each."""
+    ``lse_LH`` (fp32): ``groups`` a non-empty list of (o [B, H, rows, Dv], lse [B, H, rows], r0), the view's L
+    query rows at rows r0 .. r0 + L - 1 of each."""
     L, H, Dv = out_LHDv.shape
-    if not 1 <= len(groups) <= MAX_GROUPS:
-        raise ValueError(f"attn_merge: {len(groups)} groups of pieces, expected 1 to {MAX_GROUPS}")
+    if not groups:
+        raise ValueError("attn_merge: no groups of pieces to merge")
     if out_LHDv.stride(2) != 1 or lse_LH.dtype != torch.float32:
         raise ValueError(f"attn_merge: out needs unit stride in Dv (strides {out_LHDv.stride()}) and lse fp32 "
                          f"(got {lse_LH.dtype})")
+    if len(groups) > MAX_GROUPS:  # the first MAX_GROUPS folded into a float32 partial, which leads the rest
+        head, tail = groups[:MAX_GROUPS], groups[MAX_GROUPS:]
+        part_LHDv = out_LHDv.new_empty(L, H, Dv, dtype=torch.float32)
+        part_LH = lse_LH.new_empty(L, H)
+        attn_merge(part_LHDv, part_LH, head)
+        attn_merge(out_LHDv, lse_LH, [(part_LHDv.transpose(0, 1)[None], part_LH.t()[None], 0)] + tail)
+        return
     args = []
     for o, lse, r0 in groups:
         if o.dim() != 4 or o.shape[1] != H or o.shape[3] != Dv or o.stride(3) != 1 or lse.shape != o.shape[:3] \

@@ -159,7 +159,7 @@ def test_split_reads_ancestor_runs_in_place_float64(monkeypatch, H, G):
     batch = pack(trajectories_from_spec(spec, duplicates=[1]), chunk_size=16, pad_to_multiple=8)
     plan = batch.mla_split_plan
     assert plan is batch.mla_split_plan, "built once per batch"
-    three = [v for v in plan.views if len(v.slices) == 2 and v.gather[1] and v.R]
+    three = [v for v in plan.views if len(_in_place_runs(plan, v)) == 2 and v.gather[1] and v.R]
     assert three, [(v.slices, v.gather, v.R) for v in plan.views]
     assert plan.in_place_rows >= 640 + 256
     # causal pieces read in place, padding keys included (the rows that follow, seen by padding queries only)
@@ -282,25 +282,44 @@ def test_causal_key_chunks():
                 assert S // B <= L and S // B % 128 == 0
 
 
+def _in_place_runs(plan, view) -> list:
+    """The contiguous key ranges a view reads in place: its shared pieces' key segments, joined where they touch."""
+    out = []
+    for start, keys in sorted((plan.shared[i].start, plan.shared[i].keys) for i, _ in view.slices):
+        if out and out[-1][1] == start:
+            out[-1][1] = start + keys
+        else:
+            out.append([start, start + keys])
+    return out
+
+
 def test_split_shares_in_place_runs_between_views_float64():
-    """Views that read the same run of key rows in place share one unmasked piece, with their query rows stacked
-    (here not adjacent: another view sits between them in query order). Values and q/k/v gradients equal the
-    reference over each view's gathered keys in float64."""
+    """Views that read runs of key rows from one row (a trunk they branch off at different depths) share its key
+    segments: one unmasked piece per segment between consecutive run ends, for the stacked query rows of every
+    view whose run covers it (here not adjacent: other views sit between them in query order), each segment a
+    length bucket (4,224 rows are cut into 4,096 + 128). Every view reads its whole run in place, and values and
+    q/k/v gradients equal the reference over each view's gathered keys in float64."""
     import harts.ops.attention.split as split
 
-    anc = [np.arange(640), np.arange(900), np.r_[np.arange(640), np.arange(1000, 1040)], np.arange(900)]
-    own = [np.arange(640, 700), np.arange(1000, 1040), np.arange(1040, 1100), np.arange(1100, 1110)]
+    anc = [np.arange(640), np.arange(900), np.r_[np.arange(640), np.arange(1000, 1040)], np.arange(900),
+           np.arange(5300)]
+    own = [np.arange(640, 700), np.arange(1000, 1040), np.arange(1040, 1100), np.arange(1100, 1110),
+           np.arange(5300, 5310)]
     kv_rows = np.concatenate([np.r_[a, o] for a, o in zip(anc, own)])
     cu_q = torch.tensor([0, *np.cumsum([len(o) for o in own])])
     cu_k = torch.tensor([0, *np.cumsum([len(a) + len(o) for a, o in zip(anc, own)])])
-    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=1300, min_in_place=256)
+    X = 5400
+    plan = split.split_plan(cu_q, cu_k, kv_rows, num_keys=X, min_in_place=256)
     runs = {(p.start, p.keys): [q0 for q0, _ in p.ranges] for p in plan.shared}
-    assert runs == {(0, 640): [0, 100], (0, 896): [60, 160]}, runs  # each run once, for two views
+    assert runs == {(0, 640): [0, 60, 100, 160, 170], (640, 256): [60, 160, 170], (896, 4096): [170],
+                    (4992, 128): [170]}, runs  # runs of 640, 896 and 5,120 rows (bucketed) from row 0
+    assert [_in_place_runs(plan, v) for v in plan.views] == [[[0, 640]], [[0, 896]], [[0, 640]], [[0, 896]],
+                                                             [[0, 5120]]]
     H, D, Dv, scale = 2, 16, 8, 0.3
     g = torch.Generator().manual_seed(5)
     q = torch.randn(int(cu_q[-1]), H, D, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1300, H, D, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1300, H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(X, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(X, H, Dv, generator=g, dtype=torch.float64, requires_grad=True)
     o = split.split_attention(q, k, v, plan, scale, piece="math")
     rows = torch.as_tensor(kv_rows)
     o_ref = varlen_attention_reference(q, k.index_select(0, rows), v.index_select(0, rows), cu_q, cu_k, scale)

@@ -19,7 +19,11 @@ A causal piece whose key rows are contiguous (a view's own rows, behind its pare
 child) reads them in place too, its padding keys being the rows that follow (see ``_View``).
 A run read by several views (a shared prompt under many branches) is one piece for all their queries, stacked:
 its keys are read once, where a piece per view would read them once per view and leave most of the GPU idle
-for a short branch.
+for a short branch. Views that branch off one trunk at different depths read runs from one row of different
+lengths; those are cut at each run's end into key segments, each one piece for the queries of every view
+that reads it (``_segments``): the piece over the trunk's first rows has the queries of all the branches, not
+one branch's few, and the backward of an unmasked piece is fast per FLOP only with many queries (see
+UNMASKED_BWD_AS_CAUSAL).
 
 Key chunks and the merge. An unmasked piece with few queries over many keys (a short branch under a long
 shared prefix) leaves most SMs idle in the forward, whose programs are (query tile, head) pairs; its forward
@@ -49,6 +53,7 @@ rows (Lq), R the ancestors in its causal piece.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -458,17 +463,45 @@ def split_plan(cu_q_N1, cu_k_N1, kv_rows_Tk=None, num_keys: int | None = None,
         cr = np.r_[piece_rows[1], piece_rows[2]]  # the causal piece's key rows: read in place when contiguous
         in_place = np.all(np.diff(cr) == 1) and cr[0] + _bucket(cr.size) <= num_keys
         views.append(_View(int(cq[n]), L, tuple(slices), gather, causal, int(cr[0]) if in_place else -1))
-    # one in-place piece per run, for all its views' queries: the run's keys are read once per layer
-    shared, where = [], {}
-    for (start, B), readers in runs.items():
+    # one in-place piece per key segment, for the queries of all the views whose runs cover it: each key row is
+    # read once per layer
+    shared, where = [], collections.defaultdict(list)
+    for run_start, start, keys, readers in _segments(runs):
         offset = 0
         for view, _, L in readers:
-            where[view, start, B] = (len(shared), offset)
+            where[view, run_start].append((len(shared), offset))
             offset += L
-        shared.append(_Shared(start, B, tuple((q0, L) for _, q0, L in readers)))
-    views = [replace(v, slices=tuple(where[i, s, B] for s, B in v.slices)) for i, v in enumerate(views)]
+        shared.append(_Shared(start, keys, tuple((q0, L) for _, q0, L in readers)))
+    views = [replace(v, slices=tuple(p for s, _ in v.slices for p in where[i, s])) for i, v in enumerate(views)]
     idx = np.concatenate(index) if index else np.zeros(0, dtype=np.int64)
     return SplitPlan(tuple(views), idx, int(cq[-1]), int(num_keys), tuple(shared))
+
+
+def _segments(runs: dict):
+    """The in-place pieces of the ancestor runs ``runs`` ((first key row, keys) -> readers (view, q0, L), in view
+    order): (the run's first key row, the segment's first key row, keys, readers) per key segment. Runs that
+    start at one row (prefixes of one shared trunk, read by views that branch off it at different depths) are cut
+    at each of their ends, and each segment is read by every view whose run covers it, so a key row is one
+    piece's, whatever number of views read it, and the piece has all their queries (runs that start at different
+    rows do not overlap in a compact layout's DFS order; any that do stay pieces of their own). A segment whose
+    length is not a length bucket is cut into buckets, the longest first, so that cuDNN builds plans per bucket
+    only."""
+    by_start = collections.defaultdict(dict)  # first row -> {end: readers}
+    for (start, keys), readers in runs.items():
+        by_start[start][start + keys] = readers
+    out = []
+    for start, ends in by_start.items():
+        a = start
+        for end in sorted(ends):
+            readers = sorted((r for e, rs in ends.items() if e >= end for r in rs), key=lambda r: r[0])
+            while a < end:
+                n = _bucket_floor(end - a)
+                if n <= 0:
+                    raise ValueError(f"split_plan: the key segment [{a}, {end}) of the runs from row {start} is not "
+                                     f"a whole number of 128-row tiles (run lengths {sorted(e - start for e in ends)})")
+                out.append((start, a, n, tuple(readers)))
+                a += n
+    return out
 
 
 # ------------------------------------------------------------------------------------------ the function
