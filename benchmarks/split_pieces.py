@@ -72,7 +72,9 @@ def main(argv=None) -> int:
             ways = {"causal": lambda: bwd(do, *split._chunked(q, k, v, 1), o, lse, aux, True, scale)}
         else:
             B = split.causal_key_chunks(Lq, S, min_query_rows=0)  # timed on every piece, picked on some
-            ways = {way: (lambda b=b: split._bwd_unmasked(bwd, b, do, split._heads_first(q), k, v, o, lse, aux, scale))
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # the gradients add into the key rows, as in the split
+            ways = {way: (lambda b=b: split._bwd_unmasked(bwd, b, do, split._heads_first(q), k, v, o, lse, aux, scale,
+                                                          dk, dv, slice(0, S)))
                     for way, b in (("unmasked", 0), ("as_causal", B)) if way == "unmasked" or B}
             row["bwd_key_chunks"] = B
         for way, call in ways.items():

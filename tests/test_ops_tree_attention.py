@@ -433,9 +433,10 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch, D, Dv,
     the largest value). The trees' views have 0 to over 256 ancestors, so both pieces run, with and without
     ancestors in the causal piece. The packed path's cuDNN calls run first at the same buckets: torch <= 2.11
     shares cuDNN backward graphs between calls with equal q/k/v layouts. G < 4: grouped key / value heads, which
-    cuDNN reads unrepeated (the truth and flash repeat them). Then with the key-chunk minimum lowered, so that
-    unmasked pieces run their forward as batched cuDNN calls over key chunks, merged by the Triton kernel; and
-    with every unmasked piece's backward as causal cuDNN calls over key chunks."""
+    cuDNN reads unrepeated (the truth and flash repeat them). Then with ancestor runs read in place (views reading
+    one or two key segments of the root's rows); with the key-chunk minimum lowered, so that unmasked pieces run
+    their forward as batched cuDNN calls over key chunks, merged by the Triton kernel; and with every unmasked
+    piece's backward as causal cuDNN calls over key chunks."""
     import harts.ops.attention.split as split_mod
     from harts.ops.attention.fast import _cudnn_per_sequence
     from harts.ops.attention.split import split_plan
@@ -464,14 +465,18 @@ def test_split_views_cudnn_bf16_within_flash_views_error_gpu(monkeypatch, D, Dv,
     _cudnn_per_sequence(*x, cu, scale).float().square().sum().backward()
     assert view_attention_impl(x[0], x[2])[0] == "cudnn_split"
     split = run(torch.bfloat16, "fast")
-    # ancestor runs of 128+ rows read in place (the default threshold is above these trees' ancestors)
+    # ancestor runs of 128+ rows read in place (the default threshold is above these trees' ancestors): runs of
+    # 128 and 256 rows from the root's first row, so views read one or two key segments
     plan = split_plan(batch.cu_seqlens_q, batch.cu_seqlens_k, batch.mla_kv_rows, batch.num_phys, min_in_place=128)
-    assert plan.in_place_rows > 0
+    assert plan.in_place_rows > 0 and max(len(v.slices) for v in plan.views) == 2, plan.shared
     in_place = run(torch.bfloat16, "fast", plan=plan)
+    # runs of 256+ rows in place, whose pieces have keys enough for the forward's key chunks
+    plan_256 = split_plan(batch.cu_seqlens_q, batch.cu_seqlens_k, batch.mla_kv_rows, batch.num_phys,
+                          min_in_place=256)
     monkeypatch.setattr(split_mod, "MIN_CHUNK_KEYS", 128)
     chunks, key_chunks = [], split_mod.key_chunks
     monkeypatch.setattr(split_mod, "key_chunks", lambda *a: chunks.append(key_chunks(*a)) or chunks[-1])
-    chunked = run(torch.bfloat16, "fast", plan=plan)
+    chunked = run(torch.bfloat16, "fast", plan=plan_256)
     assert max(chunks) > 1, chunks
     # every unmasked piece's backward as causal calls (these pieces are below the query threshold)
     monkeypatch.setattr(split_mod, "AS_CAUSAL_MIN_QUERY_ROWS", 0)
@@ -571,7 +576,8 @@ def test_view_attention_impl_names_why_the_split_does_not_apply():
 def test_unmasked_backward_as_causal_calls_float64(L, S, chunks):
     """An unmasked piece's backward as causal calls over key chunks gives the unmasked call's gradients in
     float64 (math pieces, grouped heads, padding query rows with zero output gradient), with one chunk (no more
-    keys than queries) and with several."""
+    keys than queries) and with several, its key and value gradients added into the piece's rows of larger
+    tensors (a slice, or an index); and both equal brute-force attention's gradients."""
     import harts.ops.attention.split as split
 
     H, G, D, Dv, scale = 4, 2, 16, 8, 0.3
@@ -587,7 +593,24 @@ def test_unmasked_backward_as_causal_calls_float64(L, S, chunks):
     do[:, :, -3:] = 0
     B = split.causal_key_chunks(L, S, min_query_rows=0)
     assert B == chunks, B
-    ref = split._bwd_unmasked(bwd, 0, do, q, k, v, o, lse, aux, scale)
-    got = split._bwd_unmasked(bwd, B, do, q, k, v, o, lse, aux, scale)
-    for name, a, b in zip("qkv", got, ref):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    X = S + 50  # the piece's keys are rows of a larger key tensor: a slice of it, or rows gathered by an index
+
+    def grads(B, rows):
+        dk, dv = torch.zeros(X, G, D, dtype=torch.float64), torch.zeros(X, G, Dv, dtype=torch.float64)
+        dq = split._bwd_unmasked(bwd, B, do, q, k, v, o, lse, aux, scale, dk, dv, rows)
+        return dq, dk, dv
+
+    for rows in (slice(30, 30 + S), torch.randperm(X, generator=g)[:S]):
+        ref, got = grads(0, rows), grads(B, rows)
+        for name, a, b in zip("qkv", got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+    # the unmasked call's gradients against brute force, placed in the piece's rows
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(H // G, dim=1).transpose(0, 1)[None] for t in x[1:])
+    p = torch.softmax(x[0] @ kk.transpose(-1, -2) * scale, -1)
+    (p @ vv * do).sum().backward()
+    dq, dk, dv = grads(B, slice(30, 30 + S))
+    torch.testing.assert_close(dq, x[0].grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dk[30:30 + S], x[1].grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dv[30:30 + S], x[2].grad, rtol=1e-12, atol=1e-12)
+    assert not dk[:30].any() and not dk[30 + S:].any()

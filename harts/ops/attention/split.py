@@ -244,17 +244,25 @@ def causal_key_chunks(query_rows: int, keys: int, min_query_rows: int | None = N
     return 0
 
 
-def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float):
-    """The backward of an unmasked piece (keys and values [S, G, X] rows): dq [1, H, L, D], dk [1, G, S, D],
-    dv [1, G, S, Dv]; one unmasked call for B = 0, else causal calls over B key chunks (``causal_key_chunks``,
-    see UNMASKED_BWD_AS_CAUSAL). The chunked operands keep the layouts the single call gets (see
-    ``_cudnn_bwd``): queries and output rows-first, output gradient heads-first."""
+def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, dk_XGD,
+                  dv_XGDv, rows):
+    """The backward of an unmasked piece (keys and values [S, G, X] rows): adds the key and value gradients into
+    ``rows`` (a slice of the S key rows read in place, or their index tensor) of dk / dv and returns dq
+    [1, H, L, D] (the piece's own, to be added by the caller); one unmasked call for B = 0, else causal calls over B
+    key chunks (``causal_key_chunks``, see UNMASKED_BWD_AS_CAUSAL). The chunked operands keep the layouts the
+    single call gets (see ``_cudnn_bwd``): queries and output rows-first, output gradient heads-first. Each call's
+    key and value gradients are added where they belong (the upper call's through a reversed index), not summed
+    into a piece-sized tensor first: each pass over the piece's key rows is memory traffic of its own."""
     S, G = k_SGD.shape[:2]
     if not B:
-        return bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False, scale)
+        dq, dk, dv = bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False,
+                         scale)
+        _add_rows(dk_XGD, rows, dk[0].transpose(0, 1))
+        _add_rows(dv_XGDv, rows, dv[0].transpose(0, 1))
+        return dq
     c = S // B
 
-    def rows_first(x_1HRX):  # [B, H, R, X] over rows-first storage, the rows repeated per chunk
+    def rows_first(x_1HRX):  # [B, H, R, X] over rows-first storage, the rows repeated per chunk (a view for B = 1)
         x = x_1HRX.transpose(1, 2)
         return x.expand(B, *x.shape[1:]).contiguous().transpose(1, 2)
 
@@ -262,25 +270,47 @@ def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL
     q, o, do, lse = rows_first(q_1HLD), rows_first(o_1HLDv), do_1HLDv.expand(B, -1, -1, -1).contiguous(), \
         lse_1HL.expand(B, -1, -1)
     dq_lo, dk_lo, dv_lo = bwd(do, q, k_BcGD.transpose(1, 2), v_BcGDv.transpose(1, 2), o, lse, aux, True, scale)
+    for dx, g in ((dk_XGD, dk_lo), (dv_XGDv, dv_lo)):  # chunk b's keys are the piece's rows b * c, ..., b * c + c - 1
+        _add_rows(dx, rows, g.transpose(1, 2).reshape(S, G, g.shape[-1]))
     # the upper pairs: queries c - 2, ..., 0 and a zero row over each chunk's keys reversed
     rev = torch.arange(c - 2, -1, -1, device=q_1HLD.device)
-    q, o = rows_first(_rows_up(q_1HLD, rev)), rows_first(_rows_up(o_1HLDv, rev))
-    do = _rows_up(do_1HLDv, rev).expand(B, -1, -1, -1).contiguous()
+    q, o, do = _rows_up(q_1HLD, rev, B, False), _rows_up(o_1HLDv, rev, B, False), _rows_up(do_1HLDv, rev, B, True)
     lse = F.pad(lse_1HL[:, :, rev], (0, 1)).expand(B, -1, -1)
     k_up, v_up = (x.flip(1).transpose(1, 2) for x in (k_BcGD, v_BcGDv))
     dq_up, dk_up, dv_up = bwd(do, q, k_up, v_up, o, lse, aux, True, scale)
-    acc = _acc(dq_lo)
-    dq = dq_lo.sum(0, keepdim=True, dtype=acc)
-    dq[:, :, :c - 1] += dq_up[:, :, :c - 1].sum(0, keepdim=True, dtype=acc).flip(2)
-    dk, dv = ((lo + up.flip(2)).transpose(1, 2).reshape(S, G, lo.shape[-1]) for lo, up in ((dk_lo, dk_up),
-                                                                                          (dv_lo, dv_up)))
-    return dq.to(dq_lo.dtype), _heads_first(dk), _heads_first(dv)
+    flipped = torch.arange(S, device=q_1HLD.device).view(B, c).flip(1).reshape(S)  # upper call's row -> piece row
+    flipped = flipped + rows.start if isinstance(rows, slice) else rows.index_select(0, flipped)
+    for dx, g in ((dk_XGD, dk_up), (dv_XGDv, dv_up)):
+        dx.index_add_(0, flipped, g.transpose(1, 2).reshape(S, G, g.shape[-1]))
+    up = dq_up[:, :, :c - 1]
+    if B == 1:  # the lower call's dq is this function's own: the upper rows are added into it
+        dq = dq_lo
+        dq[:, :, :c - 1] += up.flip(2)
+    else:
+        acc = _acc(dq_lo)
+        dq = dq_lo.sum(0, keepdim=True, dtype=acc)
+        dq[:, :, :c - 1] += up.sum(0, keepdim=True, dtype=acc).flip(2)
+    return dq
 
 
-def _rows_up(x_1HLX, rev):
-    """The rows ``rev`` of x (heads-first), then one zero row: the upper causal call's queries (see
-    ``_bwd_unmasked``)."""
-    return F.pad(x_1HLX[:, :, rev], (0, 0, 0, 1))
+def _rows_up(x_1HLX, rev, B: int, heads_first: bool):
+    """The upper causal calls' rows (see ``_bwd_unmasked``): the rows ``rev`` of x, then one zero row, repeated for
+    the B chunks, [B, H, c, X]: over rows-first storage (queries, output) or contiguous heads-first (output
+    gradient). The rows are gathered straight into place (rows-first), and copied once more per further chunk."""
+    _, H, _, X = x_1HLX.shape
+    c = rev.numel() + 1
+    if heads_first:
+        out = x_1HLX.new_empty(B, H, c, X)
+        out[0, :, :c - 1] = x_1HLX[0].index_select(1, rev)
+        out[0, :, c - 1].zero_()
+    else:
+        buf = x_1HLX.new_empty(B, c, H, X)
+        torch.index_select(x_1HLX[0].transpose(0, 1), 0, rev, out=buf[0, :c - 1])
+        buf[0, c - 1].zero_()
+        out = buf.transpose(1, 2)
+    if B > 1:
+        out[1:] = out[:1]
+    return out
 
 
 def _chunked(q_LHD, k_SGD, v_SGDv, B: int):
@@ -625,10 +655,8 @@ class _Split(torch.autograd.Function):
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
                 o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
                 g = _bwd_unmasked(bwd, chunks(q.shape[0], k.shape[0]), go, _heads_first(q), k, v, o, lse[..., 0],
-                                  aux_v[1], scale)
-                dq[q0:q0 + L].add_(g[0][0, :, :L].transpose(0, 1))
-                dk.index_add_(0, rows, g[1][0].transpose(0, 1))
-                dv.index_add_(0, rows, g[2][0].transpose(0, 1))
+                                  aux_v[1], scale, dk, dv, rows)
+                dq[q0:q0 + L].add_(g[0, :, :L].transpose(0, 1))
         for sp, aux in zip(plan.shared, ctx.shared_auxes):
             spans = sp.spans
             go = _grad_heads_first(do_CHDv, spans, 0, sp.query_rows)
@@ -636,13 +664,11 @@ class _Split(torch.autograd.Function):
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
             g = _bwd_unmasked(bwd, chunks(sp.query_rows, sp.keys), go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o,
-                              lse[..., 0], aux, scale)
+                              lse[..., 0], aux, scale, dk, dv, keys)
             at = 0
             for q0, L in spans:
-                dq[q0:q0 + L].add_(g[0][0, :, at:at + L].transpose(0, 1))
+                dq[q0:q0 + L].add_(g[0, :, at:at + L].transpose(0, 1))
                 at += L
-            dk[keys].add_(g[1][0].transpose(0, 1))
-            dv[keys].add_(g[2][0].transpose(0, 1))
         return dq, dk, dv, None, None, None
 
 
