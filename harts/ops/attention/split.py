@@ -147,11 +147,30 @@ def _heads_first(x_LHX):
     return x_LHX.transpose(0, 1).unsqueeze(0)  # [1, H, L, X], a view
 
 
-def _rows(x_LHX, front: int, total: int):
-    """x after ``front`` zero rows, then zero rows up to ``total`` rows (x itself when there are none)."""
+def _rows(x_LHX, front: int, total: int, value: float = 0.0):
+    """x after ``front`` rows of ``value``, then such rows up to ``total`` rows (x itself when there are none)."""
     if front == 0 and total == x_LHX.shape[0]:
         return x_LHX
-    return F.pad(x_LHX, (0, 0, 0, 0, front, total - front - x_LHX.shape[0]))
+    return F.pad(x_LHX, (0, 0, 0, 0, front, total - front - x_LHX.shape[0]), value=value)
+
+
+def _window(x_CHX, q0: int, L: int, front: int, total: int):
+    """A piece's rows of the queries (or of the merged output): x's L rows from q0 behind ``front`` rows, ``total``
+    rows in all. Read in place (a view of x's rows) where x has the rows around them; otherwise the L rows between
+    zero rows (a copy). The rows around the L are the piece's padding, in place other views' rows: their outputs
+    are dropped, and in the backward their output gradient is zero and their lse +inf (``_lse_rows``), so that
+    they add nothing to any gradient whatever they hold."""
+    a = q0 - front
+    if a >= 0 and a + total <= x_CHX.shape[0]:
+        return x_CHX[a:a + total]
+    return _rows(x_CHX[q0:q0 + L], front, total)
+
+
+def _lse_rows(lse_CH, ranges, front: int, total: int):
+    """The merged lse at a piece's rows, heads-first [1, H, total]: +inf on its padding rows, where P = exp(S - lse)
+    is then 0 for any query the padding row holds (see ``_window``)."""
+    x = _stacked(lse_CH[..., None], ranges, total - front, float("inf"))
+    return _heads_first(_rows(x, front, total, float("inf")))[..., 0]
 
 
 def _gather_rows(x_XHX, idx, total: int):
@@ -539,33 +558,38 @@ def _pieces(q_CHD, k_XHD, v_XHDv, idx, view: _View):
     """(causal, gathered) pieces of one view, each (q, k, v, key rows) with key rows an index tensor (or a slice,
     for a causal piece read in place) for the backward's accumulation; gathered is None when the view has no
     gathered unmasked piece."""
-    qv = q_CHD[view.q0:view.q0 + view.L]
     o0, m = view.causal
     n = view.own_rows
     s = view.causal_start
+    qc = _window(q_CHD, view.q0, view.L, view.R, n)
     if s >= 0:
-        causal = (_rows(qv, view.R, n), k_XHD[s:s + n], v_XHDv[s:s + n], slice(s, s + m))
+        causal = (qc, k_XHD[s:s + n], v_XHDv[s:s + n], slice(s, s + m))
     else:
         ci = idx[o0:o0 + m]
-        causal = (_rows(qv, view.R, n), _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
+        causal = (qc, _gather_rows(k_XHD, ci, n), _gather_rows(v_XHDv, ci, n), ci)
     g0, A = view.gather
     if not A:
         return causal, None
     gi = idx[g0:g0 + A]
-    return causal, (_rows(qv, 0, view.anc_rows), k_XHD.index_select(0, gi), v_XHDv.index_select(0, gi), gi)
+    return causal, (_window(q_CHD, view.q0, view.L, 0, view.anc_rows), k_XHD.index_select(0, gi),
+                    v_XHDv.index_select(0, gi), gi)
 
 
-def _stacked(x_CHX, ranges, total: int):
-    """The rows ``ranges`` ((first, count) each) of x one after the other, then zero rows up to ``total``."""
+def _stacked(x_CHX, ranges, total: int, fill: float | None = None):
+    """The rows ``ranges`` ((first, count) each) of x one after the other, then padding rows up to ``total``: one
+    range read in place where x has the rows (``_window``) when ``fill`` is None, else a copy padded with ``fill``
+    rows (zero rows for None)."""
     if len(ranges) == 1:
         q0, L = ranges[0]
-        return _rows(x_CHX[q0:q0 + L], 0, total)
+        if fill is None:
+            return _window(x_CHX, q0, L, 0, total)
+        return _rows(x_CHX[q0:q0 + L], 0, total, fill)
     out = x_CHX.new_empty(total, *x_CHX.shape[1:])
     at = 0
     for q0, L in ranges:
         out[at:at + L] = x_CHX[q0:q0 + L]
         at += L
-    out[at:].zero_()
+    out[at:].fill_(0.0 if fill is None else fill)
     return out
 
 
@@ -637,34 +661,35 @@ class _Split(torch.autograd.Function):
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
         dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
         do_CHDv = do_CHDv.contiguous()
-        # the merged output gradient, output and lse at each piece's query rows (zero on dropped and padded rows):
-        # dO heads-first contiguous (_grad_heads_first), o and lse in the forward's layouts, the layouts torch's own
-        # SDPA backward passes (see _cudnn_bwd)
-        merged = (o_CHDv, lse_CH[..., None])
+        # the merged output gradient, output and lse at each piece's query rows (dO zero and lse +inf on dropped and
+        # padded rows): dO heads-first contiguous (_grad_heads_first), o and lse in the forward's layouts, the layouts
+        # torch's own SDPA backward passes (see _cudnn_bwd)
         for view, aux_v in zip(plan.views, ctx.auxes):
             L, R, q0 = view.L, view.R, view.q0
             causal, gathered = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
             go = _grad_heads_first(do_CHDv, ((q0, L),), R, view.own_rows)
-            o, lse = (_heads_first(_rows(t[q0:q0 + L], R, view.own_rows)) for t in merged)
-            g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse[..., 0], aux_v[0], True, scale)
+            o = _heads_first(_window(o_CHDv, q0, L, R, view.own_rows))
+            lse = _lse_rows(lse_CH, ((q0, L),), R, view.own_rows)
+            g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse, aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
             _add_rows(dk, causal[3], g[1][0, :, :R + L].transpose(0, 1))
             _add_rows(dv, causal[3], g[2][0, :, :R + L].transpose(0, 1))
             if gathered is not None:
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
-                o, lse = (_heads_first(_rows(t[q0:q0 + L], 0, view.anc_rows)) for t in merged)
-                g = _bwd_unmasked(bwd, chunks(q.shape[0], k.shape[0]), go, _heads_first(q), k, v, o, lse[..., 0],
-                                  aux_v[1], scale, dk, dv, rows)
+                o = _heads_first(_window(o_CHDv, q0, L, 0, view.anc_rows))
+                lse = _lse_rows(lse_CH, ((q0, L),), 0, view.anc_rows)
+                g = _bwd_unmasked(bwd, chunks(q.shape[0], k.shape[0]), go, _heads_first(q), k, v, o, lse, aux_v[1],
+                                  scale, dk, dv, rows)
                 dq[q0:q0 + L].add_(g[0, :, :L].transpose(0, 1))
         for sp, aux in zip(plan.shared, ctx.shared_auxes):
             spans = sp.spans
             go = _grad_heads_first(do_CHDv, spans, 0, sp.query_rows)
-            o, lse = (_heads_first(_stacked(t, spans, sp.query_rows)) for t in merged)
+            o, lse = _heads_first(_stacked(o_CHDv, spans, sp.query_rows)), _lse_rows(lse_CH, spans, 0, sp.query_rows)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
             g = _bwd_unmasked(bwd, chunks(sp.query_rows, sp.keys), go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o,
-                              lse[..., 0], aux, scale, dk, dv, keys)
+                              lse, aux, scale, dk, dv, keys)
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0, :, at:at + L].transpose(0, 1))
