@@ -21,7 +21,9 @@ from harts.models.family import all_presets, model_class, model_config
 FAMILIES = (
     ("kda_state_scan", ("kda_round", "chunk_gated_delta_rule_fwd_kernel_h", "chunk_gated_delta_rule_bwd_kernel_dhu")),
     ("kda_other", ("kda", "chunk_", "wy_", "recompute_w_u", "l2norm", "gla", "solve_tril", "intra")),
-    ("attention", ("flash", "fmha", "attention", "varlen", "attn")),
+    # cuDNN's SDPA runs helper kernels beside its fprop/bprop (cudnn::fusion::compute_dot_do_o_specialized,
+    # convert_dq_to_16bits); this codebase uses cuDNN only for attention
+    ("attention", ("flash", "fmha", "attention", "varlen", "attn", "sdpa", "cudnn::fusion")),
     # CUTLASS sm90 grouped GEMM: ...GroupProblemShape...
     ("moe_grouped_gemm", ("grouped", "_grouped_mm", "groupproblem")),
     ("logprobs", ("logprobs",)),

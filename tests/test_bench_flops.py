@@ -64,6 +64,11 @@ def test_kernel_families_of_h200_kernel_names():
     assert family("kda_round_bwd_kernel_dh").startswith("kda")
     assert family("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda") == \
         "elementwise_norm"
+    # cuDNN's SDPA helpers: "convert" must not read as a convolution, nor the dO.O reduction as "other"
+    assert family("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int") == "attention"
+    assert family("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*") == \
+        "attention"
+    assert family("causal_conv1d_bwd_kernel") == "conv"
 
 
 def test_speedup_flops_only_ceiling(tmp_path):
