@@ -326,6 +326,58 @@ def test_split_shares_in_place_runs_between_views_float64():
     _assert_same_float64(o, o_ref, (q, k, v), g)
 
 
+def _key_writes_brute_force(plan):
+    """The key-row writes of the split's backward in its order, as sets: [(kind, rows)] with kind "slice" (a piece
+    reading its keys in place) or "index" (gathered keys)."""
+    out = []
+    for view in plan.views:
+        o0, m = view.causal
+        if view.causal_start >= 0:
+            out.append(("slice", set(range(view.causal_start, view.causal_start + m))))
+        else:
+            out.append(("index", set(plan.index[o0:o0 + m].tolist())))
+        g0, A = view.gather
+        if A:
+            out.append(("index", set(plan.index[g0:g0 + A].tolist())))
+    out += [("slice", set(range(sp.start, sp.start + sp.keys))) for sp in plan.shared]
+    return out
+
+
+def test_key_gradient_writes_copy_first_writers_and_zero_the_rest():
+    """``SplitPlan.key_grad_writes`` against a walk over the pieces' key rows as sets: a slice piece copies its
+    key / value gradient exactly when no earlier piece wrote any of its rows, and the rows zeroed up front are
+    exactly those no copying piece writes (written by index adds only, or by no piece), so every row is written
+    once or zeroed once before any add. On a compact layout's plan and on views over a trunk with unread rows."""
+    import harts.ops.attention.split as split
+
+    spec = [(700, [(600, [(300, []), (5, [])]), (300, [(280, []), (290, [(4, []), (6, [])])])])]
+    batch = pack(trajectories_from_spec(spec, duplicates=[1]), chunk_size=16, pad_to_multiple=8)
+    anc = [np.arange(640), np.arange(900), np.r_[np.arange(640), np.arange(1000, 1040)], np.arange(5300)]
+    own = [np.arange(640, 700), np.arange(1000, 1040), np.arange(1040, 1100), np.arange(5300, 5310)]
+    kv_rows = np.concatenate([np.r_[a, o] for a, o in zip(anc, own)])
+    cu_q = [0, *np.cumsum([len(o) for o in own]).tolist()]
+    cu_k = [0, *np.cumsum([len(a) + len(o) for a, o in zip(anc, own)]).tolist()]
+    plans = [split.split_plan(batch.cu_seqlens_q, batch.cu_seqlens_k, batch.mla_kv_rows, num_keys=batch.num_phys,
+                              min_in_place=256),
+             split.split_plan(cu_q, cu_k, kv_rows, num_keys=5400, min_in_place=256)]
+    for plan in plans:
+        causal_first, shared_first, zero_ranges = plan.key_grad_writes()
+        assert plan.key_grad_writes() is plan.key_grad_writes(), "built once per plan"
+        flags = iter([f for view, f in zip(plan.views, causal_first) for f in ([f] + [False] * bool(view.gather[1]))]
+                     + list(shared_first))
+        written, copied = set(), set()
+        for kind, rows in _key_writes_brute_force(plan):
+            first = next(flags)
+            assert first == (kind == "slice" and not rows & written), (kind, sorted(rows)[:4], first)
+            if first:
+                copied |= rows
+            written |= rows
+        zeroed = [r for a, b in zero_ranges for r in range(a, b)]
+        assert len(zeroed) == len(set(zeroed)), zero_ranges
+        assert set(zeroed) == set(range(plan.num_keys)) - copied, zero_ranges
+        assert copied and zeroed, (causal_first, shared_first, zero_ranges)  # both kinds of row occur here
+
+
 def test_split_plan_refuses_inconsistent_views():
     from harts.ops.attention.split import split_plan
 

@@ -264,20 +264,22 @@ def causal_key_chunks(query_rows: int, keys: int, min_query_rows: int | None = N
 
 
 def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL, aux, scale: float, dk_XGD,
-                  dv_XGDv, rows):
+                  dv_XGDv, rows, first: bool = False):
     """The backward of an unmasked piece (keys and values [S, G, X] rows): adds the key and value gradients into
     ``rows`` (a slice of the S key rows read in place, or their index tensor) of dk / dv and returns dq
     [1, H, L, D] (the piece's own, to be added by the caller); one unmasked call for B = 0, else causal calls over B
     key chunks (``causal_key_chunks``, see UNMASKED_BWD_AS_CAUSAL). The chunked operands keep the layouts the
     single call gets (see ``_cudnn_bwd``): queries and output rows-first, output gradient heads-first. Each call's
     key and value gradients are added where they belong (the upper call's after a flip of each chunk's rows), not
-    summed into a piece-sized tensor first: each pass over the piece's key rows is memory traffic of its own."""
+    summed into a piece-sized tensor first: each pass over the piece's key rows is memory traffic of its own.
+    ``first``: no earlier piece wrote ``rows`` (a slice) of dk / dv, so the first call's gradients are copied there.
+    """
     S, G = k_SGD.shape[:2]
     if not B:
         dq, dk, dv = bwd(do_1HLDv, q_1HLD, _heads_first(k_SGD), _heads_first(v_SGDv), o_1HLDv, lse_1HL, aux, False,
                          scale)
-        _add_rows(dk_XGD, rows, dk[0].transpose(0, 1))
-        _add_rows(dv_XGDv, rows, dv[0].transpose(0, 1))
+        _add_rows(dk_XGD, rows, dk[0].transpose(0, 1), first)
+        _add_rows(dv_XGDv, rows, dv[0].transpose(0, 1), first)
         return dq
     c = S // B
 
@@ -290,7 +292,7 @@ def _bwd_unmasked(bwd, B: int, do_1HLDv, q_1HLD, k_SGD, v_SGDv, o_1HLDv, lse_1HL
         lse_1HL.expand(B, -1, -1)
     dq_lo, dk_lo, dv_lo = bwd(do, q, k_BcGD.transpose(1, 2), v_BcGDv.transpose(1, 2), o, lse, aux, True, scale)
     for dx, g in ((dk_XGD, dk_lo), (dv_XGDv, dv_lo)):  # chunk b's keys are the piece's rows b * c, ..., b * c + c - 1
-        _add_rows(dx, rows, g.transpose(1, 2).reshape(S, G, g.shape[-1]))
+        _add_rows(dx, rows, g.transpose(1, 2).reshape(S, G, g.shape[-1]), first)
     # the upper pairs: queries c - 2, ..., 0 and a zero row over each chunk's keys reversed
     rev = torch.arange(c - 2, -1, -1, device=q_1HLD.device)
     q, o, do = _rows_up(q_1HLD, rev, B, False), _rows_up(o_1HLDv, rev, B, False), _rows_up(do_1HLDv, rev, B, True)
@@ -445,6 +447,7 @@ class SplitPlan:
     num_keys: int
     shared: tuple = ()
     _device_index: dict = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def index_on(self, device) -> torch.Tensor:
         device = torch.device(device)
@@ -453,10 +456,48 @@ class SplitPlan:
             t = self._device_index[device] = torch.as_tensor(self.index).to(device)
         return t
 
+    def key_grad_writes(self) -> tuple:
+        """Which pieces' backward writes its key / value gradient into rows of dk / dv that no earlier piece wrote,
+        in the order the backward runs them (each view's causal piece, its gathered piece, then the shared pieces):
+        ``(causal_first per view, shared_first per shared piece, zero_ranges)``. A first writer of a slice copies
+        its gradient there; the rows outside every first writer's slice (written only by index adds, or by no
+        piece) are zeroed before: each row of dk / dv is written once or zeroed once, not zeroed and then read
+        back by an add."""
+        if "key_grad_writes" not in self._memo:
+            self._memo["key_grad_writes"] = _first_key_writes(self)
+        return self._memo["key_grad_writes"]
+
     @property
     def in_place_rows(self) -> int:
         """Key rows read in place (not copied), summed over views."""
         return sum(p.keys * len(p.ranges) for p in self.shared)
+
+
+def _first_key_writes(plan: SplitPlan) -> tuple:
+    """``SplitPlan.key_grad_writes``: a host walk over the pieces' key rows in backward order."""
+    written = np.zeros(plan.num_keys, dtype=bool)
+    copied = np.zeros(plan.num_keys, dtype=bool)
+
+    def write(a: int, b: int) -> bool:  # a slice: first when none of its rows is written yet
+        first = not written[a:b].any()
+        written[a:b] = True
+        copied[a:b] |= first
+        return first
+
+    causal_first = []
+    for view in plan.views:
+        o0, m = view.causal
+        if view.causal_start >= 0:
+            causal_first.append(write(view.causal_start, view.causal_start + m))
+        else:
+            causal_first.append(False)
+            written[plan.index[o0:o0 + m]] = True
+        g0, A = view.gather
+        written[plan.index[g0:g0 + A]] = True
+    shared_first = tuple(write(sp.start, sp.start + sp.keys) for sp in plan.shared)
+    d = np.diff(np.r_[0, (~copied).astype(np.int8), 0])  # runs of the rows that no first writer copies into
+    zero_ranges = tuple((int(a), int(b)) for a, b in zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
+    return tuple(causal_first), shared_first, zero_ranges
 
 
 def _host(x) -> np.ndarray:
@@ -609,10 +650,14 @@ def _grad_heads_first(do_CHDv, ranges, front: int, total: int):
     return out
 
 
-def _add_rows(dx_XHX, rows, g_RHX) -> None:
-    """Adds a piece's key / value gradient into its key rows: a slice (rows read in place) or an index tensor."""
+def _add_rows(dx_XHX, rows, g_RHX, first: bool = False) -> None:
+    """Adds a piece's key / value gradient into its key rows: a slice (rows read in place) or an index tensor;
+    copies it into a slice that no earlier piece wrote (``first``, see ``SplitPlan.key_grad_writes``)."""
     if isinstance(rows, slice):
-        dx_XHX[rows].add_(g_RHX)
+        if first:
+            dx_XHX[rows].copy_(g_RHX)
+        else:
+            dx_XHX[rows].add_(g_RHX)
     else:
         dx_XHX.index_add_(0, rows, g_RHX)
 
@@ -659,12 +704,18 @@ class _Split(torch.autograd.Function):
 
         idx = plan.index_on(q_CHD.device)
         dq = torch.empty_like(q_CHD)  # every query row is one view's: its causal piece writes it, the others add
-        dk, dv = torch.zeros_like(k_XHD), torch.zeros_like(v_XHDv)
+        # key rows: the first piece to write a slice of them copies its gradient there, the rest add; rows that no
+        # such piece writes first are zeroed here
+        causal_first, shared_first, zero_ranges = plan.key_grad_writes()
+        dk, dv = torch.empty_like(k_XHD), torch.empty_like(v_XHDv)
+        for a, b in zero_ranges:
+            dk[a:b].zero_()
+            dv[a:b].zero_()
         do_CHDv = do_CHDv.contiguous()
         # the merged output gradient, output and lse at each piece's query rows (dO zero and lse +inf on dropped and
         # padded rows): dO heads-first contiguous (_grad_heads_first), o and lse in the forward's layouts, the layouts
         # torch's own SDPA backward passes (see _cudnn_bwd)
-        for view, aux_v in zip(plan.views, ctx.auxes):
+        for view, aux_v, first in zip(plan.views, ctx.auxes, causal_first):
             L, R, q0 = view.L, view.R, view.q0
             causal, gathered = _pieces(q_CHD, k_XHD, v_XHDv, idx, view)
             go = _grad_heads_first(do_CHDv, ((q0, L),), R, view.own_rows)
@@ -672,8 +723,8 @@ class _Split(torch.autograd.Function):
             lse = _lse_rows(lse_CH, ((q0, L),), R, view.own_rows)
             g = bwd(go, *(_heads_first(t) for t in causal[:3]), o, lse, aux_v[0], True, scale)
             dq[q0:q0 + L] = g[0][0, :, R:R + L].transpose(0, 1)
-            _add_rows(dk, causal[3], g[1][0, :, :R + L].transpose(0, 1))
-            _add_rows(dv, causal[3], g[2][0, :, :R + L].transpose(0, 1))
+            _add_rows(dk, causal[3], g[1][0, :, :R + L].transpose(0, 1), first)
+            _add_rows(dv, causal[3], g[2][0, :, :R + L].transpose(0, 1), first)
             if gathered is not None:
                 q, k, v, rows = gathered
                 go = _grad_heads_first(do_CHDv, ((q0, L),), 0, view.anc_rows)
@@ -682,14 +733,14 @@ class _Split(torch.autograd.Function):
                 g = _bwd_unmasked(bwd, chunks(q.shape[0], k.shape[0]), go, _heads_first(q), k, v, o, lse, aux_v[1],
                                   scale, dk, dv, rows)
                 dq[q0:q0 + L].add_(g[0, :, :L].transpose(0, 1))
-        for sp, aux in zip(plan.shared, ctx.shared_auxes):
+        for sp, aux, first in zip(plan.shared, ctx.shared_auxes, shared_first):
             spans = sp.spans
             go = _grad_heads_first(do_CHDv, spans, 0, sp.query_rows)
             o, lse = _heads_first(_stacked(o_CHDv, spans, sp.query_rows)), _lse_rows(lse_CH, spans, 0, sp.query_rows)
             q = _stacked(q_CHD, spans, sp.query_rows)
             keys = slice(sp.start, sp.start + sp.keys)
             g = _bwd_unmasked(bwd, chunks(sp.query_rows, sp.keys), go, _heads_first(q), k_XHD[keys], v_XHDv[keys], o,
-                              lse, aux, scale, dk, dv, keys)
+                              lse, aux, scale, dk, dv, keys, first)
             at = 0
             for q0, L in spans:
                 dq[q0:q0 + L].add_(g[0, :, at:at + L].transpose(0, 1))
