@@ -29,7 +29,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "kda_gate_bwd": ("fla.ops.kda.gate", "kda_gate_bwd"),
     "kda_gate_chunk_cumsum": ("fla.ops.kda.gate", "kda_gate_chunk_cumsum"),
     "kda_recompute_w_u_fwd": ("fla.ops.kda.wy_fast", "recompute_w_u_fwd"),
-    "chunk_gla_fwd_o_gk": ("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk"),
+    "chunk_gla_fwd_kernel_o": ("fla.ops.gla.chunk", "chunk_gla_fwd_kernel_o"),
     # Gated DeltaNet
     "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
     "chunk_gated_delta_rule_fwd_intra": ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_intra"),

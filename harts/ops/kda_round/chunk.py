@@ -15,13 +15,14 @@ import functools
 import logging
 
 import torch
+import triton
 
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
 from harts.ops._fla import (
     RCP_LN2,
     autocast_custom_bwd,
     autocast_custom_fwd,
-    chunk_gla_fwd_o_gk,
+    chunk_gla_fwd_kernel_o,
     chunk_kda_bwd_dAv,
     chunk_kda_bwd_intra,
     chunk_kda_bwd_wy_dqkg_fused,
@@ -72,6 +73,23 @@ def _round_indices(lens, chunk_size, seq, chunk, device):
     return up[0], up[1], (up[2] if seq else None)
 
 
+def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices):
+    """fla's ``chunk_gla_fwd_o_gk`` (each chunk's output: its intra-chunk attention A @ v plus q against the chunk's
+    state h), launched without the wrapper's zero fill of the output: fla zeroes it for callers that pad v past
+    the sequences (vLLM), while here every row is one of the chunks the kernel writes, so the fill was one more
+    full-size pass over the output per round and per (re)computed forward."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[-1]
+    o = torch.empty_like(v)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
+
+    chunk_gla_fwd_kernel_o[grid](q=q, v=v, g=g, h=h, o=o, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                 scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    return o
+
+
 class ChunkKDARoundFunction(torch.autograd.Function):
     @staticmethod
     @input_guard
@@ -98,8 +116,7 @@ class ChunkKDARoundFunction(torch.autograd.Function):
             kg, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks, chunk_size,
             state_slot=state_slot, num_states=num_states)
         del w, u, kg
-        o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens,
-                               chunk_size=chunk_size, chunk_indices=chunk_indices)
+        o = chunk_fwd_o(q, v_new, g_cum, Aqk, h, scale, cu_seqlens, chunk_size, chunk_indices)
         del h, v_new
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, None if use_gate_in_kernel else g_cum, g, beta, A_log,
                               dt_bias, Aqk, Akk, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot)
