@@ -71,6 +71,8 @@ def op_bytes(name: str, args, kwargs, out) -> int | None:
         return 3 * _nbytes(args[3])
     if name in ("index_copy_", "index_copy"):
         return 2 * _nbytes(args[3])
+    if name == "index_fill_":  # writes the indexed rows
+        return args[2].numel() * _nbytes(args[0]) // max(1, args[0].shape[args[1]])
     if name in ("zero_", "fill_", "zeros", "zeros_like", "new_zeros", "full", "new_full", "ones", "ones_like"):
         return sum(_nbytes(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
     return sum(_nbytes(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
@@ -148,17 +150,23 @@ class _NullSDPA(torch.autograd.Function):
 
 class _NullRound(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, init):
+    def forward(ctx, q, k, v, g, beta, init, out=None, grad_out=None):
         ctx.shapes = [t.shape if t is not None else None for t in (q, k, v, g, beta, init)]
-        return v.new_empty(v.shape)
+        ctx.grad_out = grad_out
+        return v.new_empty(v.shape) if out is None else out[0]
 
     @staticmethod
     def backward(ctx, do):
-        return tuple(None if s is None else do.new_empty(s) for s in ctx.shapes)
+        grads = [None if s is None else do.new_empty(s) for s in ctx.shapes]
+        if ctx.grad_out is not None:  # q's and k's written where the caller wants them, as the Triton round does
+            grads[:2] = [f().view(s) for f, s in zip(ctx.grad_out, ctx.shapes)]
+        return (*grads, None, None)
 
 
-def _null_round(q, k, v, g, beta, cu_seqlens, *, initial_state=None, state_seq=None, **kw):
-    o = _NullRound.apply(q, k, v, g, beta, initial_state)
+def _null_round(q, k, v, g, beta, cu_seqlens, *, initial_state=None, state_seq=None, out=None, grad_out=None,
+                **kw):
+    """The round's shapes, its output and its q and k gradients written where the Triton round writes them."""
+    o = _NullRound.apply(q, k, v, g, beta, initial_state, None if out is None else (out.unsqueeze(0),), grad_out)
     M = 0 if state_seq is None else int(state_seq.shape[0])
     states = q.new_empty(M, v.shape[2], q.shape[-1], v.shape[-1], dtype=torch.float32) if M else None
     return o, None, states
@@ -182,7 +190,7 @@ def dense_stand_ins():
                                             {"null": split.UNMASKED_BWD_AS_CAUSAL["cudnn"]}))
         stack.enter_context(mock.patch.object(fast.F, "scaled_dot_product_attention",
                                               lambda q, k, v, **kw: _NullSDPA.apply(q, k, v)))
-        stack.enter_context(mock.patch("harts.runtime.compact._round_fn", lambda *a, **k: _null_round))
+        stack.enter_context(mock.patch("harts.runtime.compact._round_fn", lambda *a, **k: (_null_round, True)))
         stack.enter_context(mock.patch("harts.ops._fla.chunk_kda", _null_chunk_kda))
         stack.enter_context(mock.patch("harts.ops.norm.fast.l2_norm_fast", lambda x, eps=1e-6: x))
         yield

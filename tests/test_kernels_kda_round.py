@@ -298,6 +298,20 @@ def test_triton_interpreter_wrong_placement_fails():
     assert min(errs[n] for n in ("dk", "dv", "dg")) > 0.05, errs
 
 
+def test_out_of_the_wrong_shape_or_dtype_is_named():
+    """``chunk_kda_round(out=)`` takes the [T, HV, V] rows of the caller's output in q's dtype, contiguous; anything
+    else is refused before a kernel runs, naming what it got (no silent copy into a scratch tensor)."""
+    from harts.ops.kda_round import chunk_kda_round
+
+    ins, cu, h0 = make_inputs(INTERP_LENS, **GVA)
+    T = sum(INTERP_LENS)
+    strided = torch.empty(2, T, 16).transpose(0, 1)
+    for bad in (torch.empty(T, 2, 8), torch.empty(T, 2, 16, dtype=torch.float64), strided):
+        with pytest.raises(ValueError, match=r"out must be a contiguous \(124, 2, 16\)"):
+            chunk_kda_round(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], cu, initial_state=h0,
+                            chunk_size=INTERP_BT, out=bad)
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter case; the GPU runs the compiled variants below")
 def test_triton_interpreter_output_needs_no_zero_fill(monkeypatch):
     """The round's output buffer is allocated unfilled (``chunk_fwd_o``: fla's output kernel without its wrapper's

@@ -25,6 +25,8 @@ input positions of round r, E boundary states, S' nonterminal semantic positions
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harts.ops.attention.tree import TreeMask, tree_attention_views, tree_mask
@@ -58,18 +60,19 @@ def check_batch(batch: CompactBatch, cfg, device: torch.device | None = None) ->
 
 # ------------------------------------------------------------------------------------------ KDA
 def _round_fn(backend: str, device, dtype, scalar_gate: bool = False):
+    """(the round op, whether it takes ``out``: writes its output into the caller's rows)."""
     fast = resolve("kda", backend, device, dtype) == "fast"
     if scalar_gate:
         from harts.ops import gdn_round
 
-        return gdn_round.chunk_gdn_round if fast else gdn_round.chunk_gdn_round_reference
+        return (gdn_round.chunk_gdn_round if fast else gdn_round.chunk_gdn_round_reference), False
     if fast:
         from harts.ops.kda_round import chunk_kda_round
 
-        return chunk_kda_round
+        return chunk_kda_round, True
     from harts.ops.kda_round import chunk_kda_round_reference
 
-    return chunk_kda_round_reference
+    return chunk_kda_round_reference, False
 
 
 def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backend: str = "auto",
@@ -85,11 +88,12 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
     if scalar_gate and A_log is not None:
         raise TypeError("kda_rounds: a per-head scalar decay g [P, HV] takes no A_log/dt_bias (KDA's in-kernel gate "
                         "needs g [P, HV, K])")
-    run_round = _round_fn(backend, q.device, q.dtype, scalar_gate)
+    run_round, writes_out = _round_fn(backend, q.device, q.dtype, scalar_gate)
     P, H, Kh = q.shape
     HV = v.shape[1]
     states = []  # emitted boundary states, round by round, each [E_r, HV, K, V] fp32+
-    outs = []
+    outs, sels = [], []  # each round's output and which of its rows are outputs (None: all, in order)
+    o_PHV = q.new_empty(batch.num_phys, HV, v.shape[-1])  # the assembled output; rounds may write into it
     state_dtype = torch.promote_types(q.dtype, torch.float32)
     in_kernel = A_log is not None
     if in_kernel != (dt_bias is not None):
@@ -97,7 +101,9 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
                         "log decay)")
     gate_kw = dict(use_gate_in_kernel=True, A_log=A_log.to(state_dtype), dt_bias=dt_bias.to(state_dtype),
                    safe_gate=True, lower_bound=lower_bound) if in_kernel else {}
-    own = _round_inputs((q, k, v, g, beta), batch)
+    # q's and k's gradients: the fast rounds write their own rows' straight into them (allocated in backward)
+    grad_rows = (_GradRows(q), _GradRows(k)) if writes_out else (None, None)
+    own = _round_inputs((q, k, v, g, beta), batch, grad_rows + (None, None, None))
     for i, r in enumerate(batch.rounds):
         if own is not None:  # the round's own rows, with each sequence's replay rows in front
             qr, kr, vr, gr, br = (x[i] for x in own)
@@ -108,6 +114,12 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
             zero = q.new_zeros((1, HV, Kh, v.shape[-1]), dtype=state_dtype)
             bank = torch.cat([zero] + states, dim=0)  # id -1 -> row 0
             init = bank.index_select(0, r.init_source + 1)
+        # A round without replay reads and writes only its own rows: it writes its output and its q and k
+        # gradients where they go.
+        out_kw = {}
+        if writes_out and own is not None and not r.replay_rows.numel():
+            a, b = r.phys_start, r.phys_end
+            out_kw = dict(out=o_PHV[a:b], grad_out=tuple(functools.partial(x.rows, a, b) for x in grad_rows))
         # Same dtype conventions as the trajectory-wise fast path (harts.ops.kda.fast): gate input and
         # beta in q's dtype, gate parameters and states in fp32 (fp64 on the float64 reference path); a
         # precomputed log decay stays in its own (fp32+) dtype.
@@ -115,17 +127,87 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
             qr.unsqueeze(0), kr.unsqueeze(0), vr.unsqueeze(0), gr.unsqueeze(0).to(q.dtype if in_kernel else gr.dtype),
             br.unsqueeze(0).to(q.dtype), r.cu_seqlens, initial_state=init, output_final_state=False,
             state_seq=r.emit_seq if r.num_states else None, state_chunk=r.emit_chunk if r.num_states else None,
-            use_qk_l2norm_in_kernel=True, chunk_size=chunk_size, cu_seqlens_cpu=r.cu_seqlens_cpu, **gate_kw)
+            use_qk_l2norm_in_kernel=True, chunk_size=chunk_size, cu_seqlens_cpu=r.cu_seqlens_cpu, **gate_kw,
+            **out_kw)
         if r.num_states:
             states.append(boundary)
-        o = o.squeeze(0)
-        outs += _round_output(o, r) if own is not None else [o.index_select(0, r.output_positions)]
-    if batch.num_phys > batch.num_rows:  # alignment padding rows produce zeros
-        outs.append(q.new_zeros((batch.num_phys - batch.num_rows, HV, v.shape[-1])))
-    o_PHV = torch.cat(outs, dim=0)
+        outs.append(o.squeeze(0))
+        if own is None:  # the no-replay ablation's segments
+            sels.append((r.output_positions, None))
+        else:
+            sels.append((r.output_positions, r.replay_positions) if r.replay_rows.numel() else None)
+    o_PHV = _RoundOutputs.apply((o_PHV,), tuple(sels), *outs)  # alignment padding rows produce zeros
     if batch.kda_output_perm is not None:  # no-replay ablation: segments ran in their own order
         o_PHV = o_PHV.index_select(0, batch.kda_output_perm)
     return o_PHV
+
+
+class _RoundOutputs(torch.autograd.Function):
+    """The rounds' outputs one after the other in the rows of ``buf`` (handed in a tuple, so that autograd sees it
+    as this Function's own output), its remaining rows (alignment padding) zero. ``sels[i]``: None when every row
+    of round i's output is an output row, in order, else (the positions of its output rows, those of the others or
+    None). One gather per round with replay rows, and no copy of a round that wrote its output in its place
+    (``chunk_kda_round(out=...)``); in backward each round's gradient is a slice of the output's, or its output
+    rows' gradients scattered between zero rows."""
+
+    @staticmethod
+    def forward(ctx, buf, sels, *outs):
+        (buf,) = buf
+        ctx.sels, ctx.shapes = sels, [o.shape for o in outs]
+        ctx.sizes = [o.shape[0] if sel is None else sel[0].shape[0] for o, sel in zip(outs, sels)]
+        at = 0
+        for o, sel, n in zip(outs, sels, ctx.sizes):
+            dst = buf[at:at + n]
+            if sel is not None:
+                torch.index_select(o, 0, sel[0], out=dst)
+            elif not _is_rows_of(o, dst):
+                dst.copy_(o)
+            at += n
+        buf[at:].zero_()
+        return buf
+
+    @staticmethod
+    def backward(ctx, g):
+        grads, at = [], 0
+        for shape, sel, n in zip(ctx.shapes, ctx.sels, ctx.sizes):
+            g_out = g[at:at + n]
+            at += n
+            if sel is None:
+                grads.append(g_out)
+                continue
+            positions, others = sel
+            go = g.new_zeros(shape) if others is None else g.new_empty(shape)
+            go.index_copy_(0, positions, g_out)
+            if others is not None and others.numel():
+                go.index_fill_(0, others, 0)
+            grads.append(go)
+        return (None, None, *grads)  # the padding rows' gradient goes nowhere
+
+
+class _GradRows:
+    """The gradient of a per-row tensor, allocated when the first round's backward asks for its rows
+    (``chunk_kda_round(grad_out=...)``) and handed to ``_RoundInputs``'s backward, which then does not copy the
+    rows written in place. Allocated in backward, not forward: held from forward on, one per layer, it would add
+    the gradients' size to the peak memory."""
+
+    def __init__(self, like: torch.Tensor):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.buf = None
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.buf[a:b]
+
+    def take(self) -> torch.Tensor | None:
+        buf, self.buf = self.buf, None
+        return buf
+
+
+def _is_rows_of(x: torch.Tensor, rows: torch.Tensor) -> bool:
+    """x is ``rows`` itself (the same elements of the same base), not a copy."""
+    return (rows._base is not None and x._base is rows._base and x.storage_offset() == rows.storage_offset()
+            and x.stride() == rows.stride())
 
 
 class _RoundInputs(torch.autograd.Function):
@@ -137,8 +219,8 @@ class _RoundInputs(torch.autograd.Function):
     backward) and autograd a full-size sum of it into the others'."""
 
     @staticmethod
-    def forward(ctx, t, rounds):
-        ctx.rounds, ctx.shape = rounds, t.shape
+    def forward(ctx, t, rounds, grad_rows):
+        ctx.rounds, ctx.shape, ctx.grad_rows = rounds, t.shape, grad_rows
         ctx.set_materialize_grads(False)
         return tuple(t.index_select(0, r.gather) if r.replay_rows.numel() else t[r.phys_start:r.phys_end]
                      for r in rounds)
@@ -148,23 +230,25 @@ class _RoundInputs(torch.autograd.Function):
         some = next((g for g in grads if g is not None), None)
         if some is None:
             return None, None
-        g_t = some.new_empty(ctx.shape)
+        g_t = ctx.grad_rows.take() if ctx.grad_rows is not None else None  # rounds wrote into it
+        if g_t is None:
+            g_t = some.new_empty(ctx.shape)
         for r, g in zip(ctx.rounds, grads):
             own = g_t[r.phys_start:r.phys_end]
             if g is None:
                 own.zero_()
             elif r.replay_rows.numel():
                 torch.index_select(g, 0, r.output_positions, out=own)
-            else:
+            elif not _is_rows_of(g, own):
                 own.copy_(g)
         g_t[ctx.rounds[-1].phys_end:].zero_()  # alignment padding rows
         for r, g in zip(ctx.rounds, grads):
             if g is not None and r.replay_rows.numel():
                 g_t.index_add_(0, r.replay_rows, g.index_select(0, r.replay_positions))
-        return g_t, None
+        return g_t, None, None
 
 
-def _round_inputs(tensors, batch: CompactBatch):
+def _round_inputs(tensors, batch: CompactBatch, grad_rows):
     """``_RoundInputs`` of each tensor over the batch's rounds, or None where the rounds do not partition the rows
     in order (the no-replay ablation: its segments run in their own order and gather)."""
     rounds = batch.rounds
@@ -175,15 +259,7 @@ def _round_inputs(tensors, batch: CompactBatch):
     if [r.phys_start for r in rounds] != ends:
         raise ValueError(f"kda_rounds: the rounds' own rows {[(r.phys_start, r.phys_end) for r in rounds]} do not "
                          "follow each other from row 0")
-    return [_RoundInputs.apply(t, rounds) for t in tensors]
-
-
-def _round_output(o, r) -> list:
-    """The own rows' outputs of a round's output (replay positions produce none), in physical order, as pieces:
-    the rounds' pieces are concatenated once for all rounds."""
-    if not r.replay_rows.numel():
-        return [o]
-    return list(o.split([n for pair in zip(r.replay_sizes, r.own_sizes) for n in pair])[1::2])
+    return [_RoundInputs.apply(t, rounds, gr) for t, gr in zip(tensors, grad_rows)]
 
 
 def kda_tree(q, k, v, f, beta, conv_W, A_log, dt_bias, batch: CompactBatch, cfg) -> torch.Tensor:

@@ -73,14 +73,15 @@ def _round_indices(lens, chunk_size, seq, chunk, device):
     return up[0], up[1], (up[2] if seq else None)
 
 
-def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices):
+def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out=None):
     """fla's ``chunk_gla_fwd_o_gk`` (each chunk's output: its intra-chunk attention A @ v plus q against the chunk's
     state h), launched without the wrapper's zero fill of the output: fla zeroes it for callers that pad v past
     the sequences (vLLM), while here every row is one of the chunks the kernel writes, so the fill was one more
-    full-size pass over the output per round and per (re)computed forward."""
+    full-size pass over the output per round and per (re)computed forward. ``out``: a contiguous tensor of v's
+    shape and dtype to write into (else one is allocated)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[-1]
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if out is None else out
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
@@ -96,7 +97,7 @@ class ChunkKDARoundFunction(torch.autograd.Function):
     @autocast_custom_fwd
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
                 state_slot, num_states, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                safe_gate, lower_bound, chunk_size, inject_at_top):
+                safe_gate, lower_bound, chunk_size, inject_at_top, out, grad_out):
         ctx.set_materialize_grads(False)
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
@@ -116,12 +117,14 @@ class ChunkKDARoundFunction(torch.autograd.Function):
             kg, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks, chunk_size,
             state_slot=state_slot, num_states=num_states)
         del w, u, kg
-        o = chunk_fwd_o(q, v_new, g_cum, Aqk, h, scale, cu_seqlens, chunk_size, chunk_indices)
+        o = chunk_fwd_o(q, v_new, g_cum, Aqk, h, scale, cu_seqlens, chunk_size, chunk_indices,
+                        out=out[0] if out is not None and out[0].dtype == v_new.dtype else None)
         del h, v_new
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, None if use_gate_in_kernel else g_cum, g, beta, A_log,
                               dt_bias, Aqk, Akk, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot)
         ctx.num_chunks, ctx.chunk_size, ctx.scale = num_chunks, chunk_size, scale
         ctx.flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound, inject_at_top)
+        ctx.grad_out = grad_out
         return o.type_as(q), final_state, boundary_states
 
     @staticmethod
@@ -159,10 +162,11 @@ class ChunkKDARoundFunction(torch.autograd.Function):
         if use_gate:
             dg, dA_log, ddt_bias = kda_gate_bwd(g=g_in, A_log=A_log, dt_bias=dt_bias, dyg=dg, lower_bound=lower_bound)
         if use_l2:
-            dq = l2norm_bwd_bucketed(q, q_rstd, dq)
-            dk = l2norm_bwd_bucketed(k, k_rstd, dk)
+            q_out, k_out = (f() for f in ctx.grad_out) if ctx.grad_out is not None else (None, None)
+            dq = l2norm_bwd_bucketed(q, q_rstd, dq, out=q_out)
+            dk = l2norm_bwd_bucketed(k, k_rstd, dk, out=k_out)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta), dA_log, ddt_bias, dh0,
-                None, None, None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 @tuned()
@@ -187,6 +191,8 @@ def chunk_kda_round(
     lower_bound: float | None = None,
     chunk_size: int = 64,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    grad_out=None,
     _inject_at_top: bool = False,
 ):
     """Chunked KDA over packed sequences that also returns requested chunk-boundary states.
@@ -204,6 +210,14 @@ def chunk_kda_round(
     argument checks and index building off the device: without it each call synchronises the stream
     once to read the lengths. ``_inject_at_top`` is a deliberately wrong backward used only by the
     negative-control test.
+
+    ``out``: a contiguous [T, HV, V] tensor in q's dtype (the rows of a caller's larger output) that the output is
+    written into, so that the caller need not copy it there; the returned o is then a view of it. It is handed to
+    the autograd Function outside its tensor arguments: autograd sees o as the Function's own output.
+    ``grad_out``: two callables, called in backward, that return where the q and k gradients go ([T, H, K]
+    contiguous rows of the caller's gradient, allocated when the backward needs them), with
+    ``use_qk_l2norm_in_kernel`` (whose backward writes them last); the q and k gradients returned are views of
+    them.
     """
     lens, seq, chunk = check_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk,
                                           chunk_size, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
@@ -223,8 +237,14 @@ def chunk_kda_round(
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chunk_indices, chunk_offsets, state_slot = round_indices(lens, chunk_size, seq, chunk, q.device)
+    if out is not None:
+        if out.shape != (q.shape[1], v.shape[2], v.shape[3]) or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"chunk_kda_round: out must be a contiguous {(q.shape[1], v.shape[2], v.shape[3])} "
+                             f"{q.dtype} tensor, got {tuple(out.shape)} {out.dtype} "
+                             f"(contiguous: {out.is_contiguous()})")
+        out = (out.unsqueeze(0),)
     o, final_state, boundary_states = ChunkKDARoundFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
         len(seq), scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
-        chunk_size, _inject_at_top)
+        chunk_size, _inject_at_top, out, grad_out if use_qk_l2norm_in_kernel else None)
     return o, final_state, boundary_states

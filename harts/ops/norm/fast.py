@@ -193,12 +193,17 @@ def l2norm_fwd_bucketed(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.
     return y_TD.view(x.shape), rstd_T.view(x.shape[:-1])
 
 
-def l2norm_bwd_bucketed(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's ``l2norm_bwd``: dx in y's dtype, bucketed NB."""
+def l2norm_bwd_bucketed(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """fla's ``l2norm_bwd``: dx in y's dtype, bucketed NB; written into ``out`` (contiguous, y's dtype and number
+    of elements) when given."""
     D = y.shape[-1]
     y_TD, dy_TD = y.contiguous().view(-1, D), dy.contiguous().view(-1, D)
     T = y_TD.shape[0]
-    dx_TD = torch.empty_like(y_TD)
+    if out is not None and (out.dtype != y.dtype or out.numel() != y.numel() or not out.is_contiguous()):
+        raise ValueError(f"l2norm_bwd_bucketed: out must be a contiguous {y.dtype} tensor of {y.numel()} elements, "
+                         f"got {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})")
+    dx_TD = torch.empty_like(y_TD) if out is None else out.view(-1, D)
     args = dict(y=y_TD, rstd=rstd.contiguous(), dy=dy_TD, dx=dx_TD, eps=eps, D=D, BD=_block_d(y_TD, D))
     if D <= 512:
         l2norm_bwd_kernel[_grid_T(T)](T=T, NB=_nb(T, L2_ROWS_PER_NB), **args)
