@@ -229,7 +229,7 @@ class _RoundInputs(torch.autograd.Function):
     def backward(ctx, *grads):
         some = next((g for g in grads if g is not None), None)
         if some is None:
-            return None, None
+            return None, None, None
         g_t = ctx.grad_rows.take() if ctx.grad_rows is not None else None  # rounds wrote into it
         if g_t is None:
             g_t = some.new_empty(ctx.shape)

@@ -243,8 +243,11 @@ def chunk_kda_round(
                              f"{q.dtype} tensor, got {tuple(out.shape)} {out.dtype} "
                              f"(contiguous: {out.is_contiguous()})")
         out = (out.unsqueeze(0),)
+    if grad_out is not None and not use_qk_l2norm_in_kernel:
+        raise ValueError("chunk_kda_round: grad_out needs use_qk_l2norm_in_kernel=True (the l2norm backward is what "
+                         "writes the q and k gradients into the caller's rows)")
     o, final_state, boundary_states = ChunkKDARoundFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
         len(seq), scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
-        chunk_size, _inject_at_top, out, grad_out if use_qk_l2norm_in_kernel else None)
+        chunk_size, _inject_at_top, out, grad_out)
     return o, final_state, boundary_states
