@@ -166,3 +166,55 @@ def test_fast_rounds_with_broadcast_decay_match_reference(dtype):
     assert ((o_f - o_r).abs().max() / o_r.abs().max()).item() <= tol
     for name, a, b in zip(x, g_f, g_r):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 10 * tol, f"grad {name}"
+
+
+def test_scalar_gate_fast_rounds_write_in_place_and_match_float64_truth(monkeypatch):
+    """``kda_rounds`` with Gated DeltaNet's scalar decay g [P, HV] (q, k at the key heads) on the fast path
+    (``chunk_gdn_round``; the Triton interpreter, float32) against the float64 reference rounds on a compact batch
+    whose first round replays nothing and whose second replays rows: outputs and per-row input gradients within
+    20x the float32 reference's own error to the float64 truth. The round without replay writes its output and its
+    q and k gradients straight into the layer's rows (``chunk_gdn_round(out=, grad_out=)``), and that path runs."""
+    import os
+
+    import harts.ops.gdn_round.chunk as chunk_mod
+    import harts.runtime.compact as compact
+    from tests.helpers import trajectories_from_spec
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.fail("the fast path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+    in_place = {"out": 0, "grad": 0}
+    fwd_o, take = chunk_mod.chunk_fwd_o, compact._GradRows.take
+
+    def counted_fwd_o(*a, out=None):
+        in_place["out"] += out is not None
+        return fwd_o(*a, out=out)
+
+    def counted_take(self):
+        in_place["grad"] += self.buf is not None
+        return take(self)
+
+    monkeypatch.setattr(chunk_mod, "chunk_fwd_o", counted_fwd_o)
+    monkeypatch.setattr(compact._GradRows, "take", counted_take)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B = 16
+    batch = pack(trajectories_from_spec([(2 * B, [(20, [(5, []), (7, [])]), (11, [])])]), chunk_size=B).to(dev)
+    assert [bool(r.replay_rows.numel()) for r in batch.rounds] == [False, True]
+    P, H, HV, K, V = batch.num_phys, 2, 4, 16, 16
+    x = inputs(P, H, HV, K, V, seed=21)
+
+    def run(backend, dtype):
+        leaves = {n: t.to(dev, dtype).requires_grad_(True) for n, t in x.items()}
+        o = kda_rounds(*leaves.values(), batch, chunk_size=B, backend=backend)
+        w = torch.linspace(-1, 1, o.numel(), device=dev, dtype=torch.float64).view(o.shape).to(dtype)
+        return {"o": o.detach(), **dict(zip(leaves, torch.autograd.grad((o * w).sum(), list(leaves.values()))))}
+
+    truth, ref32 = run("reference", torch.float64), run("reference", torch.float32)
+    assert in_place == {"out": 0, "grad": 0}
+    fast = run("fast", torch.float32)
+    assert in_place == {"out": 1, "grad": 2}, in_place  # the first round's output; q's and k's gradients
+
+    def rel_rmse(a, b):
+        a, b = a.double().cpu(), b.double().cpu()
+        return ((a - b).square().mean().sqrt() / b.square().mean().sqrt()).item()
+    errs = {n: (rel_rmse(fast[n], truth[n]), max(rel_rmse(ref32[n], truth[n]), 1e-7)) for n in truth}
+    assert all(e <= 20 * floor for e, floor in errs.values()), errs

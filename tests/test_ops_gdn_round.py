@@ -130,6 +130,13 @@ def test_validation_names_the_argument():
         chunk_gdn_round(**f32, cu_seqlens=cu, chunk_size=128)
     with pytest.raises(ValueError, match="float64"):
         chunk_gdn_round(**ins, cu_seqlens=cu, chunk_size=16)
+    # out: the [T, HV, V] rows of the caller's output in q's dtype, contiguous; grad_out only with the l2norm
+    strided = torch.empty(V, 32, HV).permute(1, 2, 0)
+    for bad in (torch.empty(32, HV, V + 1), torch.empty(32, HV, V, dtype=torch.float64), strided):
+        with pytest.raises(ValueError, match=rf"chunk_gdn_round: out must be a contiguous \(32, {HV}, {V}\)"):
+            chunk_gdn_round(**f32, cu_seqlens=cu, chunk_size=16, out=bad)
+    with pytest.raises(ValueError, match="grad_out needs use_qk_l2norm_in_kernel=True"):
+        chunk_gdn_round(**f32, cu_seqlens=cu, chunk_size=16, grad_out=(None, None))
 
 
 def test_fla_640_guard_is_narrow():

@@ -36,7 +36,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "gdn_recompute_w_u_fwd": ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd"),
     "prepare_wy_repr_bwd": ("fla.ops.gated_delta_rule.wy_fast", "prepare_wy_repr_bwd"),
     "chunk_bwd_dv_local": ("fla.ops.common.chunk_o", "chunk_bwd_dv_local"),
-    "chunk_fwd_o": ("fla.ops.common.chunk_o", "chunk_fwd_o"),
+    "chunk_fwd_kernel_o": ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"),
     # chunk helpers
     "chunk_local_cumsum": ("fla.ops.utils", "chunk_local_cumsum"),
     "prepare_chunk_indices": ("fla.ops.utils.index", "prepare_chunk_indices"),

@@ -65,7 +65,7 @@ def _round_fn(backend: str, device, dtype, scalar_gate: bool = False):
     if scalar_gate:
         from harts.ops import gdn_round
 
-        return (gdn_round.chunk_gdn_round if fast else gdn_round.chunk_gdn_round_reference), False
+        return (gdn_round.chunk_gdn_round, True) if fast else (gdn_round.chunk_gdn_round_reference, False)
     if fast:
         from harts.ops.kda_round import chunk_kda_round
 
@@ -147,7 +147,7 @@ class _RoundOutputs(torch.autograd.Function):
     as this Function's own output), its remaining rows (alignment padding) zero. ``sels[i]``: None when every row
     of round i's output is an output row, in order, else (the positions of its output rows, those of the others or
     None). One gather per round with replay rows, and no copy of a round that wrote its output in its place
-    (``chunk_kda_round(out=...)``); in backward each round's gradient is a slice of the output's, or its output
+    (``chunk_kda_round(out=...)``, ``chunk_gdn_round(out=...)``); in backward each round's gradient is a slice of the output's, or its output
     rows' gradients scattered between zero rows."""
 
     @staticmethod

@@ -2,12 +2,12 @@
 
 Everything except the forward state scan, the backward dh scan and the dq/dk/dw/dg step of the backward is fla's
 GDN: the chunk-local cumsum of the gate (log2 units), the fused kkt + solve_tril
-(``chunk_gated_delta_rule_fwd_intra``), recompute_w_u, ``chunk_fwd_o``, ``chunk_bwd_dv_local``,
-``prepare_wy_repr_bwd``, the reverse cumsum for dg, l2norm. The two scans (``harts.kernels.kda_round`` with its
-scalar-gate switch) additionally write the fp32 state at the start of requested chunks and add those states'
-incoming gradients at the matching point of the reverse scan, so boundary states are differentiable outputs
-that later rounds feed back as ``initial_state``. q and k stay at the key heads throughout (grouped value
-attention, as fla's GDN).
+(``chunk_gated_delta_rule_fwd_intra``), recompute_w_u, the output kernel (``chunk_fwd_kernel_o``),
+``chunk_bwd_dv_local``, ``prepare_wy_repr_bwd``, the reverse cumsum for dg, l2norm. The two scans
+(``harts.kernels.kda_round`` with its scalar-gate switch) additionally write the fp32 state at the start of
+requested chunks and add those states' incoming gradients at the matching point of the reverse scan, so boundary
+states are differentiable outputs that later rounds feed back as ``initial_state``. q and k stay at the key heads
+throughout (grouped value attention, as fla's GDN).
 
 The dq/dk/dw/dg step is ``harts.kernels.gdn_round.gdn_round_bwd_dqkwg``, written from the chunked gated delta
 rule's backward (its module docstring has the math). It forms the gate gradient without the terms that cancel
@@ -26,6 +26,7 @@ states, BT chunk size, NT total chunks.
 from __future__ import annotations
 
 import torch
+import triton
 
 from harts.kernels.gdn_round import gdn_round_bwd_dqkwg
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
@@ -34,7 +35,7 @@ from harts.ops._fla import (
     autocast_custom_bwd,
     autocast_custom_fwd,
     chunk_bwd_dv_local,
-    chunk_fwd_o,
+    chunk_fwd_kernel_o,
     chunk_gated_delta_rule_fwd_intra,
     chunk_local_cumsum,
     input_guard,
@@ -42,11 +43,28 @@ from harts.ops._fla import (
 )
 from harts.ops._fla import gdn_recompute_w_u_fwd as recompute_w_u_fwd
 from harts.ops.gdn_round.naive import check_gdn_round_inputs
-from harts.ops.kda_round.chunk import round_indices
+from harts.ops.kda_round.chunk import check_out_rows, round_indices
 from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
 from harts.ops.tuning import tuned
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)  # fla-core 0.6.0's GDN intra-chunk pieces; the reference takes any size
+
+
+def chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_size, chunk_indices, out=None):
+    """fla's ``chunk_fwd_o`` (each chunk's intra-chunk attention plus q against the chunk's state h, the scalar
+    gate applied) with the output written into ``out`` when given: a contiguous tensor of v's shape and dtype, the
+    rows of the caller's larger output (else one is allocated, as fla does)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[-1]
+    o = torch.empty_like(v) if out is None else out
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
+
+    chunk_fwd_kernel_o[grid](q=q, k=k, v=v, h=h, g=g, g_gamma=None, o=o, cu_seqlens=cu_seqlens,
+                             chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+                             STATE_V_FIRST=False)
+    return o
 
 
 class ChunkGDNRoundFunction(torch.autograd.Function):
@@ -54,7 +72,8 @@ class ChunkGDNRoundFunction(torch.autograd.Function):
     @input_guard
     @autocast_custom_fwd
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
-                num_states, scale, output_final_state, use_qk_l2norm_in_kernel, chunk_size, inject_at_top):
+                num_states, scale, output_final_state, use_qk_l2norm_in_kernel, chunk_size, inject_at_top, out,
+                grad_out):
         ctx.set_materialize_grads(False)
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
@@ -69,13 +88,13 @@ class ChunkGDNRoundFunction(torch.autograd.Function):
             k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_offsets, num_chunks, chunk_size,
             state_slot=state_slot, num_states=num_states)
         del w, u
-        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, cu_seqlens=cu_seqlens,
-                        chunk_indices=chunk_indices, chunk_size=chunk_size)
+        o = chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, chunk_indices,
+                        out=out[0] if out is not None and out[0].dtype == v_new.dtype else None)
         del h, v_new
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, state_slot)
         ctx.num_chunks, ctx.chunk_size, ctx.scale, ctx.inject_at_top = num_chunks, chunk_size, scale, inject_at_top
-        ctx.use_l2, ctx.g_dtype = use_qk_l2norm_in_kernel, g.dtype
+        ctx.use_l2, ctx.g_dtype, ctx.grad_out = use_qk_l2norm_in_kernel, g.dtype, grad_out
         return o.type_as(q), final_state, boundary_states
 
     @staticmethod
@@ -103,10 +122,11 @@ class ChunkGDNRoundFunction(torch.autograd.Function):
         dg.add_(dg2)
         dg = chunk_local_cumsum(dg, chunk_size=BT, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         if ctx.use_l2:
-            dq = l2norm_bwd_bucketed(q, q_rstd, dq)
-            dk = l2norm_bwd_bucketed(k, k_rstd, dk)
+            q_out, k_out = (f() for f in ctx.grad_out) if ctx.grad_out is not None else (None, None)
+            dq = l2norm_bwd_bucketed(q, q_rstd, dq, out=q_out)
+            dk = l2norm_bwd_bucketed(k, k_rstd, dk, out=k_out)
         return (dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), dh0,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 @tuned()
@@ -126,6 +146,8 @@ def chunk_gdn_round(
     chunk_size: int = 64,
     cu_seqlens_cpu: torch.Tensor | None = None,
     scale: float | None = None,
+    out: torch.Tensor | None = None,
+    grad_out=None,
     _inject_at_top: bool = False,
 ):
     """Chunked Gated DeltaNet over packed sequences that also returns requested chunk-boundary states.
@@ -139,8 +161,9 @@ def chunk_gdn_round(
 
     Returns ``(o [1, T, HV, V] in q's dtype, final_state fp32 [N, HV, K, V] | None, boundary_states fp32
     [M, HV, K, V] | None)``, all differentiable (so is ``initial_state``). ``cu_seqlens_cpu``, a host copy of
-    ``cu_seqlens``, keeps the checks and index building off the device. ``_inject_at_top`` is a deliberately
-    wrong backward for negative-control tests only.
+    ``cu_seqlens``, keeps the checks and index building off the device. ``out`` and ``grad_out`` as
+    ``chunk_kda_round``'s: the output, and in backward the q and k gradients (at the key heads, [T, H, K]), written
+    into the caller's rows. ``_inject_at_top`` is a deliberately wrong backward for negative-control tests only.
     """
     lens, seq, chunk = check_gdn_round_inputs(q, k, v, g, beta, cu_seqlens, initial_state, state_seq, state_chunk,
                                               chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -159,6 +182,7 @@ def chunk_gdn_round(
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chunk_indices, chunk_offsets, state_slot = round_indices(lens, chunk_size, seq, chunk, q.device)
+    out = check_out_rows("chunk_gdn_round", q, v, out, grad_out, use_qk_l2norm_in_kernel)
     return ChunkGDNRoundFunction.apply(
         q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot, len(seq), scale,
-        output_final_state, use_qk_l2norm_in_kernel, chunk_size, _inject_at_top)
+        output_final_state, use_qk_l2norm_in_kernel, chunk_size, _inject_at_top, out, grad_out)

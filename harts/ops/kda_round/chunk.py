@@ -91,6 +91,23 @@ def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out
     return o
 
 
+def check_out_rows(op: str, q, v, out, grad_out, use_qk_l2norm_in_kernel: bool):
+    """The ``out`` / ``grad_out`` contract shared by the round ops: ``out`` a contiguous [T, HV, V] tensor in q's
+    dtype, returned wrapped in a tuple (so that the autograd Function does not see it as an input); ``grad_out``
+    only with the in-kernel l2norm, whose backward is what writes the q and k gradients into the caller's rows.
+    Anything else is refused before a kernel runs, naming what it got."""
+    if out is not None:
+        want = (q.shape[1], v.shape[2], v.shape[3])
+        if out.shape != want or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"{op}: out must be a contiguous {want} {q.dtype} tensor, got {tuple(out.shape)} "
+                             f"{out.dtype} (contiguous: {out.is_contiguous()})")
+        out = (out.unsqueeze(0),)
+    if grad_out is not None and not use_qk_l2norm_in_kernel:
+        raise ValueError(f"{op}: grad_out needs use_qk_l2norm_in_kernel=True (the l2norm backward is what writes the "
+                         "q and k gradients into the caller's rows)")
+    return out
+
+
 class ChunkKDARoundFunction(torch.autograd.Function):
     @staticmethod
     @input_guard
@@ -237,15 +254,7 @@ def chunk_kda_round(
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     chunk_indices, chunk_offsets, state_slot = round_indices(lens, chunk_size, seq, chunk, q.device)
-    if out is not None:
-        if out.shape != (q.shape[1], v.shape[2], v.shape[3]) or out.dtype != q.dtype or not out.is_contiguous():
-            raise ValueError(f"chunk_kda_round: out must be a contiguous {(q.shape[1], v.shape[2], v.shape[3])} "
-                             f"{q.dtype} tensor, got {tuple(out.shape)} {out.dtype} "
-                             f"(contiguous: {out.is_contiguous()})")
-        out = (out.unsqueeze(0),)
-    if grad_out is not None and not use_qk_l2norm_in_kernel:
-        raise ValueError("chunk_kda_round: grad_out needs use_qk_l2norm_in_kernel=True (the l2norm backward is what "
-                         "writes the q and k gradients into the caller's rows)")
+    out = check_out_rows("chunk_kda_round", q, v, out, grad_out, use_qk_l2norm_in_kernel)
     o, final_state, boundary_states = ChunkKDARoundFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot,
         len(seq), scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, safe_gate, lower_bound,
