@@ -3,8 +3,8 @@
 On the same microbatches (the microbatch planner's plan of a SWE-like step at ``--capacity``, DP 1), with
 full-layer activation recomputation on both paths:
 
-- F/B/Grad: from a ready plan to parameter gradients, optimizer excluded. HARTS: ``pack`` (layout to
-  device) + forward + mapped log-probs + policy loss + backward per microbatch. Baseline: the same
+- F/B/Grad: from a ready plan to parameter gradients, optimizer excluded. HARTS: ``pack`` of the ready call
+  plan (layout to device) + forward + mapped log-probs + policy loss + backward per microbatch. Baseline: the same
   trajectories packed trajectory-wise into sub-batches of at most ``--capacity`` raw tokens.
 - Core: F/B/Grad plus all HARTS planner time (microbatch planning and per-microbatch call planning).
 - Non-replay compression (raw rows / compact rows), both speedups and their ratio to compression, MFU of
@@ -493,8 +493,11 @@ def main(argv=None) -> int:
     def loss_of(lp):
         return -(lp * torch.linspace(-1, 1, lp.shape[0], device=lp.device, dtype=lp.dtype)).mean()
 
-    def run_harts(trajs):
-        hb = pack(trajs, config=cfg).to(dev, non_blocking=True)
+    def call_plan(trajs):
+        return plan_calls([t.tokens for t in trajs], chunk_size=B)
+
+    def run_harts(trajs, plan):  # from a ready plan (paper 5.2's F/B/Grad): pack lays it out
+        hb = pack(trajs, config=cfg, plan=plan).to(dev, non_blocking=True)
         loss_of(model.logprobs(hb)).backward()
 
     def run_baseline(trajs):
@@ -514,7 +517,8 @@ def main(argv=None) -> int:
     # paths, not timed; with --compile its seconds and the graphs compiled are reported on their own.
     small = min(mbs, key=lambda m: sum(len(t) for t in m))
     warmup_s = {}
-    for name, fn in (("harts", run_harts), ("baseline", run_baseline)):
+    small_plan = call_plan(small)
+    for name, fn in (("harts", lambda m: run_harts(m, small_plan)), ("baseline", run_baseline)):
         sync()
         t0 = time.perf_counter()
         fn(small)
@@ -547,7 +551,8 @@ def main(argv=None) -> int:
                   f"[{time.perf_counter() - t_proc:.0f} s]", flush=True)
             return profile_families(lambda: fn(mbs[j]), dev, loads, reset)
 
-        prof_h = profiled("HARTS", run_harts)
+        plan_j = call_plan(mbs[j])
+        prof_h = profiled("HARTS", lambda m: run_harts(m, plan_j))
         # HARTS's share on its own first: a run cut off while profiling the baseline keeps it
         write_results(args.out, "speedup_profile", dict(meta, partial={
             "index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows, "harts_families_s": prof_h[0],
@@ -575,10 +580,10 @@ def main(argv=None) -> int:
                       f"~{predicted:.0f} s; {len(records)} of {len(mine)} microbatches timed", flush=True)
                 break
         t0 = time.perf_counter()
-        plan_calls([t.tokens for t in trajs], chunk_size=B)  # planner time charged to Core
+        plan_j = call_plan(trajs)  # planner time charged to Core only
         t_calls = time.perf_counter() - t0
         graphs = (lambda: compiled.compilations) if compiled is not None else (lambda: 0)
-        h = timed_run(lambda: run_harts(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
+        h = timed_run(lambda: run_harts(trajs, plan_j), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         h_peak = peak_gb()
         b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         b_peak = peak_gb()

@@ -72,6 +72,45 @@ def test_to_refuses_a_dtype_where_a_device_goes():
     assert moved.input_ids.dtype == torch.long and moved.device == torch.device("cpu")
 
 
+def test_pack_lays_out_a_ready_plan_and_refuses_another_microbatchs():
+    """``pack(..., plan=)`` lays out a call plan made earlier: the same batch as pack planning itself; a plan of
+    other trajectories, another chunk size or for the trajectory-wise batch is refused, naming what differs."""
+    from dataclasses import fields
+
+    from harts.planning.calls import plan_calls
+
+    trajs = trees()
+    plan = plan_calls(trajs, chunk_size=16)
+    a, b = pack(trajs, chunk_size=16), pack(trajs, chunk_size=16, plan=plan)
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f.name
+        elif f.name == "rounds":
+            for ra, rb in zip(x, y, strict=True):
+                for g in fields(ra):
+                    u, v = getattr(ra, g.name), getattr(rb, g.name)
+                    assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, g.name
+        elif f.name == "trajectories":
+            assert all(np.array_equal(u.tokens, v.tokens) for u, v in zip(x, y, strict=True))
+        elif f.name != "derived":
+            assert x == y, f.name
+    other = [t.copy() for t in trajs]
+    other[2][24] = (other[2][24] + 1) % VOCAB
+    with pytest.raises(ValueError, match="trajectory 2 differs from the plan's at position 24"):
+        pack(other, chunk_size=16, plan=plan)
+    with pytest.raises(ValueError, match="the plan is of 3 trajectories, the batch has 2"):
+        pack(trajs[:2], chunk_size=16, plan=plan)
+    with pytest.raises(ValueError, match="trajectory 1 has 18 tokens, the plan's 19"):
+        pack([trajs[0], trajs[1][:-1], trajs[2]], chunk_size=16, plan=plan)
+    with pytest.raises(ValueError, match="the plan was made for chunk_size=16, the batch needs 32"):
+        pack(trajs, chunk_size=32, plan=plan)
+    with pytest.raises(ValueError, match="trajectory-wise batch .* takes no call plan"):
+        pack(trajs, prefix_sharing=False, plan=plan)
+    with pytest.raises(TypeError, match="plan must be a CallPlan"):
+        pack(trajs, chunk_size=16, plan=[plan])
+
+
 # ------------------------------------------------------------------ router statistics
 def test_router_stats_before_any_forward_raise():
     m = small_model()

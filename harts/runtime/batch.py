@@ -267,7 +267,7 @@ def _check_vocab(arrays, vocab_size: int) -> None:
 
 def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sharing: bool = True,
          conv_width: int | None = None, vocab_size: int | None = None, pad_to_multiple: int = 1,
-         replay: bool = True, mla_block_size: int = 128) -> CompactBatch:
+         replay: bool = True, mla_block_size: int = 128, plan=None) -> CompactBatch:
     """Plan (paper 3.3) and lay out one microbatch; ``prefix_sharing=False`` gives the baseline batch.
 
     The plan depends on the model: its KDA chunk size fixes the chunk grid that replay restores, its
@@ -286,6 +286,10 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
 
     ``mla_block_size``: rows per block of the MLA block-sparsity counts (``mla_block_counts``) that the
     fast tree attention's block mask is built from (128, FlexAttention's block, unless testing).
+
+    ``plan``: the microbatch's call plan (``harts.planning.calls.plan_calls(trajectories, chunk_size=...)``), made
+    earlier, e.g. where the microbatch is planned, so that pack only lays it out; checked against the
+    trajectories and the chunk size (a ValueError names the first trajectory that differs). Without it pack plans.
     """
     mla_block_size = _int_arg("mla_block_size", mla_block_size)
     chunk_size, conv_width, vocab_size = _model_geometry(config, chunk_size, conv_width, vocab_size)
@@ -302,12 +306,17 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     lp_offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths - 1, out=lp_offsets[1:])
     if not prefix_sharing:
+        if plan is not None:
+            raise ValueError("pack: the trajectory-wise batch (prefix_sharing=False) takes no call plan")
         return _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size)
 
     from harts.planning.calls import plan_calls
     from harts.planning.layout import build_layout, mla_block_counts
 
-    plan = plan_calls(arrays, chunk_size=chunk_size)
+    if plan is None:
+        plan = plan_calls(arrays, chunk_size=chunk_size)
+    else:
+        check_plan_matches(plan, arrays, lengths, chunk_size)
     lay = build_layout(plan, conv_width=conv_width, pad_to_multiple=pad_to_multiple)
     from harts.ops.tree_conv import predecessor_index
 
@@ -372,6 +381,32 @@ def round_pieces(cu_seqlens: np.ndarray, is_output: np.ndarray, gather: np.ndarr
         raise ValueError(f"round_pieces: input position {t} (row {int(gather[t])}, output {bool(is_output[t])}) is "
                          f"not where replay-then-own sequences over rows from {phys_start} put it")
     return tuple(int(x) for x in own), tuple(int(x) for x in replay), gather[~is_output]
+
+
+def check_plan_matches(plan, arrays, lengths_N: np.ndarray, chunk_size: int) -> None:
+    """A call plan handed to ``pack`` must be the plan of these trajectories at this chunk size: its trie holds the
+    same trajectories, in order, token for token (one vectorised comparison, far cheaper than planning again)."""
+    from harts.planning.calls import CallPlan
+
+    if not isinstance(plan, CallPlan):
+        raise TypeError(f"pack: plan must be a CallPlan (harts.planning.calls.plan_calls), got {type(plan).__name__}")
+    if plan.chunk_size != chunk_size:
+        raise ValueError(f"pack: the plan was made for chunk_size={plan.chunk_size}, the batch needs {chunk_size}")
+    trie = plan.trie
+    if trie is None:
+        raise ValueError("pack: the plan has no trie (a bare segment-tree plan); plan the trajectories with "
+                         "plan_calls")
+    if trie.num_trajectories != len(arrays):
+        raise ValueError(f"pack: the plan is of {trie.num_trajectories} trajectories, the batch has {len(arrays)}")
+    plan_lengths = np.diff(trie.offsets)
+    if not np.array_equal(plan_lengths, lengths_N):
+        n = int(np.flatnonzero(plan_lengths != lengths_N)[0])
+        raise ValueError(f"pack: trajectory {n} has {int(lengths_N[n])} tokens, the plan's {int(plan_lengths[n])}")
+    differ = trie.tokens[trie.row_of_position] != np.concatenate(arrays)
+    if differ.any():
+        s = int(np.flatnonzero(differ)[0])
+        n = int(np.searchsorted(trie.offsets, s, side="right") - 1)
+        raise ValueError(f"pack: trajectory {n} differs from the plan's at position {s - int(trie.offsets[n])}")
 
 
 def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phys_P: np.ndarray,

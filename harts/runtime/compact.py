@@ -144,11 +144,11 @@ def kda_rounds(q, k, v, g, beta, batch: CompactBatch, *, chunk_size: int, backen
 
 class _RoundOutputs(torch.autograd.Function):
     """The rounds' outputs one after the other in the rows of ``buf`` (handed in a tuple, so that autograd sees it
-    as this Function's own output), its remaining rows (alignment padding) zero. ``sels[i]``: None when every row
-    of round i's output is an output row, in order, else (the positions of its output rows, those of the others or
+    as this Function's own output), its remaining rows (alignment padding) zero. ``sels[i]``: None when every row of
+    round i's output is an output row, in order, else (the positions of its output rows, those of the others or
     None). One gather per round with replay rows, and no copy of a round that wrote its output in its place
-    (``chunk_kda_round(out=...)``, ``chunk_gdn_round(out=...)``); in backward each round's gradient is a slice of the output's, or its output
-    rows' gradients scattered between zero rows."""
+    (``chunk_kda_round(out=...)``, ``chunk_gdn_round(out=...)``); in backward each round's gradient is a slice of
+    the output's, or its output rows' gradients scattered between zero rows."""
 
     @staticmethod
     def forward(ctx, buf, sels, *outs):
