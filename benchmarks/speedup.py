@@ -336,6 +336,9 @@ def summarize(meta: dict, records: list[dict], profile: dict | None) -> dict:
     res["fbgrad_over_compression"] = res["speedup_fbgrad"] / comp
     res["core_over_compression"] = res["speedup_core"] / comp
     res["fbgrad_over_flop_compression"] = res["speedup_fbgrad"] / fcomp
+    if all("harts_pack_s" in r for r in records):  # host seconds inside HARTS's F/B/Grad before its first kernel
+        res["harts_pack_s"] = sum(r["harts_pack_s"] for r in records)
+        res["harts_to_device_s"] = sum(r["harts_to_device_s"] for r in records)
     if profile is not None:
         res["profile"] = profile
     return res
@@ -353,6 +356,10 @@ def report(res: dict) -> None:
           f"{res['mfu_baseline_flops']:.3f}  HARTS {res['mfu_harts_flops']:.3f}")
     print(f"Core:     planner {res['plan_s']:.3f}s  speedup {res['speedup_core']:.3f}x "
           f"({res['core_over_compression']:.3f} of compression)")
+    if "harts_pack_s" in res:
+        host = res["harts_pack_s"] + res["harts_to_device_s"]
+        print(f"HARTS host time before the first kernel (each microbatch's last run): pack {res['harts_pack_s']:.3f}s, "
+              f"batch to device {res['harts_to_device_s']:.3f}s ({host / res['fbgrad_harts_s']:.1%} of F/B/Grad)")
     print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
           f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
     c, w = res.get("compile"), res.get("warmup_s")
@@ -496,8 +503,14 @@ def main(argv=None) -> int:
     def call_plan(trajs):
         return plan_calls([t.tokens for t in trajs], chunk_size=B)
 
+    host = {}  # the last HARTS run's host seconds before its first kernel: pack, and the batch's copy to the device
+
     def run_harts(trajs, plan):  # from a ready plan (paper 5.2's F/B/Grad): pack lays it out
-        hb = pack(trajs, config=cfg, plan=plan).to(dev, non_blocking=True)
+        t0 = time.perf_counter()
+        hb = pack(trajs, config=cfg, plan=plan)
+        t1 = time.perf_counter()
+        hb = hb.to(dev, non_blocking=True)
+        host.update(pack_s=t1 - t0, to_device_s=time.perf_counter() - t1)
         loss_of(model.logprobs(hb)).backward()
 
     def run_baseline(trajs):
@@ -584,6 +597,7 @@ def main(argv=None) -> int:
         t_calls = time.perf_counter() - t0
         graphs = (lambda: compiled.compilations) if compiled is not None else (lambda: 0)
         h = timed_run(lambda: run_harts(trajs, plan_j), reset, sync, loads, repeats=args.repeats, graphs=graphs)
+        h_host = dict(host)
         h_peak = peak_gb()
         b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         b_peak = peak_gb()
@@ -593,7 +607,8 @@ def main(argv=None) -> int:
                "replay": hb.stats["replay_tokens"], "mla_kv": hb.stats["mla_kv_rows"], "calls_plan_s": t_calls,
                "flops_harts": batch_forward_flops(model, hb, act)["total"],
                "flops_baseline": baseline_flops(model, trajs, args.capacity, act),
-               "harts_peak_gb": h_peak, "baseline_peak_gb": b_peak}
+               "harts_peak_gb": h_peak, "baseline_peak_gb": b_peak,
+               "harts_pack_s": h_host["pack_s"], "harts_to_device_s": h_host["to_device_s"]}
         for path, r in (("harts", h), ("baseline", b)):  # harts_s, harts_runs, harts_first_s, ...
             rec.update({f"{path}_{k}": v for k, v in r.items()})
         records.append(rec)

@@ -138,6 +138,9 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     assert (r["raw_rows"], r["compact_rows"]) == (raw, compact) and r["compression"] == raw / compact
     assert r["speedup_fbgrad"] == r["fbgrad_baseline_s"] / r["fbgrad_harts_s"]
     assert r["fbgrad_baseline_s"] == sum(rec["baseline_s"] for rec in r["records"])
+    # the host seconds before HARTS's first kernel are part of its F/B/Grad, reported on their own
+    assert r["harts_pack_s"] == sum(rec["harts_pack_s"] for rec in r["records"]) > 0
+    assert all(0 < rec["harts_pack_s"] + rec["harts_to_device_s"] < rec["harts_s"] for rec in r["records"])
     # the baseline's sub-batches are the trainer's baseline grouping: every trajectory once, each within capacity
     for m in mbs:
         groups = subbatches(m, 128)
