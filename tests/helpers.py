@@ -399,3 +399,25 @@ def drop_replay(batch):
                               replay_sizes=replay, replay_rows=torch.as_tensor(replay_rows),
                               replay_positions=torch.nonzero(~out[keep]).flatten()))
     return replace(batch, rounds=tuple(rounds))
+
+
+def count_in_place_rounds(monkeypatch, chunk_mod) -> dict:
+    """Counts, in the returned dict, the fast rounds' outputs written into the caller's rows (``chunk_fwd_o`` of
+    ``chunk_mod``, a round op's module, called with ``out``) and the per-row gradients the rounds wrote in place
+    (``harts.runtime.compact._GradRows`` handed a buffer to ``_RoundInputs``)."""
+    import harts.runtime.compact as compact
+
+    in_place = {"out": 0, "grad": 0}
+    fwd_o, take = chunk_mod.chunk_fwd_o, compact._GradRows.take
+
+    def counted_fwd_o(*a, out=None):
+        in_place["out"] += out is not None
+        return fwd_o(*a, out=out)
+
+    def counted_take(self):
+        in_place["grad"] += self.buf is not None
+        return take(self)
+
+    monkeypatch.setattr(chunk_mod, "chunk_fwd_o", counted_fwd_o)
+    monkeypatch.setattr(compact._GradRows, "take", counted_take)
+    return in_place

@@ -177,24 +177,11 @@ def test_scalar_gate_fast_rounds_write_in_place_and_match_float64_truth(monkeypa
     import os
 
     import harts.ops.gdn_round.chunk as chunk_mod
-    import harts.runtime.compact as compact
-    from tests.helpers import trajectories_from_spec
+    from tests.helpers import count_in_place_rounds, trajectories_from_spec
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.fail("the fast path needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
-    in_place = {"out": 0, "grad": 0}
-    fwd_o, take = chunk_mod.chunk_fwd_o, compact._GradRows.take
-
-    def counted_fwd_o(*a, out=None):
-        in_place["out"] += out is not None
-        return fwd_o(*a, out=out)
-
-    def counted_take(self):
-        in_place["grad"] += self.buf is not None
-        return take(self)
-
-    monkeypatch.setattr(chunk_mod, "chunk_fwd_o", counted_fwd_o)
-    monkeypatch.setattr(compact._GradRows, "take", counted_take)
+    in_place = count_in_place_rounds(monkeypatch, chunk_mod)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B = 16
     batch = pack(trajectories_from_spec([(2 * B, [(20, [(5, []), (7, [])]), (11, [])])]), chunk_size=B).to(dev)

@@ -7,7 +7,7 @@ import torch
 
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.runtime import pack
-from tests.helpers import fork_tree, trajectories_from_spec
+from tests.helpers import count_in_place_rounds, fork_tree, trajectories_from_spec
 
 
 def _run(model, batch):
@@ -21,21 +21,8 @@ def test_fast_kernels_through_the_compact_runtime(fla_interpreter_patches, monke
     """Also: the rounds without replay write their output and their q and k gradients straight into the layer's
     rows (``chunk_kda_round(out=, grad_out=)``), and that path runs here."""
     import harts.ops.kda_round.chunk as chunk_mod
-    import harts.runtime.compact as compact
 
-    in_place = {"out": 0, "grad": 0}
-    fwd_o, take = chunk_mod.chunk_fwd_o, compact._GradRows.take
-
-    def counted_fwd_o(*a, out=None):
-        in_place["out"] += out is not None
-        return fwd_o(*a, out=out)
-
-    def counted_take(self):
-        in_place["grad"] += self.buf is not None
-        return take(self)
-
-    monkeypatch.setattr(chunk_mod, "chunk_fwd_o", counted_fwd_o)
-    monkeypatch.setattr(compact._GradRows, "take", counted_take)
+    in_place = count_in_place_rounds(monkeypatch, chunk_mod)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B = 32  # fla's intra-chunk kernels support 32 and 64
     # one KDA and one MLA layer (layer groups of 2), the second one MoE

@@ -26,7 +26,6 @@ states, BT chunk size, NT total chunks.
 from __future__ import annotations
 
 import torch
-import triton
 
 from harts.kernels.gdn_round import gdn_round_bwd_dqkwg
 from harts.kernels.kda_round import kda_round_bwd_dh, kda_round_fwd_h
@@ -43,7 +42,7 @@ from harts.ops._fla import (
 )
 from harts.ops._fla import gdn_recompute_w_u_fwd as recompute_w_u_fwd
 from harts.ops.gdn_round.naive import check_gdn_round_inputs
-from harts.ops.kda_round.chunk import check_out_rows, round_indices
+from harts.ops.kda_round.chunk import check_out_rows, launch_output_kernel, round_indices
 from harts.ops.norm.fast import l2norm_bwd_bucketed, l2norm_fwd_bucketed
 from harts.ops.tuning import tuned
 
@@ -54,17 +53,8 @@ def chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_size, chunk_indices, out
     """fla's ``chunk_fwd_o`` (each chunk's intra-chunk attention plus q against the chunk's state h, the scalar
     gate applied) with the output written into ``out`` when given: a contiguous tensor of v's shape and dtype, the
     rows of the caller's larger output (else one is allocated, as fla does)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[-1]
-    o = torch.empty_like(v) if out is None else out
-
-    def grid(meta):
-        return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
-
-    chunk_fwd_kernel_o[grid](q=q, k=k, v=v, h=h, g=g, g_gamma=None, o=o, cu_seqlens=cu_seqlens,
-                             chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
-                             STATE_V_FIRST=False)
-    return o
+    return launch_output_kernel(chunk_fwd_kernel_o, q, v, chunk_indices, out, k=k, h=h, g=g, g_gamma=None,
+                                cu_seqlens=cu_seqlens, scale=scale, BT=chunk_size)
 
 
 class ChunkGDNRoundFunction(torch.autograd.Function):

@@ -73,12 +73,10 @@ def _round_indices(lens, chunk_size, seq, chunk, device):
     return up[0], up[1], (up[2] if seq else None)
 
 
-def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out=None):
-    """fla's ``chunk_gla_fwd_o_gk`` (each chunk's output: its intra-chunk attention A @ v plus q against the chunk's
-    state h), launched without the wrapper's zero fill of the output: fla zeroes it for callers that pad v past
-    the sequences (vLLM), while here every row is one of the chunks the kernel writes, so the fill was one more
-    full-size pass over the output per round and per (re)computed forward. ``out``: a contiguous tensor of v's
-    shape and dtype to write into (else one is allocated)."""
+def launch_output_kernel(kernel, q, v, chunk_indices, out=None, **kwargs):
+    """Launch one of fla's per-chunk output kernels (grid: value blocks x chunks, batch x value heads) writing into
+    ``out``, a contiguous tensor of v's shape and dtype (the rows of a caller's larger output), else into a new
+    unfilled one: every row is one of the chunks the kernel writes. ``kwargs``: the kernel's own arguments."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[-1]
     o = torch.empty_like(v) if out is None else out
@@ -86,9 +84,19 @@ def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
 
-    chunk_gla_fwd_kernel_o[grid](q=q, v=v, g=g, h=h, o=o, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                                 scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    kernel[grid](q=q, v=v, o=o, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, V=V, STATE_V_FIRST=False,
+                 **kwargs)
     return o
+
+
+def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out=None):
+    """fla's ``chunk_gla_fwd_o_gk`` (each chunk's output: its intra-chunk attention A @ v plus q against the chunk's
+    state h), launched without the wrapper's zero fill of the output: fla zeroes it for callers that pad v past
+    the sequences (vLLM), while here every row is one of the chunks the kernel writes, so the fill was one more
+    full-size pass over the output per round and per (re)computed forward. ``out``: a contiguous tensor of v's
+    shape and dtype to write into (else one is allocated)."""
+    return launch_output_kernel(chunk_gla_fwd_kernel_o, q, v, chunk_indices, out, g=g, h=h, A=A,
+                                cu_seqlens=cu_seqlens, scale=scale, BT=chunk_size)
 
 
 def check_out_rows(op: str, q, v, out, grad_out, use_qk_l2norm_in_kernel: bool):
