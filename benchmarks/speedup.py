@@ -557,14 +557,14 @@ def main(argv=None) -> int:
         # GPU kernel time by op family. First, so that its timing does not compete with the time budget.
         by_raw = sorted(mine, key=lambda i: sum(len(t) for t in mbs[i]))
         j = by_raw[{"smallest": 0, "median": len(by_raw) // 2, "largest": -1}[args.profile_microbatch]]
-        hb = pack(mbs[j], config=cfg)
+        plan_j = call_plan(mbs[j])
+        hb = pack(mbs[j], config=cfg, plan=plan_j)
 
         def profiled(name, fn):
             print(f"  profiling microbatch {j} ({hb.stats['raw_tokens']:,} raw, {hb.num_rows:,} compact rows), {name} "
                   f"[{time.perf_counter() - t_proc:.0f} s]", flush=True)
             return profile_families(lambda: fn(mbs[j]), dev, loads, reset)
 
-        plan_j = call_plan(mbs[j])
         prof_h = profiled("HARTS", lambda m: run_harts(m, plan_j))
         # HARTS's share on its own first: a run cut off while profiling the baseline keeps it
         write_results(args.out, "speedup_profile", dict(meta, partial={
@@ -602,7 +602,7 @@ def main(argv=None) -> int:
         b = timed_run(lambda: run_baseline(trajs), reset, sync, loads, repeats=args.repeats, graphs=graphs)
         b_peak = peak_gb()
         reset()
-        hb = pack(trajs, config=cfg)
+        hb = pack(trajs, config=cfg, plan=plan_j)
         rec = {"index": j, "raw": hb.stats["raw_tokens"], "compact": hb.num_rows,
                "replay": hb.stats["replay_tokens"], "mla_kv": hb.stats["mla_kv_rows"], "calls_plan_s": t_calls,
                "flops_harts": batch_forward_flops(model, hb, act)["total"],

@@ -51,8 +51,7 @@ SUPPORTED_CHUNK_SIZES = (16, 32, 64)  # fla-core 0.6.0's GDN intra-chunk pieces;
 
 def chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_size, chunk_indices, out=None):
     """fla's ``chunk_fwd_o`` (each chunk's intra-chunk attention plus q against the chunk's state h, the scalar
-    gate applied) with the output written into ``out`` when given: a contiguous tensor of v's shape and dtype, the
-    rows of the caller's larger output (else one is allocated, as fla does)."""
+    gate applied) with the output written into ``out`` when given (as ``launch_output_kernel``'s)."""
     return launch_output_kernel(chunk_fwd_kernel_o, q, v, chunk_indices, out, k=k, h=h, g=g, g_gamma=None,
                                 cu_seqlens=cu_seqlens, scale=scale, BT=chunk_size)
 
@@ -79,7 +78,7 @@ class ChunkGDNRoundFunction(torch.autograd.Function):
             state_slot=state_slot, num_states=num_states)
         del w, u
         o = chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, chunk_indices,
-                        out=out[0] if out is not None and out[0].dtype == v_new.dtype else None)
+                        out=out[0] if out is not None else None)
         del h, v_new
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g_cum, beta, A, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, state_slot)

@@ -75,11 +75,12 @@ def _round_indices(lens, chunk_size, seq, chunk, device):
 
 def launch_output_kernel(kernel, q, v, chunk_indices, out=None, **kwargs):
     """Launch one of fla's per-chunk output kernels (grid: value blocks x chunks, batch x value heads) writing into
-    ``out``, a contiguous tensor of v's shape and dtype (the rows of a caller's larger output), else into a new
-    unfilled one: every row is one of the chunks the kernel writes. ``kwargs``: the kernel's own arguments."""
+    ``out``, a contiguous tensor of v's shape (the rows of a caller's larger output) when it has v's dtype, else
+    into a new unfilled one: every row is one of the chunks the kernel writes. ``kwargs``: the kernel's own
+    arguments."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[-1]
-    o = torch.empty_like(v) if out is None else out
+    o = out if out is not None and out.dtype == v.dtype else torch.empty_like(v)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]) * chunk_indices.shape[0], B * HV)
@@ -93,8 +94,7 @@ def chunk_fwd_o(q, v, g, A, h, scale, cu_seqlens, chunk_size, chunk_indices, out
     """fla's ``chunk_gla_fwd_o_gk`` (each chunk's output: its intra-chunk attention A @ v plus q against the chunk's
     state h), launched without the wrapper's zero fill of the output: fla zeroes it for callers that pad v past
     the sequences (vLLM), while here every row is one of the chunks the kernel writes, so the fill was one more
-    full-size pass over the output per round and per (re)computed forward. ``out``: a contiguous tensor of v's
-    shape and dtype to write into (else one is allocated)."""
+    full-size pass over the output per round and per (re)computed forward. ``out``: as ``launch_output_kernel``'s."""
     return launch_output_kernel(chunk_gla_fwd_kernel_o, q, v, chunk_indices, out, g=g, h=h, A=A,
                                 cu_seqlens=cu_seqlens, scale=scale, BT=chunk_size)
 
@@ -143,7 +143,7 @@ class ChunkKDARoundFunction(torch.autograd.Function):
             state_slot=state_slot, num_states=num_states)
         del w, u, kg
         o = chunk_fwd_o(q, v_new, g_cum, Aqk, h, scale, cu_seqlens, chunk_size, chunk_indices,
-                        out=out[0] if out is not None and out[0].dtype == v_new.dtype else None)
+                        out=out[0] if out is not None else None)
         del h, v_new
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, None if use_gate_in_kernel else g_cum, g, beta, A_log,
                               dt_bias, Aqk, Akk, initial_state, cu_seqlens, chunk_indices, chunk_offsets, state_slot)
