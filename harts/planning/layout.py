@@ -447,6 +447,10 @@ def logprob_views(trie: CompactTrie, phys_of_row: np.ndarray) -> tuple[np.ndarra
     """(semantic_rows [S], logprob_offsets [N+1], logprob_rows [S-N], logprob_targets [S-N]) in original order:
     position t < L_i - 1 of trajectory i predicts token t + 1, read from the trie."""
     semantic_rows = phys_of_row[trie.row_of_position]
-    lp_len = trie.lengths - 1
-    lp_sem = concat_ranges(trie.offsets[:-1], lp_len)
-    return semantic_rows, offsets_of(lp_len), semantic_rows[lp_sem], trie.tokens[trie.row_of_position[lp_sem + 1]]
+    keep = np.ones(semantic_rows.shape[0], dtype=bool)  # boolean selections: cheaper than index arrays over S
+    keep[trie.offsets[1:] - 1] = False  # every position but each trajectory's last reads a row
+    logprob_rows = semantic_rows[keep]
+    keep[:] = True
+    keep[trie.offsets[:-1]] = False  # every position but each trajectory's first is a target
+    return (semantic_rows, offsets_of(trie.lengths - 1), logprob_rows,
+            trie.tokens[trie.row_of_position[keep]])
