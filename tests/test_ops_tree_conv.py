@@ -1,5 +1,6 @@
 """Tree-path short convolution: reference vs per-trajectory conv1d, and fla's varlen causal_conv1d with
-ancestor windows (interpreted on CPU in fp32, compiled on the GPU) vs the reference, values and gradients."""
+ancestor windows (interpreted on CPU in fp32, compiled on the GPU) vs a float64 reference, values and gradients,
+in both implementations of ``harts.ops.tree_conv.fast`` (head-row fix-up and initial states)."""
 import numpy as np
 import pytest
 import torch
@@ -32,25 +33,98 @@ def test_reference_equals_per_trajectory_conv1d():
         torch.testing.assert_close(y[rows], ref, rtol=1e-12, atol=1e-12)
 
 
+IMPLS = {"head_fixup": True, "initial_state": False}  # harts.ops.tree_conv.fast.HEAD_FIXUP
+
+
+def _rel_err(a, truth):
+    return ((a.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-300)).item()
+
+
+def _check_against_float64(run_fast, run_ref, x, w, gy):
+    """Values and x/w gradients of ``run_fast`` (float32) against the float64 truth ``run_ref`` on the same
+    inputs: each within 10x the error of ``run_ref`` itself in float32 (floored at 1e-6, about 8 float32 unit
+    roundoffs), relative to the truth's largest entry."""
+    x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+    y64 = run_ref(x64, w64)
+    truth = (y64.detach(), *torch.autograd.grad((y64 * gy.double()).sum(), (x64, w64)))
+    x32, w32 = (t.detach().float().requires_grad_(True) for t in (x, w))
+    y32 = run_ref(x32, w32)
+    ref32 = (y32.detach(), *torch.autograd.grad((y32 * gy).sum(), (x32, w32)))
+    y = run_fast(x, w)
+    got = (y.detach(), *torch.autograd.grad((y * gy).sum(), (x, w)))
+    for name, a, r, t in zip(("y", "dx", "dw"), got, ref32, truth, strict=True):
+        bound = 10 * max(_rel_err(r, t), 1e-6)
+        assert _rel_err(a, t) <= bound, f"{name}: relative error {_rel_err(a, t):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed", [0, 3])
-def test_fla_varlen_with_ancestor_windows_matches_reference(seed):
+def test_fla_varlen_with_ancestor_windows_matches_reference(seed, impl, monkeypatch):
+    """Trees whose sequences have full, partial (-1) and no ancestor windows, both implementations."""
+    from harts.ops.tree_conv import fast
+
+    monkeypatch.setattr(fast, "HEAD_FIXUP", IMPLS[impl])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     b = _batch(seed=seed).to(dev)
+    ctx = b.conv_context
+    assert bool(((ctx < 0).any(1) & (ctx >= 0).any(1)).any()) and bool((ctx < 0).all(1).any())
     C, P, W = b.num_rows, 16, 4
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(C, P, generator=g).to(dev).requires_grad_(True)
     w = torch.randn(P, W, generator=g).to(dev).requires_grad_(True)
+    gy = torch.randn(C, P, generator=g).to(dev)
     if dev == "cuda":
-        y = tree_short_conv(x, w, b.conv_pred, seq_cu=b.conv_cu_seqlens, context=b.conv_context, backend="fast")
+        def run_fast(x, w):
+            return tree_short_conv(x, w, b.conv_pred, seq_cu=b.conv_cu_seqlens, context=ctx, backend="fast")
     else:
-        y = _fast_cpu(x, w, b)
-    gy = torch.randn(y.shape, generator=g).to(dev)
-    gx, gw = torch.autograd.grad((y * gy).sum(), (x, w))
-    y_ref = tree_short_conv_reference(x, w, b.conv_pred)
-    gx_ref, gw_ref = torch.autograd.grad((y_ref * gy).sum(), (x, w))
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-4, atol=1e-4)
+        def run_fast(x, w):
+            return _fast_cpu(x, w, b)
+    _check_against_float64(run_fast, lambda x, w: tree_short_conv_reference(x, w, b.conv_pred), x, w, gy)
+
+
+def _expanded_reference(x, w, seq_cu, context, activation):
+    """Independent of the tree code: each sequence's rows after its context rows (zeros for -1), convolved
+    alone with conv1d; the outputs of the sequence's own rows, concatenated."""
+    W1 = context.shape[1]
+    out = []
+    for q in range(context.shape[0]):
+        anc = [x[c] if c >= 0 else x.new_zeros(x.shape[1]) for c in context[q].tolist()]
+        xs = torch.cat([torch.stack(anc), x[seq_cu[q]:seq_cu[q + 1]]]) if W1 else x[seq_cu[q]:seq_cu[q + 1]]
+        pre = F.conv1d(xs.T[None], w[:, None, :], groups=x.shape[1])[0].T
+        out.append(F.silu(pre) if activation == "silu" else pre)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fla_varlen_short_sequences_and_partial_contexts(impl, activation, monkeypatch):
+    """Sequences of 1 and 2 rows (fewer than W-1: only their rows are head rows), context rows -1 at the front,
+    inside and throughout, shared ancestors (siblings), ancestors that are head rows of other sequences, and a
+    sequence longer than fla's chunk of rows (CHUNK), against a float64 expansion of each sequence."""
+    from harts.ops.tree_conv import fast
+
+    monkeypatch.setattr(fast, "HEAD_FIXUP", IMPLS[impl])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = [5, 1, 2, 3, 1, fast.CHUNK + 6, 2, 4, 1]
+    seq_cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=dev)
+    # rows: seq 0 = 0..4, seq 1 = 5, seq 2 = 6..7, seq 3 = 8..10, seq 4 = 11, seq 5 = 12..81, seq 6 = 82..83, ...
+    context = torch.tensor([[-1, -1, -1],   # a root: no ancestor
+                            [2, 3, 4],      # 1 row, full window
+                            [-1, 3, 4],     # 2 rows, sibling of seq 1 (shared ancestors 3, 4)
+                            [-1, -1, 5],    # ancestor = seq 1's only (head) row
+                            [4, -1, 7],     # 1 row, a -1 inside; ancestor 7 is a head row of seq 2
+                            [8, 9, 10],     # long sequence, ancestors = all of seq 3 (its head rows)
+                            [-1, -1, -1],   # 2 rows, no ancestor
+                            [11, 11, 11],   # the same ancestor row three times
+                            [-1, 6, 7]],    # 1 row
+                           device=dev)
+    C, P, W = int(seq_cu[-1]), 8, 4
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(C, P, generator=g).to(dev).requires_grad_(True)
+    w = torch.randn(P, W, generator=g).to(dev).requires_grad_(True)
+    gy = torch.randn(C, P, generator=g).to(dev)
+    _check_against_float64(lambda x, w: fast.tree_short_conv_fast(x, w, seq_cu, context, activation),
+                           lambda x, w: _expanded_reference(x, w, seq_cu.tolist(), context, activation), x, w, gy)
 
 
 def _fast_cpu(x, w, b):
