@@ -1,6 +1,7 @@
 """Tree-path short convolution: reference vs per-trajectory conv1d, and fla's varlen causal_conv1d with
 ancestor windows (interpreted on CPU in fp32, compiled on the GPU) vs a float64 reference, values and gradients,
-in both implementations of ``harts.ops.tree_conv.fast`` (head-row fix-up and initial states)."""
+in all three implementations of ``harts.ops.tree_conv.fast`` (``IMPL``: split chunks, head-row fix-up, initial
+states)."""
 import numpy as np
 import pytest
 import torch
@@ -33,7 +34,7 @@ def test_reference_equals_per_trajectory_conv1d():
         torch.testing.assert_close(y[rows], ref, rtol=1e-12, atol=1e-12)
 
 
-IMPLS = {"head_fixup": True, "initial_state": False}  # harts.ops.tree_conv.fast.HEAD_FIXUP
+IMPLS = ["split_chunks", "head_fixup", "initial_state"]  # harts.ops.tree_conv.fast.IMPL
 
 
 def _rel_err(a, truth):
@@ -60,10 +61,10 @@ def _check_against_float64(run_fast, run_ref, x, w, gy):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed", [0, 3])
 def test_fla_varlen_with_ancestor_windows_matches_reference(seed, impl, monkeypatch):
-    """Trees whose sequences have full, partial (-1) and no ancestor windows, both implementations."""
+    """Trees whose sequences have full, partial (-1) and no ancestor windows, every implementation."""
     from harts.ops.tree_conv import fast
 
-    monkeypatch.setattr(fast, "HEAD_FIXUP", IMPLS[impl])
+    monkeypatch.setattr(fast, "IMPL", impl)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     b = _batch(seed=seed).to(dev)
     ctx = b.conv_context
@@ -95,29 +96,36 @@ def _expanded_reference(x, w, seq_cu, context, activation):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("long", [True, False], ids=["long", "all_short"])
 @pytest.mark.parametrize("activation", ["silu", None])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_fla_varlen_short_sequences_and_partial_contexts(impl, activation, monkeypatch):
+def test_fla_varlen_short_sequences_and_partial_contexts(impl, activation, long, monkeypatch):
     """Sequences of 1 and 2 rows (fewer than W-1: only their rows are head rows), context rows -1 at the front,
-    inside and throughout, shared ancestors (siblings), ancestors that are head rows of other sequences, and a
-    sequence longer than fla's chunk of rows (CHUNK), against a float64 expansion of each sequence."""
+    inside and throughout, shared ancestors (siblings), ancestors that are head rows of other sequences, against
+    a float64 expansion of each sequence. ``long``: sequence 5 spans three of fla's chunks of rows (CHUNK), the
+    last partial, and a last sequence of exactly two chunks reads ancestors on both sides of sequence 5's first
+    chunk boundary and its last row (so the split implementation's ``rest`` has several chunks per sequence);
+    else every sequence is shorter than a chunk (``rest`` is empty)."""
     from harts.ops.tree_conv import fast
 
-    monkeypatch.setattr(fast, "HEAD_FIXUP", IMPLS[impl])
+    monkeypatch.setattr(fast, "IMPL", impl)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    lens = [5, 1, 2, 3, 1, fast.CHUNK + 6, 2, 4, 1]
+    K = fast.CHUNK
+    lens = [5, 1, 2, 3, 1, 2 * K + 6 if long else 6, 2, 4, 1] + ([2 * K] if long else [])
     seq_cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=dev)
-    # rows: seq 0 = 0..4, seq 1 = 5, seq 2 = 6..7, seq 3 = 8..10, seq 4 = 11, seq 5 = 12..81, seq 6 = 82..83, ...
-    context = torch.tensor([[-1, -1, -1],   # a root: no ancestor
-                            [2, 3, 4],      # 1 row, full window
-                            [-1, 3, 4],     # 2 rows, sibling of seq 1 (shared ancestors 3, 4)
-                            [-1, -1, 5],    # ancestor = seq 1's only (head) row
-                            [4, -1, 7],     # 1 row, a -1 inside; ancestor 7 is a head row of seq 2
-                            [8, 9, 10],     # long sequence, ancestors = all of seq 3 (its head rows)
-                            [-1, -1, -1],   # 2 rows, no ancestor
-                            [11, 11, 11],   # the same ancestor row three times
-                            [-1, 6, 7]],    # 1 row
-                           device=dev)
+    # rows: seq 0 = 0..4, seq 1 = 5, seq 2 = 6..7, seq 3 = 8..10, seq 4 = 11, seq 5 = 12.., then seqs 6, 7, 8, (9)
+    context = [[-1, -1, -1],   # a root: no ancestor
+               [2, 3, 4],      # 1 row, full window
+               [-1, 3, 4],     # 2 rows, sibling of seq 1 (shared ancestors 3, 4)
+               [-1, -1, 5],    # ancestor = seq 1's only (head) row
+               [4, -1, 7],     # 1 row, a -1 inside; ancestor 7 is a head row of seq 2
+               [8, 9, 10],     # long (or not) sequence, ancestors = all of seq 3 (its head rows)
+               [-1, -1, -1],   # 2 rows, no ancestor
+               [11, 11, 11],   # the same ancestor row three times
+               [-1, 6, 7]]     # 1 row
+    if long:
+        context.append([12 + K - 1, 12 + K, 12 + lens[5] - 1])  # seq 5's rows around its chunk 0 / 1 boundary, last
+    context = torch.tensor(context, device=dev)
     C, P, W = int(seq_cu[-1]), 8, 4
     g = torch.Generator().manual_seed(11)
     x = torch.randn(C, P, generator=g).to(dev).requires_grad_(True)
@@ -125,6 +133,43 @@ def test_fla_varlen_short_sequences_and_partial_contexts(impl, activation, monke
     gy = torch.randn(C, P, generator=g).to(dev)
     _check_against_float64(lambda x, w: fast.tree_short_conv_fast(x, w, seq_cu, context, activation),
                            lambda x, w: _expanded_reference(x, w, seq_cu.tolist(), context, activation), x, w, gy)
+
+
+def test_split_chunks_lists_are_flas_chunk_indices():
+    """The split implementation's ``rest`` and ``first`` lists are fla's ``prepare_chunk_indices``, partitioned
+    by chunk == 0 (rest in fla's order), also for a sequence of exactly one and two chunks, and built once per
+    seq_cu tensor."""
+    from harts.ops._fla import prepare_chunk_indices
+    from harts.ops.tree_conv import fast
+
+    K = fast.CHUNK
+    seq_cu = torch.tensor(np.concatenate([[0], np.cumsum([3, K, 2 * K, 2 * K + 1, 1, 3 * K - 1])]))
+    cu, rest, first = fast._cached_chunk_split()(seq_cu)
+    chunks = prepare_chunk_indices(seq_cu, K)
+    assert torch.equal(rest, chunks[chunks[:, 1] > 0]) and torch.equal(first, chunks[chunks[:, 1] == 0])
+    assert fast._cached_chunk_split()(seq_cu)[1] is rest
+
+
+def test_split_chunks_without_sequences(monkeypatch):
+    """Q == 0 (no rows): no launch, an empty output, a zero weight gradient."""
+    from harts.ops.tree_conv import fast
+
+    monkeypatch.setattr(fast, "IMPL", "split_chunks")
+    x = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(8, 4, requires_grad=True)
+    y = fast.tree_short_conv_fast(x, w, torch.zeros(1, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long))
+    assert y.shape == (0, 8)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros_like(w))
+
+
+def test_unknown_impl_is_refused(monkeypatch):
+    from harts.ops.tree_conv import fast
+
+    monkeypatch.setattr(fast, "IMPL", "fixup")
+    with pytest.raises(ValueError, match="'fixup'"):
+        fast.tree_short_conv_fast(torch.zeros(1, 8), torch.zeros(8, 4), torch.tensor([0, 1]),
+                                  torch.full((1, 3), -1))
 
 
 def _fast_cpu(x, w, b):
