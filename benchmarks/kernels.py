@@ -18,6 +18,10 @@
    Qwen3.5's gated attention heads (16 x 256 / 256, key/value heads repeated).
 5. ``router``: the router logits fwd+bwd (T = 64K, D = 1536, E = 128): tensor cores both ways (the backward on
    the exact bf16x3 split of the fp32 gradient) against the fp32 GEMMs of the upcast operands.
+6. ``conv``: the tree short convolution (``harts.ops.tree_conv.fast``, W = 4, SiLU) over C = 61,924 compact rows
+   in 12 sequences with ancestor windows, at Qwen3.5's channels (8,192: q, k, v in one call) and Ling-3.0's
+   (2,048 per call), fwd and fwd+bwd, for each ``IMPL`` and for fla's trajectory-wise causal_conv1d over the
+   same rows (no ancestors: the kernel the baseline runs).
 
 Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
 ``--device cpu`` (with ``--quick --only logprobs``) runs ``compact_logprobs`` under the Triton interpreter
@@ -288,6 +292,48 @@ def bench_router(T=65536, D=1536, E=128, reps=20):
     return [r]
 
 
+def bench_tree_conv(C=61924, Q=12, widths=(8192, 2048), reps=20, device="cuda"):
+    """Each tree-convolution implementation against the trajectory-wise convolution on the same rows. The
+    ancestor rows are random rows of x (sequence 0 has none, as a root); what is timed is the kernels' work per
+    row, which does not depend on where the ancestors are. Outputs must agree across the implementations
+    (``max_rel_diff``: they run the same arithmetic per row)."""
+    from harts.ops.conv.fast import short_conv_fast
+    from harts.ops.tree_conv import fast
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    cu = torch.linspace(0, C, Q + 1, device=dev).long()
+    cu_cpu = cu.cpu()
+    ctx = torch.randint(0, C, (Q, 3), device=dev, generator=g)
+    ctx[0] = -1
+    rows, saved = [], fast.IMPL
+    try:
+        for D in widths:
+            x = torch.randn(C, D, device=dev, dtype=dtype, generator=g).requires_grad_()
+            w = torch.randn(D, 4, device=dev, generator=g) * 0.5
+            dy = torch.randn(C, D, device=dev, dtype=dtype, generator=g)
+            paths = {f"tree {impl}": (lambda impl=impl: (setattr(fast, "IMPL", impl),
+                                                         fast.tree_short_conv_fast(x, w, cu, ctx, "silu"))[1])
+                     for impl in fast._IMPLS}
+            paths["trajectory-wise"] = lambda: short_conv_fast(x, w, cu, "silu", cu_seqlens_cpu=cu_cpu)
+            r = {"channels": D, "rows": C, "sequences": Q}
+            outs = []
+            for name, fn in paths.items():
+                with torch.no_grad():
+                    r[f"{name} fwd ms"] = time_ms(fn, reps=reps, device=device)
+                r[f"{name} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fn(), (x,), dy), reps=reps,
+                                                  device=device)
+                if name.startswith("tree"):
+                    dx = torch.autograd.grad(fn(), (x,), dy)[0]
+                    outs.append(torch.cat([fn().detach().float().flatten(), dx.float().flatten()]))
+            r["max_rel_diff"] = max(((o - outs[0]).abs().max() / outs[0].abs().max()).item() for o in outs)
+            rows.append(r)
+    finally:
+        fast.IMPL = saved
+    return rows
+
+
 def _table(rows, title):
     if not rows:
         return
@@ -315,7 +361,7 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router"], default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router", "conv"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
@@ -347,6 +393,9 @@ def main(argv=None):
     if a.only in (None, "router"):
         res["router"] = bench_router(**(dict(T=4096) if a.quick else {}))
         _table(res["router"], "router logits: tensor cores (bwd on the bf16x3 split) vs fp32 upcast (ms)")
+    if a.only in (None, "conv"):
+        res["conv"] = bench_tree_conv(**(dict(C=4096, Q=3) if a.quick else {}))
+        _table(res["conv"], "tree short convolution by implementation vs trajectory-wise (bf16, ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels.json"), "w") as f:

@@ -1,7 +1,6 @@
 """Tree-path short convolution: reference vs per-trajectory conv1d, and fla's varlen causal_conv1d with
 ancestor windows (interpreted on CPU in fp32, compiled on the GPU) vs a float64 reference, values and gradients,
-in all three implementations of ``harts.ops.tree_conv.fast`` (``IMPL``: split chunks, head-row fix-up, initial
-states)."""
+in both implementations of ``harts.ops.tree_conv.fast`` (``IMPL``: split chunks, initial states)."""
 import numpy as np
 import pytest
 import torch
@@ -34,7 +33,7 @@ def test_reference_equals_per_trajectory_conv1d():
         torch.testing.assert_close(y[rows], ref, rtol=1e-12, atol=1e-12)
 
 
-IMPLS = ["split_chunks", "head_fixup", "initial_state"]  # harts.ops.tree_conv.fast.IMPL
+IMPLS = ["split_chunks", "initial_state"]  # harts.ops.tree_conv.fast.IMPL
 
 
 def _rel_err(a, truth):
