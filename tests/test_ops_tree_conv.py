@@ -176,3 +176,23 @@ def _fast_cpu(x, w, b):
     from harts.ops.tree_conv.fast import tree_short_conv_fast
 
     return tree_short_conv_fast(x, w, b.conv_cu_seqlens, b.conv_context)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 7])
+def test_predecessor_index_walks_the_parent_pointers(width):
+    """Against a plain walk up the parent pointers, on a random forest (parents precede their children) whose
+    paths are both shorter and longer than the window."""
+    from harts.ops.tree_conv import predecessor_index
+
+    rng = np.random.default_rng(width)
+    C = 200
+    parent = np.array([-1 if c == 0 or rng.random() < 0.05 else int(rng.integers(max(0, c - 5), c))
+                       for c in range(C)])
+    want = np.full((C, width), -1)
+    for c in range(C):
+        r = c
+        for s in range(width):
+            want[c, s] = r
+            r = parent[r] if r >= 0 else -1
+    got = predecessor_index(torch.as_tensor(parent), width)
+    np.testing.assert_array_equal(got.numpy(), want)

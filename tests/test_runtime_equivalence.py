@@ -108,22 +108,29 @@ def test_random_forests_equal_trajectory_wise(trajs):
     assert_equivalent(trajs, 4)
 
 
-def test_logprob_pairs_refuse_a_layout_that_disagrees():
+def test_logprob_pairs_expand_to_the_layouts_rows_and_targets():
+    """One pair per distinct (row, target); expanded by pair_of they are the layout's own log-prob rows and
+    targets (built apart, in logprob_views). A layout whose targets disagree is refused by its validate()."""
+    from dataclasses import replace
+
     from harts.data import Trajectory
     from harts.planning.calls import plan_calls
     from harts.planning.layout import build_layout
     from harts.runtime.batch import logprob_pairs
 
     trajs = [[1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 7]]
-    lay = build_layout(plan_calls([np.array(t) for t in trajs], chunk_size=4), conv_width=4)
+    plan = plan_calls([np.array(t) for t in trajs], chunk_size=4)
+    lay = build_layout(plan, conv_width=4)
     lengths = np.array([len(t) for t in trajs])
-    args = (lay.semantic_rows, lengths, lay.parent_phys, lay.tokens, lay.logprob_rows, lay.logprob_targets)
-    rows, targets, of = logprob_pairs(*args)
+    rows, targets, of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens)
     assert rows.size == 5 < lay.logprob_rows.size == 8  # 1->2, 2->3, 2->9, 3->4, 3->7
+    np.testing.assert_array_equal(rows[of], lay.logprob_rows)
+    np.testing.assert_array_equal(targets[of], lay.logprob_targets)
+    assert sorted(zip(lay.tokens[rows].tolist(), targets.tolist())) == [(1, 2), (2, 3), (2, 9), (3, 4), (3, 7)]
     wrong = lay.logprob_targets.copy()
     wrong[4] += 1  # trajectory 1, position 1 (predicting 9)
-    with pytest.raises(ValueError, match="log-prob position 4 reads row"):
-        logprob_pairs(*args[:5], wrong)
+    with pytest.raises(ValueError, match="logprob_targets"):
+        replace(lay, logprob_targets=wrong).validate(plan)
     b = pack([Trajectory.create(t) for t in trajs], chunk_size=4)
     assert b.stats["logprob_pairs"] == 5
 

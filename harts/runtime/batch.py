@@ -331,8 +331,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
             own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows),
             replay_positions=_t(np.flatnonzero(~r.is_output))))
     C, P = lay.num_rows, lay.num_phys
-    pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens,
-                                                     lay.logprob_rows, lay.logprob_targets)
+    pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens)
     perm = None
     if not replay:
         rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
@@ -410,15 +409,18 @@ def check_plan_matches(plan, arrays, lengths_N: np.ndarray, chunk_size: int) -> 
 
 
 def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phys_P: np.ndarray,
-                  tokens_P: np.ndarray, logprob_rows: np.ndarray, logprob_targets: np.ndarray):
+                  tokens_P: np.ndarray):
     """(pair_rows [U], pair_targets [U], pair_of [S']): the distinct (row, target) pairs of the log-prob
     positions. Position t of a trajectory reads row r(t) and predicts the token of row r(t+1), a child of r(t)
     in the trie; so the child row names the pair (row = its parent, target = its token), and the pairs are the
     child rows that some position reaches, in physical order. Why: every position of a shared prefix has the
     same log-prob (same hidden row, same target), so the log-prob op's per-position work (target logits, and
     their gradient terms [S', D] in fp32) is done once per pair and expanded by ``pair_of``: U is at most the
-    physical rows, S' grows with every trajectory that shares the prefix. Checked against the layout's own
-    rows and targets (a ValueError names the first position that disagrees)."""
+    physical rows, S' grows with every trajectory that shares the prefix.
+
+    ``pair_rows[pair_of]`` and ``pair_targets[pair_of]`` are the layout's ``logprob_rows`` and
+    ``logprob_targets`` whenever its parent pointers follow the trie, which ``ExecutionLayout.validate`` checks
+    (with the log-prob rows and targets themselves); pack does not check it again over every position."""
     S = semantic_rows_S.shape[0]
     not_first = np.ones(S, dtype=bool)
     not_first[np.cumsum(lengths_N)[:-1]] = False
@@ -430,15 +432,7 @@ def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phy
     child_U = np.flatnonzero(reached)
     index_P = np.full(P, -1, dtype=np.int64)
     index_P[child_U] = np.arange(child_U.size, dtype=np.int64)
-    pair_of = index_P[next_rows]
-    pair_rows, pair_targets = parent_phys_P[child_U], tokens_P[child_U]
-    bad = (pair_rows[pair_of] != logprob_rows) | (pair_targets[pair_of] != logprob_targets)
-    if bad.any():
-        s = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"logprob_pairs: log-prob position {s} reads row {int(logprob_rows[s])} for target "
-                         f"{int(logprob_targets[s])}, but its next row {int(next_rows[s])} has parent "
-                         f"{int(parent_phys_P[next_rows[s]])} and token {int(tokens_P[next_rows[s]])}")
-    return pair_rows, pair_targets, pair_of
+    return parent_phys_P[child_U], tokens_P[child_U], index_P[next_rows]
 
 
 def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size) -> CompactBatch:

@@ -18,14 +18,14 @@ __all__ = ["tree_short_conv", "tree_short_conv_reference", "predecessor_index"]
 
 
 def predecessor_index(parent_C: torch.Tensor, width: int) -> torch.Tensor:
-    """[C, W] rows 0..W-1 steps back along each row's path (-1 past the root), from parent pointers."""
-    C = parent_C.shape[0]
-    pred = torch.empty(C, width, dtype=torch.long, device=parent_C.device)
-    pred[:, 0] = torch.arange(C, device=parent_C.device)
-    for s in range(1, width):
-        prev = pred[:, s - 1]
-        pred[:, s] = torch.where(prev >= 0, parent_C[prev.clamp_min(0)], torch.full_like(prev, -1))
-    return pred
+    """[C, W] rows 0..W-1 steps back along each row's path (-1 past the root), from parent pointers. The parent
+    array gets a trailing -1, so stepping back from -1 (index -1, its last entry) stays at -1: one gather per
+    step and no masks (pack builds this for every batch)."""
+    parent_ext = torch.cat([parent_C, parent_C.new_full((1,), -1)])
+    steps = [torch.arange(parent_C.shape[0], device=parent_C.device)]
+    for _ in range(1, width):
+        steps.append(parent_ext[steps[-1]])
+    return torch.stack(steps, 1)
 
 
 def tree_short_conv(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_CW: torch.Tensor,
