@@ -313,9 +313,13 @@ def bench_tree_conv(C=61924, Q=12, widths=(8192, 2048), reps=20, device="cuda"):
             x = torch.randn(C, D, device=dev, dtype=dtype, generator=g).requires_grad_()
             w = torch.randn(D, 4, device=dev, generator=g) * 0.5
             dy = torch.randn(C, D, device=dev, dtype=dtype, generator=g)
-            paths = {f"tree {impl}": (lambda impl=impl: (setattr(fast, "IMPL", impl),
-                                                         fast.tree_short_conv_fast(x, w, cu, ctx, "silu"))[1])
-                     for impl in fast._IMPLS}
+            def tree(impl):
+                def run():
+                    fast.IMPL = impl
+                    return fast.tree_short_conv_fast(x, w, cu, ctx, "silu")
+                return run
+
+            paths = {f"tree {impl}": tree(impl) for impl in fast._IMPLS}
             paths["trajectory-wise"] = lambda: short_conv_fast(x, w, cu, "silu", cu_seqlens_cpu=cu_cpu)
             r = {"channels": D, "rows": C, "sequences": Q}
             outs = []

@@ -155,8 +155,7 @@ class _TreeConvSplitChunks(torch.autograd.Function):
             _conv_fwd(x, y, w, cu, init_QPW, rest_R2, first_Q2, None)
         dx = torch.empty_like(x)
         dw_NPW = w.new_empty(R + Q, *w.shape, dtype=torch.float)
-        _conv_bwd(x, y, w, None, dy, dx, dw_NPW[:R], cu, rest_R2, activation)
-        _conv_bwd(x, y, w, init_QPW, dy, dx, dw_NPW[R:], cu, first_Q2, activation)
+        _conv_bwd(x, y, w, dy, dx, dw_NPW, cu, init_QPW, rest_R2, first_Q2, activation)
         dw = dw_NPW.sum(0).to(w)
         dx_CP = dx.view(x.shape[1:])
         if Q:
@@ -199,57 +198,43 @@ def _cached_chunk_split():
 
 
 def _conv_fwd(x, y, w, cu, init_QPW, rest_R2, first_Q2, activation):
-    """Forward kernel into y: the rest chunks without, the first chunks with the initial state (empty sets
-    skipped)."""
-    if rest_R2.shape[0]:
-        _launch_fwd(x, y, w, cu, None, rest_R2, activation)
-    if first_Q2.shape[0]:
-        _launch_fwd(x, y, w, cu, init_QPW, first_Q2, activation)
-
-
-def _launch_fwd(x, y, w, cu, initial_state, chunks, activation):
-    """fla's ``causal_conv1d_fwd_kernel`` over ``chunks`` with the arguments of fla's wrapper
-    ``causal_conv1d_fwd`` (no bias, no residual, CHUNK rows per program)."""
-    import triton
-
+    """Forward kernel into y: the rest chunks without, the first chunks with the initial state."""
     from harts.ops._fla import causal_conv1d_fwd_kernel
 
-    B, T, D = x.shape
-    W = w.shape[1]
-    NT = chunks.shape[0]
-
-    def grid(meta):
-        return (triton.cdiv(D, meta["BD"]), NT, B)
-
-    causal_conv1d_fwd_kernel[grid](
-        x=x, y=y, weight=w, bias=None, residual=None, cu_seqlens=cu, initial_state=initial_state,
-        chunk_indices=chunks, B=B, T=T, stride_x_n=x.stride(0), stride_x_t=x.stride(1), stride_x_d=x.stride(2),
-        D=D, W=W, BT=CHUNK, BW=triton.next_power_of_2(W), ACTIVATION=activation)
+    for init, chunks in ((None, rest_R2), (init_QPW, first_Q2)):
+        _launch(causal_conv1d_fwd_kernel, x, w, cu, chunks, activation, y=y, bias=None, residual=None,
+                initial_state=init)
 
 
-def _conv_bwd(x, y, w, initial_state, dy, dx, dw, cu, chunks, activation):
-    """fla's ``causal_conv1d_bwd_kernel`` over ``chunks`` (skipped when empty) with the arguments of fla's
-    wrapper ``causal_conv1d_bwd`` (no bias, no final-state gradient); dw: this launch's [len(chunks), P, W]
-    fp32 rows of the per-chunk buffer."""
+def _conv_bwd(x, y, w, dy, dx, dw_NPW, cu, init_QPW, rest_R2, first_Q2, activation):
+    """Backward kernel into dx and the per-chunk dw buffer (its first R rows for the rest chunks, without the
+    initial state; its last Q rows for the first chunks, with it); no bias, no final-state gradient."""
+    from harts.ops._fla import causal_conv1d_bwd_kernel
+
+    R = rest_R2.shape[0]
+    for init, chunks, dw in ((None, rest_R2, dw_NPW[:R]), (init_QPW, first_Q2, dw_NPW[R:])):
+        _launch(causal_conv1d_bwd_kernel, x, w, cu, chunks, activation, y=y, initial_state=init, dht=None, dy=dy,
+                dx=dx, dw=dw, db=None, stride_dx_n=dx.stride(0), stride_dx_t=dx.stride(1),
+                stride_dx_d=dx.stride(2), stride_dy_n=dy.stride(0), stride_dy_t=dy.stride(1),
+                stride_dy_d=dy.stride(2))
+
+
+def _launch(kernel, x, w, cu, chunks, activation, **kwargs):
+    """One of fla's varlen convolution kernels over ``chunks`` (skipped when empty), with the grid and the
+    arguments its wrapper (``causal_conv1d_fwd`` / ``causal_conv1d_bwd``) passes; ``kwargs``: the kernel's own."""
     if chunks.shape[0] == 0:
         return
     import triton
 
-    from harts.ops._fla import causal_conv1d_bwd_kernel
-
     B, T, D = x.shape
     W = w.shape[1]
-    NT = chunks.shape[0]
 
     def grid(meta):
-        return (triton.cdiv(D, meta["BD"]), NT, B)
+        return (triton.cdiv(D, meta["BD"]), chunks.shape[0], B)
 
-    causal_conv1d_bwd_kernel[grid](
-        x=x, y=y, weight=w, initial_state=initial_state, dht=None, dy=dy, dx=dx, dw=dw, db=None, cu_seqlens=cu,
-        chunk_indices=chunks, B=B, T=T, stride_x_n=x.stride(0), stride_x_t=x.stride(1), stride_x_d=x.stride(2),
-        stride_dx_n=dx.stride(0), stride_dx_t=dx.stride(1), stride_dx_d=dx.stride(2), stride_dy_n=dy.stride(0),
-        stride_dy_t=dy.stride(1), stride_dy_d=dy.stride(2), D=D, W=W, BT=CHUNK, BW=triton.next_power_of_2(W),
-        ACTIVATION=activation)
+    kernel[grid](x=x, weight=w, cu_seqlens=cu, chunk_indices=chunks, B=B, T=T, stride_x_n=x.stride(0),
+                 stride_x_t=x.stride(1), stride_x_d=x.stride(2), D=D, W=W, BT=CHUNK, BW=triton.next_power_of_2(W),
+                 ACTIVATION=activation, **kwargs)
 
 
 # Rows per program of fla's convolution kernels. It must stay fla's default, 64: for SiLU, fla's backward
