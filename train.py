@@ -62,9 +62,11 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
+    from harts.env import keep_host_memory
     from harts.warmup import cache_dirs
 
     cache_dirs()  # persistent Triton/inductor caches (~/.cache/harts) unless set: docs/first-gpu-run.md
+    logging.getLogger("harts.train").info(keep_host_memory())  # pack's pages stay mapped: docs/runtime.md
     code, trainer, created = 0, None, None
     try:
         from harts.train.config import parse_args

@@ -37,6 +37,7 @@ from benchmarks.common import (
 )
 from benchmarks.output import write_results
 from benchmarks.trace_summary import device_idle
+from harts.env import keep_host_memory
 from harts.models.family import model_class, model_config
 
 
@@ -418,7 +419,7 @@ def merge(paths: list[str], out: str) -> int:
         raise SystemExit(f"--merge: shards {got} of {n}; every shard 0..{n - 1} exactly once is needed")
     meta = {k: v for k, v in shards[0].items() if k in ("model", "device", "torch", "microbatch_plan_s",
                                                          "microbatches", "planned_microbatches", "flops_per_row",
-                                                         "peak_tflops", "kernel_load_detection")}
+                                                         "peak_tflops", "kernel_load_detection", "host_memory")}
     meta["args"] = dict(shards[0]["args"], shard=None, merged=paths)
     records = sorted((r for s in shards for r in s["records"]), key=lambda r: r["index"])
     profile = next((s["profile"] for s in shards if "profile" in s), None)
@@ -476,6 +477,8 @@ def main(argv=None) -> int:
     if args.flops_only:
         return flops_only(args)
     t_proc = time.perf_counter()
+    host_memory = keep_host_memory()  # as train.py: both paths' packs reuse mapped pages
+    print(host_memory, flush=True)
 
     from benchmarks.flops import active_matmul_params, batch_forward_flops
     from harts.models.common.compile import compile_model
@@ -547,7 +550,7 @@ def main(argv=None) -> int:
             "peak_tflops": args.peak_tflops,
             "kernel_load_detection": ("triton jit_post_compile_hook" if loads.available else "triton: unavailable")
             + ", cuDNN attention shapes" + (", torch.compile graphs" if compiled is not None else ""),
-            "activation_checkpointing": args.ac, "warmup_s": warmup_s,
+            "activation_checkpointing": args.ac, "warmup_s": warmup_s, "host_memory": host_memory,
             "compile": None if compiled is None else {
                 "backend": compiled.backend, "compilations_in_warmup": compiled.compilations,
                 "backend_seconds_in_warmup": compiled.compile_seconds}}

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["Environment", "ENV", "VARIABLES", "read", "cache_dirs"]
+__all__ = ["Environment", "ENV", "VARIABLES", "read", "cache_dirs", "keep_host_memory"]
 
 
 def _flag(value: str | None) -> bool:
@@ -53,6 +53,11 @@ class Environment:
     """``HARTS_DEBUG``: ``train.py`` prints full tracebacks from every rank instead of one error line
     (unset, empty, ``0``, ``false`` and ``no`` are off)."""
 
+    host_memory: str = "keep"
+    """``HARTS_HOST_MEMORY``: what ``keep_host_memory()`` (called by ``train.py`` and the speedup benchmark)
+    does to glibc's malloc: ``keep`` (freed memory stays in the heap for the next pack) or ``system`` (glibc's
+    defaults, untouched)."""
+
     triton_interpret: bool = False
     """``TRITON_INTERPRET`` (Triton's own switch) is ``1``: Triton kernels run in its CPU interpreter. HARTS's
     kernels then build a single small autotune config, and ``backend="fast"`` may run the Triton-only ops
@@ -70,6 +75,7 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
         kernel_report=e.get("HARTS_KERNEL_REPORT") or None,
         autotune_record=e.get("HARTS_AUTOTUNE_RECORD") or None,
         debug=_flag(e.get("HARTS_DEBUG")),
+        host_memory=e.get("HARTS_HOST_MEMORY", d.host_memory),
         triton_interpret=e.get("TRITON_INTERPRET") == "1",
     )
 
@@ -80,7 +86,8 @@ ENV: Environment = read()
 # The field each variable fills (docs and error messages name the variable).
 VARIABLES = {"HARTS_VIEW_ATTENTION": "view_attention", "HARTS_PACKED_ATTENTION": "packed_attention",
              "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
-             "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug", "TRITON_INTERPRET": "triton_interpret"}
+             "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug",
+             "HARTS_HOST_MEMORY": "host_memory", "TRITON_INTERPRET": "triton_interpret"}
 
 
 def cache_dirs() -> dict[str, str]:
@@ -93,3 +100,42 @@ def cache_dirs() -> dict[str, str]:
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
     return {"triton": os.environ["TRITON_CACHE_DIR"], "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_host_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> str:
+    """Let glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    ``pack`` builds each microbatch's layout from a few dozen numpy arrays and tensors of 1-30 MB, then frees
+    them. Under glibc's defaults, blocks that size are mmapped (or the heap top is trimmed once more than
+    twice the largest freed block is free), so every pack faults its pages in again, zero-filled, after the
+    step that ran in between, on the host, while the GPU waits (``benchmarks.speedup`` reports pack's
+    seconds per microbatch). With allocations up to ``mmap_threshold`` served from the heap and up to
+    ``trim_threshold`` of free heap top kept, the pages stay mapped. This is process-wide: the trainer and
+    the speedup benchmark call it once at start, before any data is packed; ``HARTS_HOST_MEMORY=system``
+    leaves glibc's defaults as they are.
+
+    Returns one line that says what was done (for the log), and changes nothing where the C library is not
+    glibc.
+    """
+    import ctypes
+    import platform
+
+    if ENV.host_memory not in ("keep", "system"):
+        raise ValueError(f"HARTS_HOST_MEMORY={ENV.host_memory!r}: expected 'keep' or 'system'")
+    if ENV.host_memory == "system":
+        return "host memory: glibc malloc defaults (HARTS_HOST_MEMORY=system)"
+    lib, version = platform.libc_ver()
+    if lib != "glibc":
+        return f"host memory: malloc defaults (the C library is {lib or 'unknown'}, not glibc)"
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    for name, param, value in (("M_MMAP_THRESHOLD", _M_MMAP_THRESHOLD, mmap_threshold),
+                               ("M_TRIM_THRESHOLD", _M_TRIM_THRESHOLD, trim_threshold)):
+        if mallopt(param, value) != 1:
+            raise ValueError(f"glibc {version} refused mallopt({name}, {value})")
+    return (f"host memory: glibc {version} malloc keeps freed memory (blocks up to {mmap_threshold >> 20} MiB "
+            f"from the heap, up to {trim_threshold >> 20} MiB of free heap top kept)")

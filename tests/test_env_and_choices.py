@@ -146,6 +146,53 @@ def test_library_reads_no_environment_outside_harts_env():
     assert all("RANK" in r or r.startswith("env = dict(os.environ") for r in reads), reads
 
 
+# ------------------------------------------------------------------------------------------- host memory
+# Frees 24 blocks of 6 MB (above glibc's default mmap threshold, below 32 MiB) and allocates and touches them
+# again, three times; prints the page faults of the last two rounds. Under glibc's defaults the freed blocks
+# are unmapped or trimmed (more than twice the largest block is free at the heap top), so each round faults
+# every page in again; with the memory kept, none does.
+_FAULTS = """
+import ctypes, resource
+from harts.env import keep_host_memory
+line = keep_host_memory() if KEEP else "defaults"
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def round_():
+    blocks = [libc.malloc(6 << 20) for _ in range(24)]
+    for b in blocks:
+        ctypes.memset(b, 1, 6 << 20)
+    for b in blocks:
+        libc.free(b)
+round_()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+round_(); round_()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(line)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux only)")
+def test_kept_host_memory_reuses_freed_pages_without_faults():
+    pages = 2 * 24 * (6 << 20) // os.sysconf("SC_PAGE_SIZE")
+    default = _fresh_process("KEEP = False" + _FAULTS, HARTS_HOST_MEMORY="keep")
+    kept = _fresh_process("KEEP = True" + _FAULTS, HARTS_HOST_MEMORY="keep")
+    assert default.returncode == 0 and kept.returncode == 0, (default.stderr[-2000:], kept.stderr[-2000:])
+    faults_default, faults_kept = int(default.stdout.split()[0]), int(kept.stdout.split()[0])
+    assert faults_default > pages // 16, (faults_default, pages)  # huge pages fault 2 MB at a time
+    assert faults_kept < pages // 100, (faults_kept, pages)
+    assert kept.stdout.splitlines()[1].startswith("host memory: glibc ")
+
+
+def test_host_memory_system_leaves_malloc_alone_and_a_bad_value_is_named():
+    out = _fresh_process("from harts.env import keep_host_memory\nprint(keep_host_memory())",
+                         HARTS_HOST_MEMORY="system")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "host memory: glibc malloc defaults (HARTS_HOST_MEMORY=system)"
+    out = _fresh_process("from harts.env import keep_host_memory\nkeep_host_memory()", HARTS_HOST_MEMORY="yes")
+    assert out.stderr.strip().splitlines()[-1] == "ValueError: HARTS_HOST_MEMORY='yes': expected 'keep' or 'system'"
+
+
 # --------------------------------------------------------------------------------------------------- fla
 def test_fla_names_resolve_to_fla_objects():
     from harts.ops import _fla
