@@ -152,6 +152,8 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
         assert [i for r in runs for i in r] == list(range(len(m)))
         assert [[ordered[i] for i in r] for r in runs] == [[m[i] for i in sb] for sb in groups]
     assert r["profile"] == s0["profile"] and r["shards"] == 2
+    # the host allocator setting both paths ran under is in the record (harts.env.keep_host_memory)
+    assert r["host_memory"] == s0["host_memory"] and r["host_memory"].startswith("host memory: ")
     with pytest.raises(SystemExit, match="every shard"):
         main(["--merge", shards[0], "--out", str(tmp_path)])
 
