@@ -62,13 +62,13 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    from harts.env import keep_host_memory
-    from harts.warmup import cache_dirs
+    from harts.env import cache_dirs, keep_host_memory
 
     cache_dirs()  # persistent Triton/inductor caches (~/.cache/harts) unless set: docs/first-gpu-run.md
-    logging.getLogger("harts.train").info(keep_host_memory())  # pack's pages stay mapped: docs/runtime.md
     code, trainer, created = 0, None, None
     try:
+        # pack's pages stay mapped (docs/runtime.md); a bad HARTS_HOST_MEMORY is a one-line error like the others
+        logging.getLogger("harts.train").info(keep_host_memory())
         from harts.train.config import parse_args
         from harts.train.trainer import Trainer
 
