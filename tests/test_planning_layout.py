@@ -214,3 +214,22 @@ def test_bad_arguments():
         build_layout(plan, conv_width=0)
     with pytest.raises(ValueError, match="pad_to_multiple"):
         build_layout(plan, pad_to_multiple=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), max_size=12), st.integers(1, 600))
+def test_take_ranges_equals_an_arange_per_range(ranges, n):
+    """Slices (few long ranges) or the index (many short ones): both are x at each range's positions, in
+    order, built here with one Python arange per range; a range outside x is an IndexError naming it."""
+    from harts.planning.layout import take_ranges
+
+    x = np.arange(n, dtype=np.int64) * 7 + 3
+    starts = np.array([min(a, n) for a, _ in ranges], dtype=np.int64)
+    lengths = np.array([min(m, n - a) for a, (_, m) in zip(starts.tolist(), ranges)], dtype=np.int64)
+    want = np.concatenate([x[np.arange(a, a + m)] for a, m in zip(starts, lengths)] + [np.zeros(0, np.int64)])
+    np.testing.assert_array_equal(take_ranges(x, starts, lengths), want)
+    if starts.size:
+        bad = lengths.copy()
+        bad[-1] = n - starts[-1] + 1
+        with pytest.raises(IndexError, match=f"range {starts.size - 1} "):
+            take_ranges(x, starts, bad)

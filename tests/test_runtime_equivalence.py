@@ -109,8 +109,9 @@ def test_random_forests_equal_trajectory_wise(trajs):
 
 
 def test_logprob_pairs_expand_to_the_layouts_rows_and_targets():
-    """One pair per distinct (row, target); expanded by pair_of they are the layout's own log-prob rows and
-    targets (built apart, in logprob_views). A layout whose targets disagree is refused by its validate()."""
+    """One pair per distinct (row, target), one per row with a parent; expanded by pair_of they are the layout's
+    own log-prob rows and targets (built apart, in logprob_views). A layout whose targets or next rows disagree
+    is refused by its validate()."""
     from dataclasses import replace
 
     from harts.data import Trajectory
@@ -121,8 +122,7 @@ def test_logprob_pairs_expand_to_the_layouts_rows_and_targets():
     trajs = [[1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 7]]
     plan = plan_calls([np.array(t) for t in trajs], chunk_size=4)
     lay = build_layout(plan, conv_width=4)
-    lengths = np.array([len(t) for t in trajs])
-    rows, targets, of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens)
+    rows, targets, of = logprob_pairs(lay.logprob_next_rows, lay.parent_phys, lay.tokens)
     assert rows.size == 5 < lay.logprob_rows.size == 8  # 1->2, 2->3, 2->9, 3->4, 3->7
     np.testing.assert_array_equal(rows[of], lay.logprob_rows)
     np.testing.assert_array_equal(targets[of], lay.logprob_targets)
@@ -131,6 +131,8 @@ def test_logprob_pairs_expand_to_the_layouts_rows_and_targets():
     wrong[4] += 1  # trajectory 1, position 1 (predicting 9)
     with pytest.raises(ValueError, match="logprob_targets"):
         replace(lay, logprob_targets=wrong).validate(plan)
+    with pytest.raises(ValueError, match="logprob_next_rows"):
+        replace(lay, logprob_next_rows=lay.logprob_rows).validate(plan)
     b = pack([Trajectory.create(t) for t in trajs], chunk_size=4)
     assert b.stats["logprob_pairs"] == 5
 

@@ -250,6 +250,7 @@ def check_logprobs(lay: ExecutionLayout) -> None:
     require_equal(lay.logprob_offsets, offsets_of(lens - 1), "logprob_offsets", item="trajectory boundary")
     sem_next = concat_ranges(lay.semantic_offsets[:-1] + 1, lens - 1)
     require_equal(lay.logprob_rows, sr[sem_next - 1], "logprob_rows", item="log-prob")
+    require_equal(lay.logprob_next_rows, sr[sem_next], "logprob_next_rows", item="log-prob")
     require_equal(lay.logprob_targets, lay.tokens[sr[sem_next]], "logprob_targets (the next token)", item="log-prob")
     require_equal(lay.position_ids[sr], concat_ranges(np.zeros(N, dtype=np.int64), lens), "position id",
                   item="semantic position")

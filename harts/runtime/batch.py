@@ -331,7 +331,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
             own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows),
             replay_positions=_t(np.flatnonzero(~r.is_output))))
     C, P = lay.num_rows, lay.num_phys
-    pair_rows, pair_targets, pair_of = logprob_pairs(lay.semantic_rows, lengths, lay.parent_phys, lay.tokens)
+    pair_rows, pair_targets, pair_of = logprob_pairs(lay.logprob_next_rows, lay.parent_phys, lay.tokens)
     perm = None
     if not replay:
         rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
@@ -408,31 +408,25 @@ def check_plan_matches(plan, arrays, lengths_N: np.ndarray, chunk_size: int) -> 
         raise ValueError(f"pack: trajectory {n} differs from the plan's at position {s - int(trie.offsets[n])}")
 
 
-def logprob_pairs(semantic_rows_S: np.ndarray, lengths_N: np.ndarray, parent_phys_P: np.ndarray,
-                  tokens_P: np.ndarray):
+def logprob_pairs(next_rows_S: np.ndarray, parent_phys_P: np.ndarray, tokens_P: np.ndarray):
     """(pair_rows [U], pair_targets [U], pair_of [S']): the distinct (row, target) pairs of the log-prob
-    positions. Position t of a trajectory reads row r(t) and predicts the token of row r(t+1), a child of r(t)
-    in the trie; so the child row names the pair (row = its parent, target = its token), and the pairs are the
-    child rows that some position reaches, in physical order. Why: every position of a shared prefix has the
-    same log-prob (same hidden row, same target), so the log-prob op's per-position work (target logits, and
-    their gradient terms [S', D] in fp32) is done once per pair and expanded by ``pair_of``: U is at most the
-    physical rows, S' grows with every trajectory that shares the prefix.
+    positions. Position t of a trajectory reads row r(t) and predicts the token of row r(t+1) (``next_rows_S``,
+    the layout's ``logprob_next_rows``), a child of r(t) in the trie; so the child row names the pair (row = its
+    parent, target = its token), and the pairs are the child rows, in physical order. Why: every position of a
+    shared prefix has the same log-prob (same hidden row, same target), so the log-prob op's per-position work
+    (target logits, and their gradient terms [S', D] in fp32) is done once per pair and expanded by ``pair_of``:
+    U is at most the physical rows, S' grows with every trajectory that shares the prefix.
 
-    ``pair_rows[pair_of]`` and ``pair_targets[pair_of]`` are the layout's ``logprob_rows`` and
-    ``logprob_targets`` whenever its parent pointers follow the trie, which ``ExecutionLayout.validate`` checks
-    (with the log-prob rows and targets themselves); pack does not check it again over every position."""
-    S = semantic_rows_S.shape[0]
-    not_first = np.ones(S, dtype=bool)
-    not_first[np.cumsum(lengths_N)[:-1]] = False
-    not_first[0] = False
-    next_rows = semantic_rows_S[not_first]  # [S'] the row each position predicts the token of
-    P = parent_phys_P.shape[0]
-    reached = np.zeros(P, dtype=bool)
-    reached[next_rows] = True
-    child_U = np.flatnonzero(reached)
-    index_P = np.full(P, -1, dtype=np.int64)
+    Every row with a parent is some position's next row (a trie row at depth d >= 1 is position d of each
+    trajectory through it), so the pairs are the rows with a parent, found without a pass over the S'
+    positions; a row that no position reached would only add an unused pair. ``pair_rows[pair_of]`` and
+    ``pair_targets[pair_of]`` are the layout's ``logprob_rows`` and ``logprob_targets`` whenever its parent
+    pointers follow the trie, which ``ExecutionLayout.validate`` checks (with the log-prob rows, next rows and
+    targets themselves); pack does not check it again over every position."""
+    child_U = np.flatnonzero(parent_phys_P >= 0)
+    index_P = np.full(parent_phys_P.shape[0], -1, dtype=np.int64)
     index_P[child_U] = np.arange(child_U.size, dtype=np.int64)
-    return parent_phys_P[child_U], tokens_P[child_U], index_P[next_rows]
+    return parent_phys_P[child_U], tokens_P[child_U], index_P[next_rows_S]
 
 
 def _pack_trajectory_wise(trajs, arrays, lengths, lp_offsets, chunk_size, conv_width, vocab_size) -> CompactBatch:
