@@ -19,7 +19,9 @@ full-layer activation recomputation on both paths:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -39,6 +41,34 @@ from benchmarks.output import write_results
 from benchmarks.trace_summary import device_idle
 from harts.env import keep_host_memory
 from harts.models.family import model_class, model_config
+
+
+class HostStalls:
+    """This thread's page faults and the seconds Python's garbage collector ran, read before and after a host
+    interval (pack): the two things besides pack's own work that stretch it between runs."""
+
+    def __init__(self):
+        self.gc_s, self._start = 0.0, None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.gc_s += time.perf_counter() - self._start
+            self._start = None
+
+    @staticmethod
+    def _faults() -> int:
+        who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+        u = resource.getrusage(who)
+        return u.ru_minflt + u.ru_majflt
+
+    def mark(self) -> tuple[int, float]:
+        return self._faults(), self.gc_s
+
+    def since(self, mark: tuple[int, float]) -> tuple[int, float]:
+        return self._faults() - mark[0], self.gc_s - mark[1]
 
 
 def flops_per_row(model) -> float:
@@ -340,6 +370,9 @@ def summarize(meta: dict, records: list[dict], profile: dict | None) -> dict:
     if all("harts_pack_s" in r for r in records):  # host seconds inside HARTS's F/B/Grad before its first kernel
         res["harts_pack_s"] = sum(r["harts_pack_s"] for r in records)
         res["harts_to_device_s"] = sum(r["harts_to_device_s"] for r in records)
+    if all("harts_pack_gc_s" in r for r in records):  # what stalled pack: page faults, Python's garbage collector
+        res["harts_pack_page_faults"] = sum(r["harts_pack_page_faults"] for r in records)
+        res["harts_pack_gc_s"] = sum(r["harts_pack_gc_s"] for r in records)
     if profile is not None:
         res["profile"] = profile
     return res
@@ -359,8 +392,11 @@ def report(res: dict) -> None:
           f"({res['core_over_compression']:.3f} of compression)")
     if "harts_pack_s" in res:
         host = res["harts_pack_s"] + res["harts_to_device_s"]
-        print(f"HARTS host time before the first kernel (each microbatch's last run): pack {res['harts_pack_s']:.3f}s, "
-              f"batch to device {res['harts_to_device_s']:.3f}s ({host / res['fbgrad_harts_s']:.1%} of F/B/Grad)")
+        stalls = (f" (in it: {res['harts_pack_page_faults']:,} page faults, {res['harts_pack_gc_s']:.3f}s of garbage "
+                  f"collection)" if "harts_pack_gc_s" in res else "")
+        print(f"HARTS host time before the first kernel (each microbatch's last run): pack {res['harts_pack_s']:.3f}s"
+              f"{stalls}, batch to device {res['harts_to_device_s']:.3f}s ({host / res['fbgrad_harts_s']:.1%} of "
+              f"F/B/Grad)")
     print(f"MFU: baseline {res['mfu_baseline']:.3f}  HARTS (useful rows) {res['mfu_harts_useful']:.3f}; "
           f"peak memory GB: baseline {res['baseline_peak_gb']:.1f}  HARTS {res['harts_peak_gb']:.1f}")
     c, w = res.get("compile"), res.get("warmup_s")
@@ -507,13 +543,17 @@ def main(argv=None) -> int:
         return plan_calls([t.tokens for t in trajs], chunk_size=B)
 
     host = {}  # the last HARTS run's host seconds before its first kernel: pack, and the batch's copy to the device
+    host_stalls = HostStalls()
 
     def run_harts(trajs, plan):  # from a ready plan (paper 5.2's F/B/Grad): pack lays it out
+        before = host_stalls.mark()
         t0 = time.perf_counter()
         hb = pack(trajs, config=cfg, plan=plan)
         t1 = time.perf_counter()
+        pack_stalls = host_stalls.since(before)
         hb = hb.to(dev, non_blocking=True)
-        host.update(pack_s=t1 - t0, to_device_s=time.perf_counter() - t1)
+        host.update(pack_s=t1 - t0, to_device_s=time.perf_counter() - t1, pack_page_faults=pack_stalls[0],
+                    pack_gc_s=pack_stalls[1])
         loss_of(model.logprobs(hb)).backward()
 
     def run_baseline(trajs):
@@ -611,7 +651,8 @@ def main(argv=None) -> int:
                "flops_harts": batch_forward_flops(model, hb, act)["total"],
                "flops_baseline": baseline_flops(model, trajs, args.capacity, act),
                "harts_peak_gb": h_peak, "baseline_peak_gb": b_peak,
-               "harts_pack_s": h_host["pack_s"], "harts_to_device_s": h_host["to_device_s"]}
+               "harts_pack_s": h_host["pack_s"], "harts_to_device_s": h_host["to_device_s"],
+               "harts_pack_page_faults": h_host["pack_page_faults"], "harts_pack_gc_s": h_host["pack_gc_s"]}
         for path, r in (("harts", h), ("baseline", b)):  # harts_s, harts_runs, harts_first_s, ...
             rec.update({f"{path}_{k}": v for k, v in r.items()})
         records.append(rec)

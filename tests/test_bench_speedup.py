@@ -141,6 +141,9 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     # the host seconds before HARTS's first kernel are part of its F/B/Grad, reported on their own
     assert r["harts_pack_s"] == sum(rec["harts_pack_s"] for rec in r["records"]) > 0
     assert all(0 < rec["harts_pack_s"] + rec["harts_to_device_s"] < rec["harts_s"] for rec in r["records"])
+    # and what stalled pack: its page faults and garbage-collection seconds, summed like its time
+    assert r["harts_pack_page_faults"] == sum(rec["harts_pack_page_faults"] for rec in r["records"]) >= 0
+    assert all(0 <= rec["harts_pack_gc_s"] <= rec["harts_pack_s"] for rec in r["records"])
     # the baseline's sub-batches are the trainer's baseline grouping: every trajectory once, each within capacity
     for m in mbs:
         groups = subbatches(m, 128)
@@ -231,3 +234,28 @@ def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path,
     assert abs(gemm["flop_ideal_s"] - gemm["ideal_s"]) < 1e-12 and "attention" in r["profile"]["flop_compression"]
     with pytest.raises(SystemExit):
         main(common + ["--no-profile"])
+
+
+def test_host_stalls_count_garbage_collection_and_page_faults():
+    """A collection forced inside the interval is counted in seconds (none outside it is), and touching fresh
+    pages counts their faults: the two things that stretch pack between runs besides its own work."""
+    import gc
+
+    import numpy as np
+
+    from benchmarks.speedup import HostStalls
+
+    stalls = HostStalls()
+    try:
+        junk = [[i] for i in range(200_000)]  # tracked containers, so the collection takes measurable time
+        before = stalls.mark()
+        faults, gc_s = stalls.since(before)
+        assert gc_s == 0.0
+        before = stalls.mark()
+        gc.collect()
+        touched = np.ones(64 << 20, dtype=np.uint8)  # 16,384 fresh 4 KiB pages (mmapped: above glibc's threshold)
+        faults, gc_s = stalls.since(before)
+        assert gc_s > 0 and faults >= 32, (faults, gc_s)  # 32: even if every fault maps a 2 MiB huge page
+        del junk, touched
+    finally:
+        gc.callbacks.remove(stalls._on_gc)
