@@ -22,6 +22,10 @@
    in 12 sequences with ancestor windows, at Qwen3.5's channels (8,192: q, k, v in one call) and Ling-3.0's
    (2,048 per call), fwd and fwd+bwd, for each ``IMPL`` and for fla's trajectory-wise causal_conv1d over the
    same rows (no ancestors: the kernel the baseline runs).
+7. ``scan``: the KDA/GDN rounds' state scans (forward h, backward dh; HV = 16, K = V = 128, BT = 64) under each
+   candidate config forced alone (value-block width BV 16/32/64, 2/4 warps, 2-4 stages), at a tree's trunk (one
+   25K-row sequence), its branches (6 sequences) and trajectory-wise sequences (3, 65K rows): which config each
+   round shape wants, which the autotuner's key cannot tell apart.
 
 Prints tables and writes ``kernels.json`` (and ``kernels.png`` when matplotlib is there) to --out.
 ``--device cpu`` (with ``--quick --only logprobs``) runs ``compact_logprobs`` under the Triton interpreter
@@ -338,6 +342,60 @@ def bench_tree_conv(C=61924, Q=12, widths=(8192, 2048), reps=20, device="cuda"):
     return rows
 
 
+def bench_scan(layouts=(("trunk", (25498,)), ("branches", (15065, 8000, 5000, 4000, 2000, 1280)),
+                         ("trajectories", (34175, 20000, 11361))), HV=16, K=128, V=128, BT=64, reps=10):
+    """The rounds' state scans (``harts.kernels.kda_round``: forward h, backward dh) under each candidate config
+    forced alone, at the row layouts of a tree's rounds (Ling-3.0-tiny seed 9002's fullest microbatch): its
+    shared trunk (one long sequence: HV * V / BV programs, fewer than the SMs, so the per-chunk latency sets the
+    time), its branches, and trajectory-wise sequences (as the baseline packs them). Why: the autotuner's key
+    (and the tuned table in harts/ops/tuned) does not see how many sequences a round has, so one config serves
+    all three; this shows what each would pick. Inputs are random (timing only)."""
+    import triton
+
+    import harts.kernels.kda_round as kr
+
+    dev = "cuda"
+    cands = [triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv in (16, 32, 64) for w in (2, 4)
+             for st in (2, 3, 4)]
+    tuners = [kr.kda_round_fwd_kernel_h.fn, kr.kda_round_bwd_kernel_dh.fn]  # the autotuners under the heuristics
+    saved = [(t.configs, dict(t.cache)) for t in tuners]
+    rows = []
+    try:
+        for name, lens in layouts:
+            torch.manual_seed(0)
+            T, N = sum(lens), len(lens)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
+            nch = [-(-n // BT) for n in lens]
+            co = torch.tensor([0, *torch.tensor(nch).cumsum(0).tolist()], device=dev)
+            kg, w = (torch.randn(1, T, HV, K, device=dev, dtype=torch.bfloat16) * 0.1 for _ in range(2))
+            u, do, dv = (torch.randn(1, T, HV, V, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            gk = torch.full((1, T, HV, K), -0.01, device=dev)
+
+            def fwd():
+                return kr.kda_round_fwd_h(kg, w, u, gk, None, False, cu, co, sum(nch), BT)
+
+            def bwd():
+                return kr.kda_round_bwd_dh(kg, kg, w, gk, None, None, None, None, do, dv, 0.1, cu, co, sum(nch), BT)
+
+            times = {}
+            for c in cands:
+                for t in tuners:
+                    t.configs, t.cache = [c], {}
+                times[c] = (time_ms(fwd, reps=reps), time_ms(bwd, reps=reps))
+            r = {"layout": name, "rows": T, "sequences": N, "programs at BV=64": N * HV * V // 64}
+            for i, d in enumerate(("fwd", "bwd")):
+                for bv in (16, 32, 64):
+                    r[f"{d} BV={bv} ms"] = min(v[i] for c, v in times.items() if c.kwargs["BV"] == bv)
+                best = min(times, key=lambda c: times[c][i])
+                r[f"{d} best"] = f"BV={best.kwargs['BV']} w{best.num_warps} s{best.num_stages}"
+            r["all_ms"] = {f"BV={c.kwargs['BV']} w{c.num_warps} s{c.num_stages}": v for c, v in times.items()}
+            rows.append(r)
+    finally:
+        for t, (configs, cache) in zip(tuners, saved):
+            t.configs, t.cache = configs, cache
+    return rows
+
+
 def _table(rows, title):
     if not rows:
         return
@@ -365,7 +423,8 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router", "conv"], default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router", "conv", "scan"],
+                    default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
@@ -400,6 +459,10 @@ def main(argv=None):
     if a.only in (None, "conv"):
         res["conv"] = bench_tree_conv(**(dict(C=4096, Q=3) if a.quick else {}))
         _table(res["conv"], "tree short convolution by implementation vs trajectory-wise (bf16, ms)")
+    if a.only in (None, "scan"):
+        res["scan"] = bench_scan(**(dict(layouts=(("trunk", (4096,)), ("trajectories", (2048, 2048))), reps=3)
+                                    if a.quick else {}))
+        _table(res["scan"], "round state scans by config, best of each value-block width (bf16, ms)")
     res["wall_s"] = time.time() - t0
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernels.json"), "w") as f:
