@@ -237,20 +237,22 @@ def test_profile_only_profiles_the_chosen_microbatch_and_times_nothing(tmp_path,
 
 
 def test_host_stalls_count_garbage_collection_and_page_faults():
-    """A collection forced inside the interval is counted in seconds (none outside it is), and touching fresh
-    pages counts their faults: the two things that stretch pack between runs besides its own work."""
+    """A collection inside the interval is counted in seconds, one before it is not (automatic collections are
+    off meanwhile, so none can fall into the interval by chance), and touching fresh pages counts their faults:
+    the two things that stretch pack between runs besides its own work."""
     import gc
 
     import numpy as np
 
     from benchmarks.speedup import HostStalls
 
-    stalls = HostStalls()
+    stalls, was_enabled = HostStalls(), gc.isenabled()
+    gc.disable()
     try:
-        junk = [[i] for i in range(200_000)]  # tracked containers, so the collection takes measurable time
+        junk = [[i] for i in range(200_000)]  # tracked containers, so a collection takes measurable time
+        gc.collect()  # before the interval
         before = stalls.mark()
-        faults, gc_s = stalls.since(before)
-        assert gc_s == 0.0
+        assert stalls.since(before)[1] == 0.0
         before = stalls.mark()
         gc.collect()
         touched = np.ones(64 << 20, dtype=np.uint8)  # 16,384 fresh 4 KiB pages (mmapped: above glibc's threshold)
@@ -259,3 +261,5 @@ def test_host_stalls_count_garbage_collection_and_page_faults():
         del junk, touched
     finally:
         gc.callbacks.remove(stalls._on_gc)
+        if was_enabled:
+            gc.enable()
