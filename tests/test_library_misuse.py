@@ -72,16 +72,9 @@ def test_to_refuses_a_dtype_where_a_device_goes():
     assert moved.input_ids.dtype == torch.long and moved.device == torch.device("cpu")
 
 
-def test_pack_lays_out_a_ready_plan_and_refuses_another_microbatchs():
-    """``pack(..., plan=)`` lays out a call plan made earlier: the same batch as pack planning itself; a plan of
-    other trajectories, another chunk size or for the trajectory-wise batch is refused, naming what differs."""
+def assert_same_batch(a, b):
     from dataclasses import fields
 
-    from harts.planning.calls import plan_calls
-
-    trajs = trees()
-    plan = plan_calls(trajs, chunk_size=16)
-    a, b = pack(trajs, chunk_size=16), pack(trajs, chunk_size=16, plan=plan)
     for f in fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
@@ -95,6 +88,16 @@ def test_pack_lays_out_a_ready_plan_and_refuses_another_microbatchs():
             assert all(np.array_equal(u.tokens, v.tokens) for u, v in zip(x, y, strict=True))
         elif f.name != "derived":
             assert x == y, f.name
+
+
+def test_pack_lays_out_a_ready_plan_and_refuses_another_microbatchs():
+    """``pack(..., plan=)`` lays out a call plan made earlier: the same batch as pack planning itself; a plan of
+    other trajectories, another chunk size or for the trajectory-wise batch is refused, naming what differs."""
+    from harts.planning.calls import plan_calls
+
+    trajs = trees()
+    plan = plan_calls(trajs, chunk_size=16)
+    assert_same_batch(pack(trajs, chunk_size=16), pack(trajs, chunk_size=16, plan=plan))
     other = [t.copy() for t in trajs]
     other[2][24] = (other[2][24] + 1) % VOCAB
     with pytest.raises(ValueError, match="trajectory 2 differs from the plan's at position 24"):
@@ -109,6 +112,41 @@ def test_pack_lays_out_a_ready_plan_and_refuses_another_microbatchs():
         pack(trajs, prefix_sharing=False, plan=plan)
     with pytest.raises(TypeError, match="plan must be a CallPlan"):
         pack(trajs, chunk_size=16, plan=[plan])
+
+
+def test_pack_on_its_threads_equals_pack_on_one(monkeypatch):
+    """pack runs its independent passes on a thread pool: the batch is the one a single thread lays out, and a
+    bad input is refused with the same error (the input checks run on the pool too)."""
+    import harts.runtime.batch as batch_mod
+    from harts.planning.calls import plan_calls
+
+    trajs = trees()
+    plan = plan_calls(trajs, chunk_size=16)
+    assert batch_mod.pack_pool() is not None  # CI and GPU hosts have more than one core
+    threaded = pack(trajs, chunk_size=16, plan=plan, vocab_size=VOCAB)
+    monkeypatch.setattr(batch_mod, "pack_pool", lambda: None)
+    assert_same_batch(threaded, pack(trajs, chunk_size=16, plan=plan, vocab_size=VOCAB))
+    monkeypatch.undo()
+    bad = [t.copy() for t in trajs]
+    bad[1][3] = VOCAB
+    with pytest.raises(ValueError, match=rf"trajectory 1 position 3: token id {VOCAB} is out of range"):
+        pack(bad, chunk_size=16, plan=plan, vocab_size=VOCAB)
+
+
+def test_pack_pool_is_made_anew_in_a_forked_child(monkeypatch):
+    """A forked child (a data-loader worker) has none of its parent's threads: a pool made in another process
+    is replaced, not handed jobs that no thread would run."""
+    import harts.runtime.batch as batch_mod
+
+    parent = batch_mod.pack_pool()
+    assert batch_mod.pack_pool() is parent
+    monkeypatch.setattr(batch_mod, "_POOL", batch_mod._POOL)  # restored afterwards, with the parent's pool
+    monkeypatch.setattr(batch_mod.os, "getpid", lambda: -1)
+    child = batch_mod.pack_pool()
+    try:
+        assert child is not parent and child.submit(sum, (1, 2)).result(timeout=10) == 3
+    finally:
+        child.shutdown()
 
 
 # ------------------------------------------------------------------ router statistics

@@ -41,6 +41,8 @@ N trajectories, S semantic positions, w conv width, W = w - 1 conv window rows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +50,15 @@ import numpy as np
 from harts.data.trie import CompactTrie
 from harts.planning.calls import CallPlan
 from harts.planning.checks import integer_arg
+
+
+def later(executor: Executor | None, fn: Callable, *args) -> Callable:
+    """``fn(*args)`` started on ``executor`` (run now without one); call the result for its value (or the
+    exception it raised)."""
+    if executor is None:
+        value = fn(*args)
+        return lambda: value
+    return executor.submit(fn, *args).result
 
 
 def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -216,19 +227,29 @@ class ExecutionLayout:
 
 
 # ---------------------------------------------------------------------------------------------- build
-def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 1) -> ExecutionLayout:
+def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 1,
+                 executor: Executor | None = None) -> ExecutionLayout:
     """Compact execution layout of a plan made by ``plan_calls`` (the plan must carry its trie).
 
     ``conv_width`` w >= 1 and ``pad_to_multiple`` >= 1 are ints or numpy integers (TypeError otherwise).
+    ``executor`` (a ``concurrent.futures.Executor``, e.g. a thread pool) runs the log-prob views, passes over
+    the S trajectory positions that nothing else here reads, beside the sequences' and rounds' indices: numpy
+    releases the GIL in them, so on a host with a spare core they cost no wall time. The layout is the same
+    with or without it.
     """
     trie = check_layout_args(plan, conv_width, pad_to_multiple)
     w, pad = int(conv_width), int(pad_to_multiple)
     path_base = trie.offsets[plan.seq_trajectory]  # [Q] semantic index of (traj_q, 0)
     phys = physical_order(plan, trie, path_base, pad)
+    semantic_rows = phys.phys_of_row[trie.row_of_position]
+    views = later(executor, logprob_views, trie, semantic_rows, phys.tokens)
     state_offsets, init_source = state_ids(plan)
     e, n_out = plan.seq_end, plan.seq_end - plan.seq_start
-    semantic_rows, logprob_offsets, logprob_rows, next_rows, logprob_targets = logprob_views(trie, phys.phys_of_row,
-                                                                                            phys.tokens)
+    rounds = tuple(round_layout(plan, r, trie, path_base, phys, state_offsets, init_source)
+                   for r in range(plan.num_calls))
+    mla_kv_rows = take_ranges(semantic_rows, path_base, e)  # positions [0, e_q) of each sequence's path
+    mla_row_end = subtree_end(trie, phys.row_of_phys)
+    logprob_offsets, logprob_rows, next_rows, logprob_targets = views()
     return ExecutionLayout(
         chunk_size=plan.chunk_size,
         conv_width=w,
@@ -248,15 +269,14 @@ def build_layout(plan: CallPlan, *, conv_width: int = 4, pad_to_multiple: int = 
         seq_cu_seqlens=phys.seq_cu_seqlens,
         round_offsets=plan.round_offsets.copy(),
         state_offsets=state_offsets,
-        rounds=tuple(round_layout(plan, r, trie, path_base, phys, state_offsets, init_source)
-                     for r in range(plan.num_calls)),
+        rounds=rounds,
         mla_q_rows=np.arange(trie.num_rows, dtype=np.int64),
-        mla_kv_rows=take_ranges(semantic_rows, path_base, e),  # positions [0, e_q) of each sequence's path
+        mla_kv_rows=mla_kv_rows,
         cu_seqlens_q=phys.seq_cu_seqlens.copy(),
         cu_seqlens_k=offsets_of(e),
         max_seqlen_q=int(n_out.max()),
         max_seqlen_k=int(e.max()),
-        mla_row_end=subtree_end(trie, phys.row_of_phys),
+        mla_row_end=mla_row_end,
         conv_context=conv_context(trie, path_base, plan.seq_start, phys.phys_of_row, w),
         semantic_offsets=trie.offsets.copy(),
         semantic_rows=semantic_rows,
@@ -462,16 +482,12 @@ def mla_block_counts(lay: "ExecutionLayout", block: int) -> np.ndarray:
     return counts.reshape(nb, nb)
 
 
-def logprob_views(trie: CompactTrie, phys_of_row: np.ndarray, tokens_P: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(semantic_rows [S], logprob_offsets [N+1], logprob_rows [S-N], logprob_next_rows [S-N], logprob_targets
-    [S-N]) in original order: position t < L_i - 1 of trajectory i reads the row of position t and predicts the
-    token of the row of position t + 1, read from the physical tokens ``tokens_P`` (a gather from P rows, which
-    stay in cache, instead of one through the trie over S positions)."""
-    semantic_rows = phys_of_row[trie.row_of_position]
-    keep = np.ones(semantic_rows.shape[0], dtype=bool)  # boolean selections: cheaper than index arrays over S
-    keep[trie.offsets[1:] - 1] = False  # every position but each trajectory's last reads a row
-    logprob_rows = semantic_rows[keep]
-    keep[:] = True
-    keep[trie.offsets[:-1]] = False  # every position but each trajectory's first is a target
-    next_rows = semantic_rows[keep]
-    return semantic_rows, offsets_of(trie.lengths - 1), logprob_rows, next_rows, tokens_P[next_rows]
+def logprob_views(trie: CompactTrie, semantic_rows: np.ndarray, tokens_P: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(logprob_offsets [N+1], logprob_rows [S-N], logprob_next_rows [S-N], logprob_targets [S-N]) in original
+    order, from each position's physical row ``semantic_rows`` [S]: position t < L_i - 1 of trajectory i reads
+    the row of position t and predicts the token of the row of position t + 1, read from the physical tokens
+    ``tokens_P`` (a gather from P rows, which stay in cache, instead of one through the trie over S positions)."""
+    starts, n = trie.offsets[:-1], trie.lengths - 1
+    logprob_rows = take_ranges(semantic_rows, starts, n)  # every position but each trajectory's last reads a row
+    next_rows = take_ranges(semantic_rows, starts + 1, n)  # every position but each trajectory's first is a target
+    return offsets_of(trie.lengths - 1), logprob_rows, next_rows, tokens_P[next_rows]

@@ -13,12 +13,16 @@ E emitted boundary states, w conv width.
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
 
 from harts.data.trajectory import RolloutBatch, Trajectory, as_token_arrays
+from harts.planning.layout import later
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,6 +261,34 @@ def _model_geometry(config, chunk_size, conv_width, vocab_size):
     return tuple(out)
 
 
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pack_pool() -> ThreadPoolExecutor | None:
+    """The two threads that run pack's independent passes beside its own (the input checks, the log-prob views
+    and pairs, the convolution's predecessor rows); None on a host with one core. numpy and torch release the
+    GIL in these passes, so they overlap. One pool per process: a forked child (a data-loader worker) makes its
+    own, since the parent's threads do not exist there."""
+    global _POOL
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores < 2:
+        return None
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="harts-pack"))
+        return _POOL[1]
+
+
+def _checked(checks) -> None:
+    """Raise the first failed input check's error (as if raised here, not during another error)."""
+    for result in checks:
+        try:
+            result()
+        except Exception as e:
+            raise e from None
+
+
 def _check_vocab(arrays, vocab_size: int) -> None:
     for i, a in enumerate(arrays):
         if a.shape[0] and a.max() >= vocab_size:
@@ -300,8 +332,10 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     if not trajs:
         raise ValueError("pack: empty microbatch (no trajectories)")
     arrays = [t.tokens for t in trajs]
-    if vocab_size is not None:
-        _check_vocab(arrays, vocab_size)
+    pool = pack_pool() if prefix_sharing else None
+    # The checks of the inputs run beside the layout; their errors, which name the offending trajectory, are
+    # raised before anything a bad input broke (``_checked``).
+    checks = [later(pool, _check_vocab, arrays, vocab_size)] if vocab_size is not None else []
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
     lp_offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths - 1, out=lp_offsets[1:])
@@ -316,10 +350,17 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     if plan is None:
         plan = plan_calls(arrays, chunk_size=chunk_size)
     else:
-        check_plan_matches(plan, arrays, lengths, chunk_size)
-    lay = build_layout(plan, conv_width=conv_width, pad_to_multiple=pad_to_multiple)
+        checks.append(later(pool, check_plan_matches, plan, arrays, lengths, chunk_size))
+    try:
+        lay = build_layout(plan, conv_width=conv_width, pad_to_multiple=pad_to_multiple, executor=pool)
+    except Exception:
+        _checked(checks)
+        raise
+    _checked(checks)
     from harts.ops.tree_conv import predecessor_index
 
+    pairs = later(pool, logprob_pairs, lay.logprob_next_rows, lay.parent_phys, lay.tokens)
+    conv_pred = later(pool, predecessor_index, _t(lay.parent_phys), conv_width)
     rounds = []
     for r in lay.rounds:
         own_sizes, replay_sizes, replay_rows = round_pieces(r.cu_seqlens, r.is_output, r.gather, r.phys_start)
@@ -331,7 +372,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
             own_sizes=own_sizes, replay_sizes=replay_sizes, replay_rows=_t(replay_rows),
             replay_positions=_t(np.flatnonzero(~r.is_output))))
     C, P = lay.num_rows, lay.num_phys
-    pair_rows, pair_targets, pair_of = logprob_pairs(lay.logprob_next_rows, lay.parent_phys, lay.tokens)
+    pair_rows, pair_targets, pair_of = pairs()
     perm = None
     if not replay:
         rounds, perm, n_states = _segment_rounds(plan.trie, lay.phys_of_row, chunk_size)
@@ -341,7 +382,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
         logprob_pair_rows=_t(pair_rows), logprob_pair_targets=_t(pair_targets), logprob_pair_of=_t(pair_of),
-        conv_pred=predecessor_index(_t(lay.parent_phys), conv_width),
+        conv_pred=conv_pred(),
         conv_cu_seqlens=_t(lay.seq_cu_seqlens), conv_context=_t(lay.conv_context),
         rounds=tuple(rounds), num_states=lay.num_states if replay else n_states,
         kda_output_perm=perm, replay=replay,
