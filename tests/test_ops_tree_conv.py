@@ -178,10 +178,12 @@ def _fast_cpu(x, w, b):
     return tree_short_conv_fast(x, w, b.conv_cu_seqlens, b.conv_context)
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("width", [1, 2, 4, 7])
-def test_predecessor_index_walks_the_parent_pointers(width):
+def test_predecessor_index_walks_the_parent_pointers(width, kind):
     """Against a plain walk up the parent pointers, on a random forest (parents precede their children) whose
-    paths are both shorter and longer than the window."""
+    paths are both shorter and longer than the window; from a tensor (the reference convolution) and from a
+    numpy array (pack)."""
     from harts.ops.tree_conv import predecessor_index
 
     rng = np.random.default_rng(width)
@@ -194,5 +196,11 @@ def test_predecessor_index_walks_the_parent_pointers(width):
         for s in range(width):
             want[c, s] = r
             r = parent[r] if r >= 0 else -1
-    got = predecessor_index(torch.as_tensor(parent), width)
-    np.testing.assert_array_equal(got.numpy(), want)
+    if kind == "torch":
+        got = predecessor_index(torch.as_tensor(parent), width)
+        assert isinstance(got, torch.Tensor)
+        got = got.numpy()
+    else:
+        got = predecessor_index(parent, width)
+        assert isinstance(got, np.ndarray) and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want)

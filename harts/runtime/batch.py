@@ -360,7 +360,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
     from harts.ops.tree_conv import predecessor_index
 
     pairs = later(pool, logprob_pairs, lay.logprob_next_rows, lay.parent_phys, lay.tokens)
-    conv_pred = later(pool, predecessor_index, _t(lay.parent_phys), conv_width)
+    conv_pred = later(pool, predecessor_index, lay.parent_phys, conv_width)
     rounds = []
     for r in lay.rounds:
         own_sizes, replay_sizes, replay_rows = round_pieces(r.cu_seqlens, r.is_output, r.gather, r.phys_start)
@@ -382,7 +382,7 @@ def pack(trajectories, *, config=None, chunk_size: int | None = None, prefix_sha
         logprob_rows=_t(lay.logprob_rows), logprob_targets=_t(lay.logprob_targets),
         logprob_offsets=tuple(int(x) for x in lay.logprob_offsets), trajectories=trajs,
         logprob_pair_rows=_t(pair_rows), logprob_pair_targets=_t(pair_targets), logprob_pair_of=_t(pair_of),
-        conv_pred=conv_pred(),
+        conv_pred=_t(conv_pred()),
         conv_cu_seqlens=_t(lay.seq_cu_seqlens), conv_context=_t(lay.conv_context),
         rounds=tuple(rounds), num_states=lay.num_states if replay else n_states,
         kda_output_perm=perm, replay=replay,

@@ -11,21 +11,27 @@ steps back. Legend: C compact rows, P channels, W kernel width.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = ["tree_short_conv", "tree_short_conv_reference", "predecessor_index"]
 
 
-def predecessor_index(parent_C: torch.Tensor, width: int) -> torch.Tensor:
-    """[C, W] rows 0..W-1 steps back along each row's path (-1 past the root), from parent pointers. The parent
-    array gets a trailing -1, so stepping back from -1 (index -1, its last entry) stays at -1: one gather per
-    step and no masks (pack builds this for every batch)."""
-    parent_ext = torch.cat([parent_C, parent_C.new_full((1,), -1)])
-    steps = [torch.arange(parent_C.shape[0], device=parent_C.device)]
+def predecessor_index(parent_C, width: int):
+    """[C, W] rows 0..W-1 steps back along each row's path (-1 past the root), from parent pointers; a tensor
+    for a tensor, a numpy array for a numpy array (pack builds it with numpy on its thread pool, where torch's
+    own intra-op threads would contend with the pool's). The parent array gets a trailing -1, so stepping back
+    from -1 (index -1, its last entry) stays at -1: one gather per step and no masks."""
+    if isinstance(parent_C, np.ndarray):
+        parent_ext = np.append(parent_C, -1)
+        steps = [np.arange(parent_C.shape[0], dtype=parent_C.dtype)]
+    else:
+        parent_ext = torch.cat([parent_C, parent_C.new_full((1,), -1)])
+        steps = [torch.arange(parent_C.shape[0], device=parent_C.device)]
     for _ in range(1, width):
         steps.append(parent_ext[steps[-1]])
-    return torch.stack(steps, 1)
+    return np.stack(steps, 1) if isinstance(parent_C, np.ndarray) else torch.stack(steps, 1)
 
 
 def tree_short_conv(x_CP: torch.Tensor, weight_PW: torch.Tensor, pred_CW: torch.Tensor,
