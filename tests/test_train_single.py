@@ -73,6 +73,32 @@ def test_activation_checkpointing_is_exact(make, harts_run):
         assert _close(ra["loss"], rb["loss"], 1e-13) and _close(ra["grad_norm"], rb["grad_norm"], 1e-12)
 
 
+def test_garbage_collection_runs_every_gc_freq_steps_only(make, monkeypatch):
+    """Training runs with automatic collection off (no collection stops the host inside a step) and collects at
+    the start of every training.gc_freq-th step (torchtitan's rule: from the second one on); the caller's
+    collector is back on afterwards."""
+    import gc
+
+    from torchtitan.tools.utils import GarbageCollection
+
+    seen = []  # (step being started, automatic collection on)
+    monkeypatch.setattr(GarbageCollection, "collect",
+                        staticmethod(lambda reason, generation=1: seen.append(("collect", gc.isenabled()))))
+    tr = make(**{"training.steps": 4, "training.gc_freq": 2})
+    step = tr.train_step
+
+    def train_step(data):
+        seen.append((data.step, gc.isenabled()))
+        return step(data)
+
+    tr.train_step = train_step
+    assert gc.isenabled()
+    tr.train()
+    assert gc.isenabled()
+    assert seen == [("collect", False), (1, False), ("collect", False), (2, False), (3, False), ("collect", False),
+                    (4, False)], seen
+
+
 def test_non_finite_loss_and_gradients_name_step_and_microbatch(make):
     tr = make(**{"training.steps": 1})
     with torch.no_grad():

@@ -279,10 +279,16 @@ class Training:
     """With FSDP2 and float32 parameters: the dtype parameters are gathered and computed in."""
     mixed_precision_reduce: Literal["float32"]
     """With FSDP2: the dtype gradients are reduced in."""
+    gc_freq: int
+    """Python's automatic garbage collection is off during training (it would stop the host at random points
+    of a step, between kernel launches or inside pack); a generation-1 collection runs at the start of every
+    this many steps instead (torchtitan's GarbageCollection)."""
 
     def validate(self) -> None:
         if self.steps < 1:
             raise ValueError(f"config: training.steps = {self.steps} must be >= 1")
+        if self.gc_freq < 1:
+            raise ValueError(f"config: training.gc_freq = {self.gc_freq} must be >= 1 (steps between collections)")
         if not self.max_norm > 0:
             raise ValueError(f"config: training.max_norm = {self.max_norm} must be > 0 (the clipping bound)")
 

@@ -11,7 +11,8 @@ DP x CP, gradients by FSDP2 over dp_shard x cp. In online mode (``online.enabled
 step's trajectories are rollout trees sampled from this model just before the step (harts.rl.online).
 
 From torchtitan 0.2.2: JobConfig/ConfigManager, ParallelDims, build_optimizers (OptimizersContainer),
-build_lr_schedulers, CheckpointManager (DCP), get_peak_flops, and maybe_enable_amp. Ours: applying the
+build_lr_schedulers, CheckpointManager (DCP), get_peak_flops, maybe_enable_amp and GarbageCollection (automatic
+collection off, a collection every ``training.gc_freq`` steps). Ours: applying the
 parallelisms to the one model (harts.train.parallelize), gradient clipping (one mesh-aware norm), EP
 dispatch, the data worker and planner integration, the objectives and their normalisation, metrics,
 the NaN/Inf check, the profiler hook, the step hooks (harts.train.hooks: debugging dumps) and the HF export.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -512,8 +514,13 @@ class Trainer:
             log.info("the first step compiles and autotunes Triton kernels (minutes on a cold cache; reused from "
                      "TRITON_CACHE_DIR=%s, autotune results only with TRITON_CACHE_AUTOTUNING=1)",
                      os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
+        from torchtitan.tools.utils import GarbageCollection
+
+        gc_was_enabled = gc.isenabled()
+        collector = GarbageCollection(gc_freq=cfg.training.gc_freq)  # automatic collection off from here on
         try:
             for step in range(self.state.step + 1, cfg.training.steps + 1):
+                collector.run(step)
                 data, wait = self.loader.get()
                 assert data.step == step, (data.step, step)
                 with self._profile(step):
@@ -543,6 +550,8 @@ class Trainer:
         finally:
             self.loader.close()
             self.metrics.close()
+            if gc_was_enabled:  # the calling process gets its collector back
+                gc.enable()
         if self.rank == 0:
             log.info("%s", self._summary())
         return self.history
