@@ -27,6 +27,7 @@ The loss is -mean log p(next token) through ``token_logprobs``, the trainer's lo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -105,26 +106,34 @@ def run(args, overrides: dict) -> dict:
     max_len = max(lens)
     params_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
-    t0 = time.time()
-    first_s = None
-    for _ in range(args.warmup):
-        model.zero_grad(set_to_none=True)
-        train_step(model, ids, pos, cu, max_len)
-        if first_s is None:
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # as train.py (training.gc_freq): no automatic collection inside a step; collected between steps
+    try:
+        t0 = time.time()
+        first_s = None
+        for _ in range(args.warmup):
+            model.zero_grad(set_to_none=True)
+            train_step(model, ids, pos, cu, max_len)
+            if first_s is None:
+                _sync(dev)
+                first_s = time.time() - t0
+        _sync(dev)
+        warm_s = time.time() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.iters):
+            model.zero_grad(set_to_none=True)
+            gc.collect(1)
             _sync(dev)
-            first_s = time.time() - t0
-    _sync(dev)
-    warm_s = time.time() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.iters):
-        model.zero_grad(set_to_none=True)
-        _sync(dev)
-        t0 = time.perf_counter()
-        loss = train_step(model, ids, pos, cu, max_len)
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            loss = train_step(model, ids, pos, cu, max_len)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     step_s = sorted(times)[len(times) // 2]
     fl = forward_flops_per_step(cfg, model, lens)
@@ -135,6 +144,7 @@ def run(args, overrides: dict) -> dict:
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "preset": args.preset, "overrides": overrides, "activation_checkpoint": args.ac,
         "recompute": args.ac == "full", "dtype": args.dtype,
+        "garbage_collection": "automatic collection off, a generation-1 collection before each step (untimed)",
         "tokens": T, "num_trajectories": len(lens), "max_len": max_len, "lens_spec": args.lens,
         "params_total": model.num_params(), "params_active": model.num_params(active=True),
         "params_gib": params_gb, "warmup_s": warm_s, "step_times_s": times, "step_s_median": step_s,

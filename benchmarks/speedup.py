@@ -455,7 +455,8 @@ def merge(paths: list[str], out: str) -> int:
         raise SystemExit(f"--merge: shards {got} of {n}; every shard 0..{n - 1} exactly once is needed")
     meta = {k: v for k, v in shards[0].items() if k in ("model", "device", "torch", "microbatch_plan_s",
                                                          "microbatches", "planned_microbatches", "flops_per_row",
-                                                         "peak_tflops", "kernel_load_detection", "host_memory")}
+                                                         "peak_tflops", "kernel_load_detection", "host_memory",
+                                                         "garbage_collection")}
     meta["args"] = dict(shards[0]["args"], shard=None, merged=paths)
     records = sorted((r for s in shards for r in s["records"]), key=lambda r: r["index"])
     profile = next((s["profile"] for s in shards if "profile" in s), None)
@@ -515,7 +516,18 @@ def main(argv=None) -> int:
     t_proc = time.perf_counter()
     host_memory = keep_host_memory()  # as train.py: both paths' packs reuse mapped pages
     print(host_memory, flush=True)
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # as train.py (training.gc_freq): no automatic collection inside a timed run; reset() collects
+    try:
+        return measure(args, t_proc, host_memory)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
+
+def measure(args, t_proc: float, host_memory: str) -> int:
+    """Warm up, profile and time both paths on the planned microbatches (``main``, after its options)."""
     from benchmarks.flops import active_matmul_params, batch_forward_flops
     from harts.models.common.compile import compile_model
     from harts.planning.calls import plan_calls
@@ -563,6 +575,7 @@ def main(argv=None) -> int:
 
     def reset():
         model.zero_grad(set_to_none=True)
+        gc.collect(1)  # between runs, untimed, like the trainer's collection between steps
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
@@ -586,6 +599,7 @@ def main(argv=None) -> int:
     meta = {"args": vars(args), "model": type(model).__name__,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs),
+            "garbage_collection": "automatic collection off, a generation-1 collection before each run (untimed)",
             "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
             "peak_tflops": args.peak_tflops,
             "kernel_load_detection": ("triton jit_post_compile_hook" if loads.available else "triton: unavailable")

@@ -109,11 +109,18 @@ def test_parse_shard_errors():
             parse_shard(bad)
 
 
-def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
+def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path, monkeypatch):
+    import gc
+
+    import benchmarks.speedup as speedup
     from benchmarks.common import in_subbatch_order, subbatches
     from benchmarks.speedup import planned_microbatches
     from harts.runtime import pack
     from harts.train.data import plan_trajectory_wise
+
+    collecting = []  # whether automatic garbage collection was on at each timed run: off, as in train.py
+    timed_run = speedup.timed_run
+    monkeypatch.setattr(speedup, "timed_run", lambda *a, **k: collecting.append(gc.isenabled()) or timed_run(*a, **k))
 
     # no profiler here (on a CPU its event parsing of the per-token reference cores takes most of a minute):
     # shard 0's profile is a real one of a small workload (test_profile_families_on_cpu's), carried by the merge
@@ -121,6 +128,7 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
               "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path), "--no-profile"]
     for shard in ("1/2", "0/2"):
         assert main(common + ["--shard", shard]) == 0
+    assert collecting and not any(collecting) and gc.isenabled()  # the caller's collector is back on
     shards = [str(tmp_path / f"speedup_shard{i}of2.json") for i in (1, 0)]
     s0 = json.loads(open(shards[1]).read())
     assert "profile" not in s0
@@ -157,6 +165,7 @@ def test_sharded_speedup_merges_to_the_planned_microbatches(tmp_path):
     assert r["profile"] == s0["profile"] and r["shards"] == 2
     # the host allocator setting both paths ran under is in the record (harts.env.keep_host_memory)
     assert r["host_memory"] == s0["host_memory"] and r["host_memory"].startswith("host memory: ")
+    assert r["garbage_collection"].startswith("automatic collection off")
     with pytest.raises(SystemExit, match="every shard"):
         main(["--merge", shards[0], "--out", str(tmp_path)])
 
