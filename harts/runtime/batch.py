@@ -266,17 +266,18 @@ _POOL_LOCK = threading.Lock()
 
 
 def pack_pool() -> ThreadPoolExecutor | None:
-    """The two threads that run pack's independent passes beside its own (the input checks, the log-prob views
-    and pairs, the convolution's predecessor rows); None on a host with one core. numpy and torch release the
-    GIL in these passes, so they overlap. One pool per process: a forked child (a data-loader worker) makes its
-    own, since the parent's threads do not exist there."""
+    """The threads that run pack's independent passes beside its own (the input checks, the log-prob views and
+    pairs, the convolution's predecessor rows): one per spare core, at most three (as many passes as can run at
+    once); None on a host with one core. numpy releases the GIL in these passes, so they overlap; more threads
+    than cores only contend (on 2 cores one worker packs faster than two). One pool per process: a forked child
+    (a data-loader worker) makes its own, since the parent's threads do not exist there."""
     global _POOL
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores < 2:
         return None
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="harts-pack"))
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=min(3, cores - 1), thread_name_prefix="harts-pack"))
         return _POOL[1]
 
 
