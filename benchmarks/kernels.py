@@ -9,20 +9,23 @@
    chunked-CE loop a trainer without prefix sharing would run); peak extra memory of ours is
    measured over the inputs.
 
-3. ``moe_gather``: the MoE gather-sum (``harts.ops.moe.gather_sum``, T = 64K, K = 8, D = 1536, bf16): the
+3. ``experts``: the routed experts' SwiGLU on expert-sorted rows (M = 64K x 8, D = 1536, F = 512, E = 128, bf16),
+   gate and up as two grouped GEMMs (the model's) against one grouped GEMM over stacked [E, 2F, D] weights, fwd
+   and fwd+bwd, with TFLOP/s. ``--device cpu --quick --only experts`` is a float32 smoke run.
+4. ``moe_gather``: the MoE gather-sum (``harts.ops.moe.gather_sum``, T = 64K, K = 8, D = 1536, bf16): the
    Triton kernel's combine (K = 8) and slot gather (K = 1) against the same reference compiled by Inductor
    and run eagerly, with a device copy of the [T*K, D] rows as the bandwidth ceiling.
-4. ``attention``: packed self-attention (one cu_seqlens for queries and keys) over 65,536 rows in 7
+5. ``attention``: packed self-attention (one cu_seqlens for queries and keys) over 65,536 rows in 7
    trajectories of 5K-15K, fwd and fwd+bwd: cuDNN per sequence (``harts.ops.attention.fast``) against the
    flash varlen kernel (V zero-padded to the q/k head dim), at Ling-3.0's MLA heads (16 x 192 / 128) and at
    Qwen3.5's gated attention heads (16 x 256 / 256, key/value heads repeated).
-5. ``router``: the router logits fwd+bwd (T = 64K, D = 1536, E = 128): tensor cores both ways (the backward on
+6. ``router``: the router logits fwd+bwd (T = 64K, D = 1536, E = 128): tensor cores both ways (the backward on
    the exact bf16x3 split of the fp32 gradient) against the fp32 GEMMs of the upcast operands.
-6. ``conv``: the tree short convolution (``harts.ops.tree_conv.fast``, W = 4, SiLU) over C = 61,924 compact rows
+7. ``conv``: the tree short convolution (``harts.ops.tree_conv.fast``, W = 4, SiLU) over C = 61,924 compact rows
    in 12 sequences with ancestor windows, at Qwen3.5's channels (8,192: q, k, v in one call) and Ling-3.0's
    (2,048 per call), fwd and fwd+bwd, for each ``IMPL`` and for fla's trajectory-wise causal_conv1d over the
    same rows (no ancestors: the kernel the baseline runs).
-7. ``scan``: the KDA/GDN rounds' state scans (forward h, backward dh; HV = 16, K = V = 128, BT = 64) under each
+8. ``scan``: the KDA/GDN rounds' state scans (forward h, backward dh; HV = 16, K = V = 128, BT = 64) under each
    candidate config forced alone (value-block width BV 16/32/64, 2/4 warps, 2-4 stages), at a tree's trunk (one
    25K-row sequence), its branches (6 sequences) and trajectory-wise sequences (3, 65K rows): which config each
    round shape wants, which the autotuner's key cannot tell apart.
@@ -247,6 +250,51 @@ def bench_moe_gather(T=65536, K=8, D=1536, reps=20):
     return rows
 
 
+def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dtype=torch.bfloat16):
+    """The routed experts' SwiGLU on expert-sorted rows (``harts.ops.moe.experts._grouped_swiglu``: gate and up as
+    two grouped GEMMs over the same rows) against one grouped GEMM over gate and up weights stacked [E, 2F, D]
+    (the rows read once, N = 2F per expert), fwd and fwd+bwd, with the routing weight on the activation in both.
+    Rows per expert from a random top-K routing of T tokens. The stacked layout would change the parameters
+    (one [E, 2F, D] weight), so it is measured here before the model adopts it."""
+    import torch.nn.functional as F_
+
+    from harts.ops.moe.experts import _grouped_swiglu
+
+    g = torch.Generator(device=device).manual_seed(0)
+    M = T * K
+    scores = torch.rand(T, E, device=device, generator=g)
+    counts = torch.bincount(scores.topk(K, dim=1).indices.reshape(-1), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    x = (torch.randn(M, D, device=device, generator=g) / 4).to(dtype).requires_grad_()
+    w_gate, w_up = ((torch.randn(E, F, D, device=device, generator=g) / D ** 0.5).to(dtype).requires_grad_()
+                    for _ in range(2))
+    w_down = (torch.randn(E, D, F, device=device, generator=g) / F ** 0.5).to(dtype).requires_grad_()
+    w_gu = torch.cat([w_gate.detach(), w_up.detach()], dim=1).requires_grad_()  # [E, 2F, D]
+    scale = torch.rand(M, device=device, generator=g)
+    dy = torch.randn(M, D, device=device, generator=g).to(dtype)
+
+    def stacked():
+        gu = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)
+        h = F_.silu(gu[:, :F]) * gu[:, F:]
+        h = (h.float() * scale[:, None]).to(dtype)
+        return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
+
+    paths = {"separate": (lambda: _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), (x, w_gate, w_up, w_down)),
+             "stacked": (stacked, (x, w_gu, w_down))}
+    flops = 2 * M * D * 3 * F  # forward: gate, up, down
+    r = {"M/D/F/E": f"{M}/{D}/{F}/{E}", "max_rows_per_expert": int(counts.max())}
+    for name, (fwd, params) in paths.items():
+        r[f"{name}_fwd_ms"] = time_ms(fwd, reps=reps, device=device)
+        r[f"{name}_fwd_bwd_ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
+        r[f"{name}_fwd_TFps"] = flops / r[f"{name}_fwd_ms"] / 1e9
+        r[f"{name}_fwd_bwd_TFps"] = 3 * flops / r[f"{name}_fwd_bwd_ms"] / 1e9
+    r["stacked_over_separate_fwd_bwd"] = r["stacked_fwd_bwd_ms"] / r["separate_fwd_bwd_ms"]
+    a, b = paths["separate"][0](), stacked()
+    r["max_abs_diff"] = (a.float() - b.float()).abs().max().item()
+    r["bitwise_equal"] = bool(torch.equal(a, b))
+    return [r]
+
+
 def bench_packed_attention(lens=(11628, 8402, 9745, 7204, 15452, 8114, 4991), reps=10):
     from harts.ops.attention.fast import _cudnn_per_sequence, packed_self_attention_impl, varlen_attention_fast
 
@@ -423,16 +471,17 @@ def main(argv=None):
     ap.add_argument("--out", default="out/bench_kernels")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the interpreter smoke run of the log-probs")
-    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "attention", "router", "conv", "scan"],
-                    default=None)
+    ap.add_argument("--only", choices=["kda", "logprobs", "moe_gather", "experts", "attention", "router", "conv",
+                                       "scan"], default=None)
     ap.add_argument("--trace", metavar="DIR", default=None, help="also write chrome traces of the KDA calls to "
                     "DIR and list the largest device idle gaps in kernels.json")
     a = ap.parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernels: no CUDA GPU here (--device cpu runs the log-probs smoke run)")
-    if not cuda and (a.only != "logprobs" or os.environ.get("TRITON_INTERPRET") != "1"):
-        raise SystemExit("benchmarks.kernels on CPU runs only --only logprobs, under TRITON_INTERPRET=1")
+    if not cuda and a.only != "experts" and (a.only != "logprobs" or os.environ.get("TRITON_INTERPRET") != "1"):
+        raise SystemExit("benchmarks.kernels on CPU runs only --only logprobs, under TRITON_INTERPRET=1, and "
+                         "--only experts --quick (float32)")
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__
@@ -450,6 +499,12 @@ def main(argv=None):
     if a.only in (None, "moe_gather"):
         res["moe_gather"] = bench_moe_gather(**(dict(T=4096) if a.quick else {}))
         _table(res["moe_gather"], "MoE gather-sum: Triton kernel vs the reference under Inductor and eager (bf16, ms)")
+    if a.only in (None, "experts"):
+        kw = (dict(T=256, D=64, F=32, E=8) if a.quick else {}) | ({} if cuda else dict(device="cpu",
+                                                                                    dtype=torch.float32))
+        res["experts"] = bench_experts(**kw)
+        _table(res["experts"], "routed experts' SwiGLU: gate and up as two grouped GEMMs vs one over stacked "
+                               "weights (fwd and fwd+bwd, ms)")
     if a.only in (None, "attention"):
         res["attention"] = bench_packed_attention(**(dict(lens=(1500, 700)) if a.quick else {}))
         _table(res["attention"], "packed self-attention: cuDNN per sequence vs flash varlen (bf16, ms)")

@@ -1,6 +1,9 @@
-"""benchmarks.kernels' tree-convolution comparison on CPU (the Triton interpreter in float32, small shapes): the
-code path of ``--only conv`` runs, every implementation is timed and they agree. Not a measurement."""
-from benchmarks.kernels import bench_tree_conv
+"""benchmarks.kernels' comparisons on CPU (float32, small shapes; the tree convolution under the Triton
+interpreter): the code paths of ``--only conv`` and ``--only experts`` run, every variant is timed and they agree.
+Not measurements."""
+import torch
+
+from benchmarks.kernels import bench_experts, bench_tree_conv
 
 
 def test_tree_conv_comparison_runs_and_implementations_agree():
@@ -12,3 +15,11 @@ def test_tree_conv_comparison_runs_and_implementations_agree():
     assert r["trajectory-wise fwd ms"] > 0
     assert r["max_rel_diff"] < 1e-6
     assert fast.IMPL == "split_chunks"  # the benchmark leaves the module's choice as it found it
+
+
+def test_experts_comparison_runs_and_the_stacked_weights_give_the_same_output():
+    """The stacked gate/up variant computes what the model's experts compute (``_grouped_swiglu``, itself tested
+    against the per-expert reference in tests/test_ops_moe.py): the same output up to float32 rounding."""
+    (r,) = bench_experts(T=64, K=4, D=32, F=16, E=4, reps=1, device="cpu", dtype=torch.float32)
+    assert r["separate_fwd_bwd_ms"] > 0 and r["stacked_fwd_bwd_ms"] > 0
+    assert r["max_abs_diff"] < 1e-5
