@@ -58,6 +58,12 @@ class Environment:
     does to glibc's malloc: ``keep`` (freed memory stays in the heap for the next pack) or ``system`` (glibc's
     defaults, untouched)."""
 
+    pack_threads: str | None = None
+    """``HARTS_PACK_THREADS``: worker threads of pack's pool (``harts.runtime.batch.pack_pool``), beside the
+    thread that calls pack; unset: one per spare core, at most three; ``0``: pack runs on its caller's thread
+    alone (e.g. many ranks per host with few cores each). Kept as given; ``pack`` refuses a value that is not
+    a count >= 0, naming the variable."""
+
     triton_interpret: bool = False
     """``TRITON_INTERPRET`` (Triton's own switch) is ``1``: Triton kernels run in its CPU interpreter. HARTS's
     kernels then build a single small autotune config, and ``backend="fast"`` may run the Triton-only ops
@@ -76,6 +82,7 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
         autotune_record=e.get("HARTS_AUTOTUNE_RECORD") or None,
         debug=_flag(e.get("HARTS_DEBUG")),
         host_memory=e.get("HARTS_HOST_MEMORY", d.host_memory),
+        pack_threads=e.get("HARTS_PACK_THREADS") or None,
         triton_interpret=e.get("TRITON_INTERPRET") == "1",
     )
 
@@ -87,7 +94,8 @@ ENV: Environment = read()
 VARIABLES = {"HARTS_VIEW_ATTENTION": "view_attention", "HARTS_PACKED_ATTENTION": "packed_attention",
              "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
              "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug",
-             "HARTS_HOST_MEMORY": "host_memory", "TRITON_INTERPRET": "triton_interpret"}
+             "HARTS_HOST_MEMORY": "host_memory", "HARTS_PACK_THREADS": "pack_threads",
+             "TRITON_INTERPRET": "triton_interpret"}
 
 
 def cache_dirs() -> dict[str, str]:

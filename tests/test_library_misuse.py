@@ -133,6 +133,29 @@ def test_pack_on_its_threads_equals_pack_on_one(monkeypatch):
         pack(bad, chunk_size=16, plan=plan, vocab_size=VOCAB)
 
 
+def test_pack_threads_come_from_the_environment(monkeypatch):
+    """HARTS_PACK_THREADS sets the pool's size, 0 packs on the caller's thread alone (same batch), and a value
+    that is not a count >= 0 is refused naming the variable."""
+    import dataclasses
+
+    import harts.runtime.batch as batch_mod
+    from harts.planning.calls import plan_calls
+
+    trajs = trees()
+    plan = plan_calls(trajs, chunk_size=16)
+    want = pack(trajs, chunk_size=16, plan=plan)
+    monkeypatch.setattr(batch_mod, "_POOL", batch_mod._POOL)  # restored afterwards, with the default pool
+    for value, threads in (("0", 0), ("2", 2)):
+        monkeypatch.setattr(batch_mod, "ENV", dataclasses.replace(batch_mod.ENV, pack_threads=value))
+        assert batch_mod.pack_threads() == threads
+        assert (batch_mod.pack_pool() is None) == (threads == 0)
+        assert_same_batch(want, pack(trajs, chunk_size=16, plan=plan))
+    for bad in ("-1", "two"):
+        monkeypatch.setattr(batch_mod, "ENV", dataclasses.replace(batch_mod.ENV, pack_threads=bad))
+        with pytest.raises(ValueError, match=rf"HARTS_PACK_THREADS='{bad}': expected a number of threads >= 0"):
+            pack(trajs, chunk_size=16, plan=plan)
+
+
 def test_pack_pool_is_made_anew_in_a_forked_child(monkeypatch):
     """A forked child (a data-loader worker) has none of its parent's threads: a pool made in another process
     is replaced, not handed jobs that no thread would run."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from harts.data.trajectory import RolloutBatch, Trajectory, as_token_arrays
+from harts.env import ENV
 from harts.planning.layout import later
 
 
@@ -261,24 +262,40 @@ def _model_geometry(config, chunk_size, conv_width, vocab_size):
     return tuple(out)
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
 _POOL_LOCK = threading.Lock()
+
+
+def pack_threads() -> int:
+    """Worker threads of pack's pool: ``HARTS_PACK_THREADS`` if set, else one per spare core, at most three (as
+    many passes as can run at once). More threads than cores only contend: on 2 cores one worker packs faster
+    than two."""
+    if ENV.pack_threads is not None:
+        try:
+            n = int(ENV.pack_threads)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"HARTS_PACK_THREADS={ENV.pack_threads!r}: expected a number of threads >= 0 (0: pack "
+                             "on its caller's thread alone)")
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(3, cores - 1)
 
 
 def pack_pool() -> ThreadPoolExecutor | None:
     """The threads that run pack's independent passes beside its own (the input checks, the log-prob views and
-    pairs, the convolution's predecessor rows): one per spare core, at most three (as many passes as can run at
-    once); None on a host with one core. numpy releases the GIL in these passes, so they overlap; more threads
-    than cores only contend (on 2 cores one worker packs faster than two). One pool per process: a forked child
-    (a data-loader worker) makes its own, since the parent's threads do not exist there."""
+    pairs, the convolution's predecessor rows; ``pack_threads()`` of them), or None for none. numpy releases the
+    GIL in these passes, so they overlap. One pool per process: a forked child (a data-loader worker) makes its
+    own, since the parent's threads do not exist there."""
     global _POOL
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores < 2:
+    n = pack_threads()
+    if n == 0:
         return None
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=min(3, cores - 1), thread_name_prefix="harts-pack"))
-        return _POOL[1]
+        if _POOL is None or _POOL[:2] != (os.getpid(), n):
+            _POOL = (os.getpid(), n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="harts-pack"))
+        return _POOL[2]
 
 
 def _checked(checks) -> None:
