@@ -11,7 +11,9 @@
 
 3. ``experts``: the routed experts' SwiGLU on expert-sorted rows (M = 64K x 8, D = 1536, F = 512, E = 128, bf16),
    gate and up as two grouped GEMMs (the model's) against one grouped GEMM over stacked [E, 2F, D] weights, fwd
-   and fwd+bwd, with TFLOP/s. ``--device cpu --quick --only experts`` is a float32 smoke run.
+   and fwd+bwd, with TFLOP/s, each eager and under torch.compile (the model runs its experts inside compiled
+   regions, where Inductor fuses the SwiGLU and the routing weight around the GEMMs, and the ranking of the two
+   layouts can differ from eager). ``--device cpu --quick --only experts`` is a float32 smoke run (eager).
 4. ``moe_gather``: the MoE gather-sum (``harts.ops.moe.gather_sum``, T = 64K, K = 8, D = 1536, bf16): the
    Triton kernel's combine (K = 8) and slot gather (K = 1) against the same reference compiled by Inductor
    and run eagerly, with a device copy of the [T*K, D] rows as the bandwidth ceiling.
@@ -250,12 +252,14 @@ def bench_moe_gather(T=65536, K=8, D=1536, reps=20):
     return rows
 
 
-def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dtype=torch.bfloat16):
+def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dtype=torch.bfloat16,
+                  compiled: bool | None = None):
     """The routed experts' SwiGLU on expert-sorted rows (``harts.ops.moe.experts._grouped_swiglu``: gate and up as
     two grouped GEMMs over the same rows) against one grouped GEMM over gate and up weights stacked [E, 2F, D]
     (the rows read once, N = 2F per expert), fwd and fwd+bwd, with the routing weight on the activation in both.
     Rows per expert from a random top-K routing of T tokens. The stacked layout would change the parameters
-    (one [E, 2F, D] weight), so it is measured here before the model adopts it."""
+    (one [E, 2F, D] weight), so it is measured here before the model adopts it. ``compiled`` (default: on CUDA)
+    also times both under torch.compile (Inductor), as the model's compiled regions run them."""
     import torch.nn.functional as F_
 
     from harts.ops.moe.experts import _grouped_swiglu
@@ -273,23 +277,34 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     scale = torch.rand(M, device=device, generator=g)
     dy = torch.randn(M, D, device=device, generator=g).to(dtype)
 
-    def stacked():
+    def stacked_swiglu(x, offs, w_gu, w_down, scale):
         gu = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)
         h = F_.silu(gu[:, :F]) * gu[:, F:]
         h = (h.float() * scale[:, None]).to(dtype)
         return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
 
-    paths = {"separate": (lambda: _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), (x, w_gate, w_up, w_down)),
-             "stacked": (stacked, (x, w_gu, w_down))}
+    fns = {"separate": (_grouped_swiglu, (w_gate, w_up)), "stacked": (stacked_swiglu, (w_gu,))}
+    if compiled is None:
+        compiled = torch.device(device).type == "cuda"
+    modes = {"eager": lambda f: f} | ({"compiled": torch.compile} if compiled else {})
     flops = 2 * M * D * 3 * F  # forward: gate, up, down
     r = {"M/D/F/E": f"{M}/{D}/{F}/{E}", "max_rows_per_expert": int(counts.max())}
-    for name, (fwd, params) in paths.items():
-        r[f"{name}_fwd_ms"] = time_ms(fwd, reps=reps, device=device)
-        r[f"{name}_fwd_bwd_ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
-        r[f"{name}_fwd_TFps"] = flops / r[f"{name}_fwd_ms"] / 1e9
-        r[f"{name}_fwd_bwd_TFps"] = 3 * flops / r[f"{name}_fwd_bwd_ms"] / 1e9
-    r["stacked_over_separate_fwd_bwd"] = r["stacked_fwd_bwd_ms"] / r["separate_fwd_bwd_ms"]
-    a, b = paths["separate"][0](), stacked()
+    for mode, wrap in modes.items():
+        for name, (fn, w_in) in fns.items():
+            fn = wrap(fn)
+            params = (x, *w_in, w_down)
+
+            def fwd():
+                return fn(x, offs, *w_in, w_down, scale)
+
+            if mode == "compiled":  # compiled outside the timing (forward and backward graphs)
+                torch.autograd.grad(fwd(), params, dy)
+            key = f"{mode} {name}"
+            r[f"{key} fwd ms"] = time_ms(fwd, reps=reps, device=device)
+            r[f"{key} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
+            r[f"{key} fwd+bwd TF/s"] = 3 * flops / r[f"{key} fwd+bwd ms"] / 1e9
+        r[f"{mode} stacked / separate fwd+bwd"] = r[f"{mode} stacked fwd+bwd ms"] / r[f"{mode} separate fwd+bwd ms"]
+    a, b = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), stacked_swiglu(x, offs, w_gu, w_down, scale)
     r["max_abs_diff"] = (a.float() - b.float()).abs().max().item()
     r["bitwise_equal"] = bool(torch.equal(a, b))
     return [r]
