@@ -256,13 +256,12 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
                   compiled: bool | None = None):
     """The routed experts' SwiGLU on expert-sorted rows (``harts.ops.moe.experts._grouped_swiglu``: gate and up as
     two grouped GEMMs over the same rows) against one grouped GEMM over gate and up weights stacked [E, 2F, D]
-    (the rows read once, N = 2F per expert), fwd and fwd+bwd, with the routing weight on the activation in both.
-    Rows per expert from a random top-K routing of T tokens. The stacked layout would change the parameters
-    (one [E, 2F, D] weight), so it is measured here before the model adopts it. ``compiled`` (default: on CUDA)
+    (``_grouped_swiglu_stacked``: the rows read once, N = 2F per expert), fwd and fwd+bwd, with the routing weight
+    on the activation in both. Rows per expert from a random top-K routing of T tokens. Qwen3.5 stores its
+    experts stacked and runs the stacked path; for Ling-3.0 (two weights) it would change the parameters, so it
+    is measured here before that model adopts it. ``compiled`` (default: on CUDA)
     also times both under torch.compile (Inductor), as the model's compiled regions run them."""
-    import torch.nn.functional as F_
-
-    from harts.ops.moe.experts import _grouped_swiglu
+    from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
 
     g = torch.Generator(device=device).manual_seed(0)
     M = T * K
@@ -277,13 +276,7 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     scale = torch.rand(M, device=device, generator=g)
     dy = torch.randn(M, D, device=device, generator=g).to(dtype)
 
-    def stacked_swiglu(x, offs, w_gu, w_down, scale):
-        gu = torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs)
-        h = F_.silu(gu[:, :F]) * gu[:, F:]
-        h = (h.float() * scale[:, None]).to(dtype)
-        return torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)
-
-    fns = {"separate": (_grouped_swiglu, (w_gate, w_up)), "stacked": (stacked_swiglu, (w_gu,))}
+    fns = {"separate": (_grouped_swiglu, (w_gate, w_up)), "stacked": (_grouped_swiglu_stacked, (w_gu,))}
     if compiled is None:
         compiled = torch.device(device).type == "cuda"
     modes = {"eager": lambda f: f} | ({"compiled": torch.compile} if compiled else {})
@@ -304,7 +297,7 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
             r[f"{key} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
             r[f"{key} fwd+bwd TF/s"] = 3 * flops / r[f"{key} fwd+bwd ms"] / 1e9
         r[f"{mode} stacked / separate fwd+bwd"] = r[f"{mode} stacked fwd+bwd ms"] / r[f"{mode} separate fwd+bwd ms"]
-    a, b = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), stacked_swiglu(x, offs, w_gu, w_down, scale)
+    a, b = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), _grouped_swiglu_stacked(x, offs, w_gu, w_down, scale)
     r["max_abs_diff"] = (a.float() - b.float()).abs().max().item()
     r["bitwise_equal"] = bool(torch.equal(a, b))
     return [r]

@@ -102,6 +102,51 @@ def test_grouped_mm_matches_reference_fp32_cpu():
         assert err <= 2 * err_ref + 4 * torch.finfo(torch.float32).eps * t.abs().max().item(), (name, err, err_ref)
 
 
+def test_stacked_gate_up_equals_two_weights_fp32_cpu():
+    """``grouped_experts_stacked`` (gate and up as one [E, 2F, D] weight, Qwen3.5's layout): its reference is
+    ``grouped_experts`` on the two halves, bit for bit in float64 with the gradient of each half in its rows of
+    the stacked weight; its fast path (one grouped GEMM with N = 2F) is as close to the float64 truth as the
+    two-GEMM fast path (within 2x, plus 4 float32 ulps of the largest value). A weight that is not [E, 2F, D]
+    is refused with its shape."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.fail("torch._grouped_mm missing")
+    from harts.ops.moe import grouped_experts, grouped_experts_stacked
+    from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
+
+    x, idx, w, wg, wu, wd = _expert_inputs()
+    idx[:, 0] = 3  # one crowded expert, several empty ones
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    x_MD = x.repeat_interleave(K, 0)[torch.argsort(idx.reshape(-1), stable=True)]
+    weight_M = torch.rand(x_MD.shape[0], generator=torch.Generator().manual_seed(5))
+
+    def run(fn, dtype, stacked):
+        ws = [torch.cat([wg, wu], 1)] if stacked else [wg, wu]
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x_MD, *ws, wd)]
+        y = fn(leaves[0], counts, *leaves[1:], weight_M.double() if dtype == torch.float64 else weight_M)
+        grads = torch.autograd.grad(y.square().sum(), leaves)
+        if not stacked:
+            grads = (grads[0], torch.cat(grads[1:3], 1), grads[3])
+        return [y, *grads]
+
+    def ref(stacked):
+        op = grouped_experts_stacked if stacked else grouped_experts
+        return lambda *a: op(*a[:-1], "reference", a[-1])
+
+    def fast(stacked):
+        op = _grouped_swiglu_stacked if stacked else _grouped_swiglu
+        return lambda x_, c, *r: op(x_, c.cumsum(0).to(torch.int32), *r)
+
+    for a, b in zip(run(ref(True), torch.float64, True), run(ref(False), torch.float64, False)):
+        assert torch.equal(a, b)
+    truth = run(ref(False), torch.float64, False)
+    for name, t, a, b in zip(("y", "dx", "dw_gate_up", "dw_down"), truth, run(fast(True), torch.float32, True),
+                             run(fast(False), torch.float32, False)):
+        err, err_two = (a.double() - t).abs().max().item(), (b.double() - t).abs().max().item()
+        assert err <= 2 * err_two + 4 * torch.finfo(torch.float32).eps * t.abs().max().item(), (name, err, err_two)
+    with pytest.raises(ValueError, match=r"\[E, 2F, D\] with F = 8 .*\(4, 12, 16\)"):
+        grouped_experts_stacked(x_MD, counts, torch.zeros(4, 12, 16), wd)
+
+
 def _fwd_bwd(fn, x, idx, w, wg, wu, wd, dy):
     """Output and the gradients of x, the routing weights and the three expert weights for <y, dy>."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]

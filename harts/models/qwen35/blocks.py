@@ -41,7 +41,7 @@ from harts.models.qwen35.config import Qwen35Config
 from harts.ops.attention import repeat_heads, varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.gdn import gated_delta_rule
-from harts.ops.moe import grouped_experts, routed_experts, router_logits, router_stats
+from harts.ops.moe import grouped_experts_stacked, routed_experts, router_logits, router_stats
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "GatedDeltaNet", "GatedAttention", "SparseMoE", "DecoderLayer",
            "init_module_weights", "initial_tensors"]
@@ -358,9 +358,7 @@ class Experts(nn.Module):
         self.backend = cfg.op_backend("moe")
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, weight_M: torch.Tensor | None = None):
-        Fw = self.down_proj.shape[-1]  # the expert width (a tensor-parallel rank's share of it)
-        return grouped_experts(x_MD, counts_E, self.gate_up_proj[:, :Fw], self.gate_up_proj[:, Fw:], self.down_proj,
-                               self.backend, weight_M)
+        return grouped_experts_stacked(x_MD, counts_E, self.gate_up_proj, self.down_proj, self.backend, weight_M)
 
 
 def softmax_route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):

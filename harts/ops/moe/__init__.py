@@ -5,6 +5,7 @@ k expert outputs of a token are summed in a fixed order (no atomics in the combi
 """
 from harts.ops.moe.experts import (
     grouped_experts,
+    grouped_experts_stacked,
     moe_experts,
     moe_experts_grouped_mm,
     moe_experts_reference,
@@ -13,4 +14,5 @@ from harts.ops.moe.experts import (
 from harts.ops.moe.router import RouterStats, route, router_logits, router_stats
 
 __all__ = ["RouterStats", "route", "router_logits", "router_stats", "moe_experts", "moe_experts_grouped_mm",
-           "moe_experts_reference", "routed_experts", "grouped_experts"]
+           "moe_experts_reference", "routed_experts", "grouped_experts",
+           "grouped_experts_stacked"]

@@ -6,7 +6,9 @@ J output rows that read one source row (the transpose of K in ``gather_sum``).
 weights, to an experts callable (``grouped_experts``, or a model's experts module, which expert
 parallelism wraps from outside). The reference experts loop over the experts (exact in float64) and weight
 each row's D-wide output; the fast path runs three torch._grouped_mm calls with unpadded group offsets
-(bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection.
+(bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection;
+with gate and up stacked in one [E, 2F, D] weight (``grouped_experts_stacked``) it runs them as one.
+Legend addition: 2F the stacked gate and up rows.
 Rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
 Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
 whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
@@ -61,12 +63,43 @@ def _grouped_reference(x_MD, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, weight_
 def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None):
     """``grouped_experts``' fast path; ``scale_M`` (fp32+) scales each row's F-wide activation before the
     (linear) down projection."""
-    g = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
-    h_MF = F.silu(g) * torch._grouped_mm(x_MD, w_up_EFD.transpose(-2, -1), offs=offs_E)
+    g_MF = torch._grouped_mm(x_MD, w_gate_EFD.transpose(-2, -1), offs=offs_E)
+    u_MF = torch._grouped_mm(x_MD, w_up_EFD.transpose(-2, -1), offs=offs_E)
+    return _swiglu_down(g_MF, u_MF, offs_E, w_down_EDF, scale_M)
+
+
+def _grouped_swiglu_stacked(x_MD, offs_E, w_gate_up_E2FD, w_down_EDF, scale_M=None):
+    """``grouped_experts_stacked``' fast path: one grouped GEMM over the stacked gate and up rows (N = 2F), its
+    output split into the gate and up halves."""
+    Fw = w_down_EDF.shape[-1]
+    gu_M2F = torch._grouped_mm(x_MD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E)
+    return _swiglu_down(gu_M2F[:, :Fw], gu_M2F[:, Fw:], offs_E, w_down_EDF, scale_M)
+
+
+def _swiglu_down(g_MF, u_MF, offs_E, w_down_EDF, scale_M):
+    h_MF = F.silu(g_MF) * u_MF
     if scale_M is not None:
         dt = torch.promote_types(h_MF.dtype, scale_M.dtype)
-        h_MF = (h_MF.to(dt) * scale_M.to(dt)[:, None]).to(g.dtype)
+        h_MF = (h_MF.to(dt) * scale_M.to(dt)[:, None]).to(g_MF.dtype)
     return torch._grouped_mm(h_MF, w_down_EDF.transpose(-2, -1), offs=offs_E)
+
+
+def grouped_experts_stacked(x_MD, counts_E: torch.Tensor, w_gate_up_E2FD, w_down_EDF, backend: str = "auto",
+                            weight_M: torch.Tensor | None = None):
+    """``grouped_experts`` with gate and up stacked in one weight [E, 2F, D], gate rows first (Qwen3.5's
+    checkpoint layout), F the down projection's width. The fast path runs gate and up as one grouped GEMM with
+    N = 2F: compiled, as the model runs it, the SwiGLU fwd+bwd at Ling-3.0-tiny's expert shapes took 0.935x
+    the time of two GEMMs with N = F on an H100 (benchmarks.kernels --only experts). The reference (and a
+    call without rows) is ``grouped_experts`` on the two halves, whose gradients land in the stacked weight."""
+    Fw = w_down_EDF.shape[-1]
+    if w_gate_up_E2FD.dim() != 3 or w_gate_up_E2FD.shape[1] != 2 * Fw:
+        raise ValueError(f"grouped_experts_stacked: w_gate_up must be [E, 2F, D] with F = {Fw} (the down "
+                         f"projection's width), got {tuple(w_gate_up_E2FD.shape)}")
+    if x_MD.shape[0] and resolve("moe_experts", backend, x_MD.device, x_MD.dtype) == "fast":
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        return _grouped_swiglu_stacked(x_MD, offs_E, w_gate_up_E2FD, w_down_EDF, weight_M)
+    return grouped_experts(x_MD, counts_E, w_gate_up_E2FD[:, :Fw], w_gate_up_E2FD[:, Fw:], w_down_EDF, backend,
+                           weight_M)
 
 
 def moe_experts_reference(x_TD, topk_idx_TK, topk_w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
