@@ -70,10 +70,11 @@ def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None
 
 def _grouped_swiglu_stacked(x_MD, offs_E, w_gate_up_E2FD, w_down_EDF, scale_M=None):
     """``grouped_experts_stacked``' fast path: one grouped GEMM over the stacked gate and up rows (N = 2F), its
-    output split into the gate and up halves."""
+    output split into the gate and up halves (``split``, whose backward is one concatenation; two slices
+    would each fill a zero [M, 2F] gradient and add them, eagerly)."""
     Fw = w_down_EDF.shape[-1]
-    gu_M2F = torch._grouped_mm(x_MD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E)
-    return _swiglu_down(gu_M2F[:, :Fw], gu_M2F[:, Fw:], offs_E, w_down_EDF, scale_M)
+    g_MF, u_MF = torch._grouped_mm(x_MD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E).split(Fw, dim=1)
+    return _swiglu_down(g_MF, u_MF, offs_E, w_down_EDF, scale_M)
 
 
 def _swiglu_down(g_MF, u_MF, offs_E, w_down_EDF, scale_M):
