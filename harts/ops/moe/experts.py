@@ -1,14 +1,13 @@
 """Routed experts: SwiGLU per expert, weights stacked [E, F, D] (gate/up) and [E, D, F] (down).
 
-Legend: T tokens, D hidden, F expert width, E experts, K experts per token, M = T*K routed rows,
-J output rows that read one source row (the transpose of K in ``gather_sum``).
+Legend: T tokens, D hidden, F expert width (2F: gate and up rows stacked), E experts, K experts per token,
+M = T*K routed rows, J output rows that read one source row (the transpose of K in ``gather_sum``).
 ``routed_experts`` sorts the M rows by expert and hands them, with the rows per expert and their routing
 weights, to an experts callable (``grouped_experts``, or a model's experts module, which expert
 parallelism wraps from outside). The reference experts loop over the experts (exact in float64) and weight
 each row's D-wide output; the fast path runs three torch._grouped_mm calls with unpadded group offsets
 (bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection;
 with gate and up stacked in one [E, 2F, D] weight (``grouped_experts_stacked``) it runs them as one.
-Legend addition: 2F the stacked gate and up rows.
 Rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
 Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
 whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
