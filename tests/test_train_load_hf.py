@@ -25,8 +25,9 @@ QWEN = COMMON.replace('preset = "ling3-tiny-debug"', 'preset = "qwen3.5-debug"')
 
 
 def _folder_truth(path, num_experts: int, kda_layers=(), gate_up: bool = False) -> dict[str, torch.Tensor]:
-    """The folder's tensors in our names, by the rules written out (not through the adapters); ``gate_up``:
-    Qwen3.5's stacking of gate and up rows into one ``gate_up_proj``."""
+    """The folder's tensors in our names, by the rules written out (not through the adapters): each expert's
+    gate and up weights joined into ``gate_up_proj``, as Qwen3.5's rows ([2F, D], ``gate_up``) or as Ling's
+    pair ([2, F, D])."""
     out, experts = {}, {}
     for k, v in read_hf_tensors(path).items():
         k = re.sub(r"^model\.language_model\.", "model.", k)
@@ -37,14 +38,10 @@ def _folder_truth(path, num_experts: int, kda_layers=(), gate_up: bool = False) 
         else:
             out[k] = v
     for prefix, parts in experts.items():
-        projs = sorted({p for _, p in parts})
-        if gate_up:
-            out[f"{prefix}.gate_up_proj"] = torch.stack(
-                [torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"])) for e in range(num_experts)])
-            out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(num_experts)])
-        else:
-            for p in projs:
-                out[f"{prefix}.{p}"] = torch.stack([parts[e, p] for e in range(num_experts)])
+        join = torch.cat if gate_up else torch.stack
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [join((parts[e, "gate_proj"], parts[e, "up_proj"])) for e in range(num_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(num_experts)])
     return out
 
 

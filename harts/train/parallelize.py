@@ -18,9 +18,9 @@ dp_shard x cp): a CP rank's parameter gradients are partial (its own rows, its o
 reduce-scatter over dp_shard x cp sums them in the same collective that sums DP gradients, while the
 parameters and optimizer states are sharded over the CP ranks as well.
 
-Both model families go through the same functions: the stacked expert weights are read through
-``expert_weights`` (Ling's gate_proj / up_proj / down_proj, Qwen3.5's gate_up_proj / down_proj) and the token
-embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's embed_tokens).
+Both model families go through the same functions: the stacked expert weights are read through ``expert_weights``
+(gate_up_proj / down_proj) and the token embeddings through ``embeddings`` (Ling's word_embeddings, Qwen3.5's
+embed_tokens).
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def _build_mesh(dims, device_type: str):
 # ------------------------------------------------------------------------------------------ family accessors
 def expert_weights(experts: nn.Module) -> tuple[str, ...]:
     """Names of a MoE's stacked routed-expert parameters, all with the expert dim first: Qwen3.5's
-    ``gate_up_proj`` [E, 2F, D] (gate rows first) and ``down_proj`` [E, D, F], or Ling's ``gate_proj`` /
-    ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F]."""
+    ``gate_up_proj`` [E, 2F, D] (gate rows first) and ``down_proj`` [E, D, F], or Ling's ``gate_up_proj``
+    [E, 2, F, D] and ``down_proj`` [E, D, F]."""
     names = getattr(type(experts), "stacked_weights", None)
     if names is None:
         raise TypeError(f"{type(experts).__name__} does not declare its stacked expert weights (stacked_weights)")

@@ -261,8 +261,7 @@ def ling_plan(layer: nn.Module, *, sequence_parallel: bool, experts_sharded_else
     if isinstance(layer.mlp, MoE):
         params |= _ffn("mlp.shared_experts") | {"mlp.gate.weight": PARTIAL}
         if not experts_sharded_elsewhere:
-            params |= {"mlp.experts.gate_proj": Shard(1), "mlp.experts.up_proj": Shard(1),
-                       "mlp.experts.down_proj": Shard(2)}
+            params |= {"mlp.experts.gate_up_proj": Shard(2), "mlp.experts.down_proj": Shard(2)}
     else:
         params |= _ffn("mlp")
     return {"": LocalParams(params), "input_layernorm": RegionInput(sp), "post_attention_layernorm": RegionInput(sp),

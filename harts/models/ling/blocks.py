@@ -29,7 +29,7 @@ from harts.models.ling.config import LingConfig
 from harts.ops.attention import varlen_attention
 from harts.ops.conv import short_conv
 from harts.ops.kda import kda
-from harts.ops.moe import RouterStats, grouped_experts, route, routed_experts, router_stats
+from harts.ops.moe import RouterStats, grouped_experts_stacked, route, routed_experts, router_stats
 from harts.ops.norm import gated_rms_norm, rms_norm
 
 
@@ -296,25 +296,30 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stacked: gate_proj/up_proj [E, F, D], down_proj [E, D, F]. ``forward`` is the SwiGLU
-    of expert-major rows (``harts.ops.moe.grouped_experts``) and knows nothing of parallelism: expert
-    parallelism wraps the module from outside (harts.train.expert_parallel), so its rows are then those its
-    experts receive from every rank."""
+    """Routed experts, stacked: gate_up_proj [E, 2, F, D] (each expert's gate and up weights), down_proj
+    [E, D, F]. ``forward`` is the SwiGLU of expert-major rows (``harts.ops.moe.grouped_experts_stacked``) and
+    knows nothing of parallelism: expert parallelism wraps the module from outside
+    (harts.train.expert_parallel), so its rows are then those its experts receive from every rank.
 
-    stacked_weights = ("gate_proj", "up_proj", "down_proj")  # expert dim first (parallelisms shard it)
+    Why gate and up in one parameter: the SwiGLU reads them as one grouped GEMM over [E, 2F, D] (the rows
+    read once, N = 2F), faster than two under torch.compile (``python -m benchmarks.kernels --only
+    experts``). Why on a dim of their own rather than as 2F rows (Qwen3.5's checkpoint layout): tensor
+    parallelism then shards F of both with one ``Shard(2)``, each rank holding its slice of gate and of up."""
+
+    stacked_weights = ("gate_up_proj", "down_proj")  # expert dim first (parallelisms shard it)
 
     def __init__(self, cfg: LingConfig):
         super().__init__()
         E, D, Fw = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nn.Parameter(torch.empty(E, Fw, D))
-        self.up_proj = nn.Parameter(torch.empty(E, Fw, D))
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2, Fw, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, Fw))
         self.backend = cfg.op_backend("moe")
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, weight_M: torch.Tensor | None = None):
         """Expert e takes the ``counts_E[e]`` rows after those of the experts before it; ``weight_M`` (fp32+)
         scales each row's output."""
-        return grouped_experts(x_MD, counts_E, self.gate_proj, self.up_proj, self.down_proj, self.backend, weight_M)
+        return grouped_experts_stacked(x_MD, counts_E, self.gate_up_proj.flatten(1, 2), self.down_proj,
+                                       self.backend, weight_M)
 
 
 class AddRouterLoss(torch.autograd.Function):
@@ -453,7 +458,7 @@ def initial_value(module: nn.Module, attr: str, shape, cfg: LingConfig, generato
     std = cfg.initializer_range
     if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding, Router)):
         return t.normal_(0.0, std, generator=generator)
-    if attr in ("gate_proj", "up_proj", "down_proj") and isinstance(module, Experts):
+    if attr in ("gate_up_proj", "down_proj") and isinstance(module, Experts):
         return t.normal_(0.0, std, generator=generator)
     if attr == "weight" and isinstance(module, (RMSNorm, GatedRMSNorm)):
         return t.fill_(1.0)

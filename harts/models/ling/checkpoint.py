@@ -1,10 +1,10 @@
 """Official HF checkpoint layout: config.json + sharded safetensors + model.safetensors.index.json.
 
-Names are the official ones (``model.word_embeddings``, ``model.layers.{i}.attention.*``,
-``mlp.gate.expert_bias``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ...). Our module tree uses the
-same names except that routed experts are stacked ([E, F, D] per projection); the only conversion is
-stacking/unstacking those. Loading checks the whole key set first and raises one error listing every
-missing key, unexpected key and shape mismatch. Tensors are stored with their in-memory dtype, so a
+Names are the official ones (``model.word_embeddings``, ``model.layers.{i}.attention.*``, ``mlp.gate.expert_bias``,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, ...). Our module tree uses the same names except that routed experts are
+stacked (``mlp.experts.gate_up_proj`` [E, 2, F, D]: each expert's gate and up weights; ``mlp.experts.down_proj`` [E, D,
+F]); the only conversion is stacking/unstacking those. Loading checks the whole key set first and raises one error
+listing every missing key, unexpected key and shape mismatch. Tensors are stored with their in-memory dtype, so a
 save/load round trip is bit-exact, and config.json's ``torch_dtype`` states that dtype.
 
 Folders written by transformers' ``bailing_hybrid`` (``BailingHybridForCausalLM.save_pretrained``) load
@@ -33,7 +33,7 @@ __all__ = ["LingStateDictAdapter", "to_hf_state_dict", "load_hf_state_dict", "sa
 
 log = logging.getLogger(__name__)
 
-_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -47,13 +47,13 @@ class LingStateDictAdapter(MoEStateDictAdapter):
     ``CheckpointManager`` uses to load and save HF safetensors through DCP (``sd_adapter``), which the trainer
     and ``save_pretrained`` / ``load_pretrained`` also use.
 
-    Our names are the official ones except that routed experts are stacked ([E, F, D] per projection):
-    ``to_hf`` splits them into ``mlp.experts.{e}.*.weight``, a sharded DTensor (FSDP2 / expert parallelism)
-    into its own rank's experts without gathering (torchtitan's ``MoEStateDictAdapter``), and ``from_hf``
-    stacks them back (into the same sharding when ``to_hf`` saw DTensors). transformers' ``bailing_hybrid``
-    names every output projection ``attention.dense``, the released checkpoints name KDA's
-    ``attention.o_proj``: ``from_hf`` accepts both, ``to_hf`` writes ``kda_output`` ("o_proj"; "dense" when the
-    folder at ``hf_assets_path`` uses transformers' name, so DCP reads the keys the folder has)."""
+    Our names are the official ones except that routed experts are stacked (``gate_up_proj`` [E, 2, F, D], ``down_proj``
+    [E, D, F]): ``to_hf`` splits them into ``mlp.experts.{e}.*.weight``, a sharded DTensor (FSDP2 / expert parallelism)
+    into its own rank's experts without gathering (torchtitan's ``MoEStateDictAdapter``), and ``from_hf`` stacks them
+    back (into the same sharding when ``to_hf`` saw DTensors). transformers' ``bailing_hybrid`` names every output
+    projection ``attention.dense``, the released checkpoints name KDA's ``attention.o_proj``: ``from_hf`` accepts both,
+    ``to_hf`` writes ``kda_output`` ("o_proj"; "dense" when the folder at ``hf_assets_path`` uses transformers' name,
+    so DCP reads the keys the folder has)."""
 
     def __init__(self, config: LingConfig, hf_assets_path: str | os.PathLike | None = None):
         super().__init__(config, str(hf_assets_path) if hf_assets_path else None)
@@ -71,38 +71,32 @@ class LingStateDictAdapter(MoEStateDictAdapter):
                 out[self._kda_name(name, self.kda_output)] = t
                 continue
             layer, proj = m.groups()
-            ours, hf = f"model.layers.{{}}.mlp.experts.{proj}", f"model.layers.{{}}.mlp.experts.{{}}.{proj}.weight"
+            ours, hf = f"model.layers.{{}}.mlp.experts.{proj}", f"model.layers.{{}}.mlp.experts.{{}}.{proj}"
             if isinstance(t, DTensor):  # remember the sharding for from_hf, keep only this rank's experts
                 self.grouped_expert_weight_placements[ours] = t.placements
                 self.grouped_expert_weight_shape[ours] = t.shape
                 self.grouped_expert_weight_mesh[ours] = t.device_mesh
-                out.update(self._get_local_experts_weights(hf, ours, layer, t))
+                per = self._get_local_experts_weights(hf, ours, layer, t)
             else:
-                out.update({hf.format(layer, e): w for e, w in enumerate(t.unbind(0))})
+                per = {hf.format(layer, e): w for e, w in enumerate(t.unbind(0))}
+            for key, w in per.items():  # views: DCP reads into them in place
+                if proj == "down_proj":
+                    out[key + ".weight"] = w
+                else:  # [2, F, D]: gate, up
+                    out[key.replace("gate_up_proj", "gate_proj") + ".weight"] = w[0]
+                    out[key.replace("gate_up_proj", "up_proj") + ".weight"] = w[1]
         return out
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor], where: str = "<dict>") -> dict[str, torch.Tensor]:
         out, experts = {}, {}
         for key, t in hf_state_dict.items():
             key = self._kda_name(key, "o_proj")
-            m = _EXPERT_KEY.match(key)
-            if m is None:
-                out[key] = t
-                continue
-            layer, e, proj = m.groups()
-            ours = f"model.layers.{{}}.mlp.experts.{proj}"
-            experts.setdefault(layer, {}).setdefault(ours, {})[int(e)] = t
-            if ours in self.local_experts_indices:
-                stacked = self._concatenate_expert_weights_dtensor(experts, ours, layer)
+            if m := _EXPERT_KEY.match(key):
+                experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
             else:
-                stacked = self._concatenate_expert_weights(experts, ours, layer, self.config.num_experts)
-            if stacked is not None:
-                out[ours.format(layer)] = stacked
-        incomplete = [f"{ours.format(layer)}: experts {sorted(got)}" for layer, by in experts.items()
-                      for ours, got in by.items()]
-        if incomplete:
-            raise CheckpointError("routed experts missing from the checkpoint (stacked weight: experts present): "
-                                  + "; ".join(incomplete))
+                out[key] = t
+        for layer, parts in experts.items():
+            out.update(stack_layer_experts(self, layer, parts, where, lambda gate, up: torch.stack((gate, up))))
         return out
 
     def _kda_name(self, key: str, to: str) -> str:
@@ -135,6 +129,34 @@ def _report(missing, unexpected, mismatched, where: str) -> None:
     raise CheckpointError("\n".join(lines))
 
 
+def stack_layer_experts(adapter: MoEStateDictAdapter, layer: str, parts: dict, where: str, join) -> dict:
+    """One layer's per-expert HF tensors {(e, "gate_proj" | "up_proj" | "down_proj"): weight} -> our stacked
+    ``mlp.experts.gate_up_proj`` (expert e's entry is ``join(gate, up)``) and ``mlp.experts.down_proj``, into
+    the sharding that ``adapter.to_hf`` saw (torchtitan's ``MoEStateDictAdapter``: a rank's own experts only).
+    Raises one ``CheckpointError`` listing every missing or out-of-range per-expert key."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    ids = sorted({e for e, _ in parts})
+    missing = [f"{prefix}.{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj", "down_proj")
+               if (e, p) not in parts]
+    extra = [f"{prefix}.{e}.{p}.weight" for e, p in parts if e >= adapter.config.num_experts]
+    if missing or extra:
+        _report(missing, extra, [], where)
+    by = {layer: {"gate_up": {e: join(parts[e, "gate_proj"], parts[e, "up_proj"]) for e in ids},
+                  "down": {e: parts[e, "down_proj"] for e in ids}}}
+    out = {}
+    for kind, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+        ours = f"model.layers.{{}}.mlp.experts.{proj}"
+        by[layer][ours] = by[layer].pop(kind)
+        if ours in adapter.local_experts_indices:
+            stacked = adapter._concatenate_expert_weights_dtensor(by, ours, layer)
+        else:
+            stacked = adapter._concatenate_expert_weights(by, ours, layer, adapter.config.num_experts)
+        if stacked is None:
+            _report([f"{prefix}.{e}.*" for e in range(adapter.config.num_experts) if e not in ids], [], [], where)
+        out[ours.format(layer)] = stacked
+    return out
+
+
 def check_hf_keys(expected: dict[str, tuple], got: dict[str, tuple], where: str) -> None:
     """One error listing every missing key, unexpected key and shape mismatch (key -> shape maps)."""
     mismatched = [(k, tuple(s), tuple(expected[k])) for k, s in got.items()
@@ -154,7 +176,7 @@ def load_hf_state_dict(model: LingForCausalLM, hf_sd: dict[str, torch.Tensor], w
     adapter = LingStateDictAdapter(model.config)
     expected = {k: tuple(v.shape) for k, v in adapter.to_hf(model.state_dict()).items()}
     check_hf_keys(expected, {adapter._kda_name(k, "o_proj"): tuple(v.shape) for k, v in hf_sd.items()}, where)
-    model.load_state_dict(adapter.from_hf(hf_sd))
+    model.load_state_dict(adapter.from_hf(hf_sd, where))
 
 
 def save_pretrained(model: LingForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
@@ -269,7 +291,7 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     adapter = LingStateDictAdapter(cfg)
     expected = {k: tuple(v.shape) for k, v in adapter.to_hf(model.state_dict()).items()}
     check_hf_keys(expected, {adapter._kda_name(k, "o_proj"): tuple(v.shape) for k, v in sd.items()}, str(path))
-    ours = adapter.from_hf(sd)
+    ours = adapter.from_hf(sd, str(path))
     adopt_dtypes(model, ours)
     model.load_state_dict(ours)
     if dtype is not None:

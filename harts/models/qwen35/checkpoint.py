@@ -29,6 +29,7 @@ from harts.models.ling.checkpoint import (
     hf_checkpoint_shapes,
     read_hf_config,
     read_hf_tensors,
+    stack_layer_experts,
     write_hf_folder,
 )
 from harts.models.qwen35.config import Qwen35Config
@@ -114,27 +115,7 @@ class Qwen35StateDictAdapter(MoEStateDictAdapter):
 
     def _stack(self, layer: str, parts: dict, where: str) -> dict[str, torch.Tensor]:
         """One layer's per-expert tensors -> stacked gate_up_proj [E, 2F, D] (gate rows first), down_proj."""
-        prefix = f"model.layers.{layer}.mlp.experts"
-        ids = sorted({e for e, _ in parts})
-        missing = [f"{prefix}.{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj", "down_proj")
-                   if (e, p) not in parts]
-        extra = [f"{prefix}.{e}.{p}.weight" for e, p in parts if e >= self.config.num_experts]
-        if missing or extra:
-            _report(missing, extra, [], where)
-        by = {layer: {"gate_up": {e: torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"])) for e in ids},
-                      "down": {e: parts[e, "down_proj"] for e in ids}}}
-        out = {}
-        for kind, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
-            ours = f"model.layers.{{}}.mlp.experts.{proj}"
-            by[layer][ours] = by[layer].pop(kind)
-            if ours in self.local_experts_indices:
-                stacked = self._concatenate_expert_weights_dtensor(by, ours, layer)
-            else:
-                stacked = self._concatenate_expert_weights(by, ours, layer, self.config.num_experts)
-            if stacked is None:
-                _report([f"{prefix}.{e}.*" for e in range(self.config.num_experts) if e not in ids], [], [], where)
-            out[ours.format(layer)] = stacked
-        return out
+        return stack_layer_experts(self, layer, parts, where, lambda gate, up: torch.cat((gate, up)))
 
     def _hf_name(self, name: str) -> str:
         return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name

@@ -1,4 +1,5 @@
-"""Routed experts: SwiGLU per expert, weights stacked [E, F, D] (gate/up) and [E, D, F] (down).
+"""Routed experts: SwiGLU per expert, weights stacked [E, F, D] (gate, up; or both as [E, 2F, D]) and [E, D, F]
+(down).
 
 Legend: T tokens, D hidden, F expert width (2F: gate and up rows stacked), E experts, K experts per token,
 M = T*K routed rows, J output rows that read one source row (the transpose of K in ``gather_sum``).
