@@ -90,7 +90,7 @@ def grouped_experts_stacked(x_MD, counts_E: torch.Tensor, w_gate_up_E2FD, w_down
     """``grouped_experts`` with gate and up stacked in one weight [E, 2F, D], gate rows first (Qwen3.5's checkpoint
     layout; Ling-3.0's [E, 2, F, D] flattened), F the down projection's width. The fast path runs gate and up as one
     grouped GEMM with N = 2F: compiled, as the model runs it, the SwiGLU fwd+bwd at Ling-3.0-tiny's expert shapes
-    took 0.935x the time of two GEMMs with N = F on an H100 (benchmarks.kernels --only experts). The reference (and
+    took 0.88x the time of two GEMMs with N = F on an H100 (benchmarks.kernels --only experts). The reference (and
     a call without rows) is ``grouped_experts`` on the two halves, whose gradients land in the stacked weight."""
     Fw = w_down_EDF.shape[-1]
     if w_gate_up_E2FD.dim() != 3 or w_gate_up_E2FD.shape[1] != 2 * Fw:
