@@ -257,9 +257,9 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     """The routed experts' SwiGLU on expert-sorted rows (``harts.ops.moe.experts._grouped_swiglu``: gate and up as
     two grouped GEMMs over the same rows) against one grouped GEMM over gate and up weights stacked [E, 2F, D]
     (``_grouped_swiglu_stacked``: the rows read once, N = 2F per expert), fwd and fwd+bwd, with the routing weight
-    on the activation in both. Rows per expert from a random top-K routing of T tokens. Qwen3.5 stores its
-    experts stacked and runs the stacked path; for Ling-3.0 (two weights) it would change the parameters, so it
-    is measured here before that model adopts it. ``compiled`` (default: on CUDA) also times both under
+    on the activation in both. Rows per expert from a random top-K routing of T tokens. Both families run the
+    stacked path (Qwen3.5's gate_up_proj as stored, Ling-3.0's [E, 2, F, D] flattened); the two-GEMM path is the
+    comparison that decided it. ``compiled`` (default: on CUDA) also times both under
     torch.compile (Inductor), as the model's compiled regions run them."""
     from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
 
