@@ -18,6 +18,8 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   ``--ac full`` (4x fwd); ``selective`` recomputes no matrix product, attention or KDA core (3x fwd);
 - peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family, and the device's idle
   time in that step with the host ops it waited on (``benchmarks.trace_summary.device_idle``);
+- with ``--saved-census``: what autograd keeps for backward in one more step, per layer kind and tensor shape
+  (``benchmarks.saved``; complete under ``--compile --ac selective`` and ``--ac none``);
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
   [compile] section runs), its first step's time (tracing + code generation + autotuning), the seconds
   spent in the compile backend, and the number of compilations over all steps run.
@@ -27,6 +29,7 @@ The loss is -mean log p(next token) through ``token_logprobs``, the trainer's lo
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import logging
@@ -79,6 +82,36 @@ def train_step(model, ids, pos, cu, max_len, z_coef=2.9e-6):
     loss = loss + z_coef * sum(s.z_loss for s in model.router_stats())
     loss.backward()
     return loss.detach()
+
+
+def saved_census(model, ids, pos, cu, max_len, top: int = 12) -> dict:
+    """One step with ``benchmarks.saved.SavedCensus`` around its forward: saved-for-backward GiB per layer kind
+    ("kda+moe", ...; "outside layers": the LM head and log-probs) and the largest saved tensor kinds."""
+    from benchmarks.saved import SavedCensus
+
+    layers = {layer.layer_idx: layer for layer in model.decoder_layers()}
+    kind = {i: "+".join(layer.region_kind) for i, layer in layers.items()}
+    group = lambda i: "outside layers" if i is None else kind[i]  # noqa: E731
+    model.zero_grad(set_to_none=True)
+    with SavedCensus(layers, model) as census:
+        h = model(ids, pos, cu, max_seqlen=max_len)
+        loss = -model.token_logprobs(h, torch.roll(ids, -1)).mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    gib = 2.0 ** -30
+    n_of = collections.Counter(group(i) for i in layers)
+    per = dict.fromkeys(n_of, 0) | {"outside layers": 0}
+    for i, nbytes in census.by_layer().items():
+        per[group(i)] += nbytes
+    return {
+        "total_gib": census.total_bytes * gib,
+        "by_kind": {g: {"layers": n_of.get(g, 0), "gib": b * gib,
+                        "gib_per_layer": b * gib / n_of[g] if n_of.get(g) else None}
+                    for g, b in sorted(per.items(), key=lambda kv: -kv[1])},
+        "top": [{"kind": g, "shape": list(s), "dtype": d, "count": c, "gib": b * gib,
+                 "per_layer": c / n_of[g] if n_of.get(g) else c}
+                for g, s, d, c, b in census.by_shape(group)[:top]],
+    }
 
 
 def _sync(dev: str) -> None:
@@ -158,6 +191,8 @@ def run(args, overrides: dict) -> dict:
         res["compile"] = {"backend": rep.backend, "dynamic": rep.dynamic, "compilations": rep.compilations,
                           "by_region": dict(rep.by_region), "steps": args.warmup + args.iters,
                           "backend_s": rep.compile_seconds, "first_step_s": first_s}
+    if args.saved_census:
+        res["saved_census"] = saved_census(model, ids, pos, cu, max_len)
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
 
@@ -225,6 +260,15 @@ def print_table(r: dict) -> None:
         print(f"  -- GPU kernel time by op family (one step, {r['profile_kernel_ms_total']:.0f} ms) --")
         for k, v in r["profile_ms_by_family"].items():
             print(f"  {k:<{w}}  {v:8.1f} ms  {100 * r['profile_share_by_family'][k]:5.1f}%")
+    sc = r.get("saved_census")
+    if sc:
+        print(f"  -- saved for backward (one step's forward, {sc['total_gib']:.2f} GiB) --")
+        for g, v in sc["by_kind"].items():
+            each = "" if v["gib_per_layer"] is None else f"  ({v['layers']} layers, {v['gib_per_layer']:.3f} GiB each)"
+            print(f"  {g:<{w}}  {v['gib']:8.3f} GiB{each}")
+        for t in sc["top"]:
+            print(f"  {t['kind']:<{w}}  {str(tuple(t['shape'])):>22} {t['dtype']:<9} x{t['per_layer']:g} per layer  "
+                  f"{t['gib']:8.3f} GiB")
     idle = r.get("profile_device_idle")
     if idle:
         ops = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in list(idle["idle_by_host_op_s"].items())[:5])
@@ -245,6 +289,8 @@ def main(argv=None) -> int:
                    help="activation checkpointing policy (LingModel.checkpoint_policy); full is the paper's")
     p.add_argument("--no-recompute", dest="ac", action="store_const", const="none", help="same as --ac none")
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--saved-census", action="store_true",
+                   help="one more step counting what autograd saves for backward, per layer kind (benchmarks.saved)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--backend", default=None, choices=("auto", "reference", "fast"),
