@@ -260,7 +260,9 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     on the activation in both. Rows per expert from a random top-K routing of T tokens. Both families run the
     stacked path (Qwen3.5's gate_up_proj as stored, Ling-3.0's [E, 2, F, D] flattened); the two-GEMM path is the
     comparison that decided it. ``compiled`` (default: on CUDA) also times both under
-    torch.compile (Inductor), as the model's compiled regions run them."""
+    torch.compile (Inductor), as the model's compiled regions run them. The grouped GEMMs alone (forward and
+    backward on the same operands, nothing between them) are timed too: the difference (``elementwise ms``) is
+    what the SwiGLU, the routing weight and their backward add, the most a GEMM epilogue could save."""
     from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -297,6 +299,23 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
             r[f"{key} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
             r[f"{key} fwd+bwd TF/s"] = 3 * flops / r[f"{key} fwd+bwd ms"] / 1e9
         r[f"{mode} stacked / separate fwd+bwd"] = r[f"{mode} stacked fwd+bwd ms"] / r[f"{mode} separate fwd+bwd ms"]
+    # the grouped GEMMs alone (their forward and backward, no elementwise work between them), same operands: what
+    # the SwiGLU, the routing weight and their backward cost on top, i.e. what a GEMM epilogue could save
+    h = torch.randn(M, F, device=device, generator=g).to(dtype).requires_grad_()
+    dh_in = torch.randn(M, 2 * F, device=device, generator=g).to(dtype)
+    gemms = {"separate": lambda: (torch._grouped_mm(x, w_gate.transpose(-2, -1), offs=offs),
+                                  torch._grouped_mm(x, w_up.transpose(-2, -1), offs=offs),
+                                  torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs)),
+             "stacked": lambda: (torch._grouped_mm(x, w_gu.transpose(-2, -1), offs=offs),
+                                 torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offs))}
+    grads = {"separate": (dh_in[:, :F].contiguous(), dh_in[:, F:].contiguous(), dy), "stacked": (dh_in, dy)}
+    wts = {"separate": (x, w_gate, w_up, h, w_down), "stacked": (x, w_gu, h, w_down)}
+    for name, fn in gemms.items():
+        ms = time_ms(lambda: torch.autograd.grad(fn(), wts[name], grads[name]), reps=reps, device=device)
+        r[f"GEMMs alone {name} fwd+bwd ms"] = ms
+        r[f"GEMMs alone {name} fwd+bwd TF/s"] = 3 * flops / ms / 1e9
+        for mode in modes:
+            r[f"{mode} {name} elementwise ms"] = r[f"{mode} {name} fwd+bwd ms"] - ms
     a, b = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), _grouped_swiglu_stacked(x, offs, w_gu, w_down, scale)
     r["max_abs_diff"] = (a.float() - b.float()).abs().max().item()
     r["bitwise_equal"] = bool(torch.equal(a, b))
