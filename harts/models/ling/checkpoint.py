@@ -71,20 +71,8 @@ class LingStateDictAdapter(MoEStateDictAdapter):
                 out[self._kda_name(name, self.kda_output)] = t
                 continue
             layer, proj = m.groups()
-            ours, hf = f"model.layers.{{}}.mlp.experts.{proj}", f"model.layers.{{}}.mlp.experts.{{}}.{proj}"
-            if isinstance(t, DTensor):  # remember the sharding for from_hf, keep only this rank's experts
-                self.grouped_expert_weight_placements[ours] = t.placements
-                self.grouped_expert_weight_shape[ours] = t.shape
-                self.grouped_expert_weight_mesh[ours] = t.device_mesh
-                per = self._get_local_experts_weights(hf, ours, layer, t)
-            else:
-                per = {hf.format(layer, e): w for e, w in enumerate(t.unbind(0))}
-            for key, w in per.items():  # views: DCP reads into them in place
-                if proj == "down_proj":
-                    out[key + ".weight"] = w
-                else:  # [2, F, D]: gate, up
-                    out[key.replace("gate_up_proj", "gate_proj") + ".weight"] = w[0]
-                    out[key.replace("gate_up_proj", "up_proj") + ".weight"] = w[1]
+            out.update(unstack_layer_experts(self, layer, proj, t, f"model.layers.{{}}.mlp.experts.{{}}.{proj}",
+                                             lambda w: (w[0], w[1])))  # [2, F, D]: gate, up
         return out
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], where: str = "<dict>") -> dict[str, torch.Tensor]:
@@ -127,6 +115,31 @@ def _report(missing, unexpected, mismatched, where: str) -> None:
     block("unexpected keys", sorted(unexpected))
     block("shape mismatches (key: checkpoint vs model)", [f"{k}: {a} vs {b}" for k, a, b in mismatched])
     raise CheckpointError("\n".join(lines))
+
+
+def unstack_layer_experts(adapter: MoEStateDictAdapter, layer: str, proj: str, t: torch.Tensor, hf: str,
+                          split) -> dict:
+    """The inverse of ``stack_layer_experts`` for ``layer``'s stacked weight ``proj`` ("gate_up_proj" or
+    "down_proj"): per-expert HF tensors under the key template ``hf`` (layer and expert to fill), views of ``t``
+    that DCP reads into in place; ``split`` gives an expert's (gate, up) from its gate_up entry. A DTensor gives
+    only this rank's experts and its sharding is recorded for ``from_hf`` (torchtitan's ``MoEStateDictAdapter``)."""
+    ours = f"model.layers.{{}}.mlp.experts.{proj}"
+    if isinstance(t, DTensor):
+        adapter.grouped_expert_weight_placements[ours] = t.placements
+        adapter.grouped_expert_weight_shape[ours] = t.shape
+        adapter.grouped_expert_weight_mesh[ours] = t.device_mesh
+        per = adapter._get_local_experts_weights(hf, ours, layer, t)
+    else:
+        per = {hf.format(layer, e): w for e, w in enumerate(t.unbind(0))}
+    out = {}
+    for key, w in per.items():
+        if proj == "down_proj":
+            out[key + ".weight"] = w
+        else:
+            gate, up = split(w)
+            out[key.replace("gate_up_proj", "gate_proj") + ".weight"] = gate
+            out[key.replace("gate_up_proj", "up_proj") + ".weight"] = up
+    return out
 
 
 def stack_layer_experts(adapter: MoEStateDictAdapter, layer: str, parts: dict, where: str, join) -> dict:

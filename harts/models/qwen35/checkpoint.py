@@ -19,7 +19,6 @@ import os
 import re
 
 import torch
-from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import MoEStateDictAdapter
 
 from harts.models.ling.checkpoint import (
@@ -30,6 +29,7 @@ from harts.models.ling.checkpoint import (
     read_hf_config,
     read_hf_tensors,
     stack_layer_experts,
+    unstack_layer_experts,
     write_hf_folder,
 )
 from harts.models.qwen35.config import Qwen35Config
@@ -71,22 +71,9 @@ class Qwen35StateDictAdapter(MoEStateDictAdapter):
                 out[self._hf_name(name)] = t
                 continue
             layer, proj = m.groups()
-            ours = f"model.layers.{{}}.mlp.experts.{proj}"
-            hf = self._hf_name(f"model.layers.{{}}.mlp.experts.{{}}.{proj}")
-            if isinstance(t, DTensor):
-                self.grouped_expert_weight_placements[ours] = t.placements
-                self.grouped_expert_weight_shape[ours] = t.shape
-                self.grouped_expert_weight_mesh[ours] = t.device_mesh
-                per = self._get_local_experts_weights(hf, ours, layer, t)
-            else:
-                per = {hf.format(layer, e): w for e, w in enumerate(t.unbind(0))}
-            for key, w in per.items():  # views: DCP reads into them in place
-                if proj == "down_proj":
-                    out[key + ".weight"] = w
-                else:
-                    gate, up = w.chunk(2, dim=0)
-                    out[key.replace("gate_up_proj", "gate_proj") + ".weight"] = gate
-                    out[key.replace("gate_up_proj", "up_proj") + ".weight"] = up
+            out.update(unstack_layer_experts(self, layer, proj, t,
+                                             self._hf_name(f"model.layers.{{}}.mlp.experts.{{}}.{proj}"),
+                                             lambda w: w.chunk(2, dim=0)))  # [2F, D]: gate rows, up rows
         return out
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], where: str = "<dict>") -> dict[str, torch.Tensor]:
