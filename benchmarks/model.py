@@ -216,7 +216,7 @@ def run(args, overrides: dict) -> dict:
         res["profile_ms_by_family"] = dict(sorted(fams.items(), key=lambda kv: -kv[1]))
         res["profile_share_by_family"] = {k: v / total for k, v in res["profile_ms_by_family"].items()}
         res["profile_top_kernels"] = [{"name": n, "ms": ms, "count": c}
-                                      for n, ms, c in sorted(kernels, key=lambda x: -x[1])[:25]]
+                                      for n, ms, c in sorted(kernels, key=lambda x: -x[1])[:40]]
         res["profile_kernel_ms_total"] = total
         # the step's wall time not spent in kernels: where the device waits, on which host op (the profiler's
         # own host overhead is included, so this bounds the idle time of an unprofiled step from above)
@@ -260,6 +260,9 @@ def print_table(r: dict) -> None:
         print(f"  -- GPU kernel time by op family (one step, {r['profile_kernel_ms_total']:.0f} ms) --")
         for k, v in r["profile_ms_by_family"].items():
             print(f"  {k:<{w}}  {v:8.1f} ms  {100 * r['profile_share_by_family'][k]:5.1f}%")
+        print("  -- longest kernels (one step; all 40 in the JSON) --")
+        for t in r["profile_top_kernels"][:15]:
+            print(f"  {t['ms']:8.1f} ms  x{t['count']:<5} [{family(t['name'])}] {t['name'][:90]}")
     sc = r.get("saved_census")
     if sc:
         print(f"  -- saved for backward (one step's forward, {sc['total_gib']:.2f} GiB) --")
