@@ -67,6 +67,36 @@ def test_stale_config_is_ignored(caplog):
     assert "not among the kernel's candidates" in caplog.text
 
 
+def test_extra_candidate_is_added_once_and_a_table_may_name_it(monkeypatch):
+    kernel = _make_kernel()
+    extra = {"kwargs": {"BLOCK": 128}, "num_warps": 8, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    monkeypatch.setitem(tuning.EXTRA_CANDIDATES, "test:scale_kernel", [extra, tuning._config_dict(_CONFIGS[0])])
+    assert tuning._add_candidates("test:scale_kernel", kernel) == 1  # the second one is already a candidate
+    assert tuning._add_candidates("test:scale_kernel", kernel) == 0
+    assert len(kernel.configs) == len(_CONFIGS) + 1
+    assert tuning._restrict("test:scale_kernel", kernel, [{"key": [40, 7, "torch.float32", "torch.float32"],
+                                                            "config": extra}]) == 1
+    x, y = _launch(kernel, 40)
+    assert torch.equal(y, 2 * x) and tuning._config_dict(kernel.best_config) == extra
+
+
+def test_extra_candidates_name_real_kernels_and_their_tile_parameters():
+    """Each added config must fit the fla kernel it names: that autotuner exists (fla not upgraded under it) and
+    the config sets exactly the meta-parameters its own candidates set."""
+    import importlib
+
+    from harts.ops import _fla  # noqa: F401  (fla version check)
+
+    for name, extras in tuning.EXTRA_CANDIDATES.items():
+        module, kernel_name = name.split(":")
+        importlib.import_module(module)
+        at = tuning.autotuners().get(name)
+        assert at is not None, f"{name}: no such autotuned kernel in the installed fla"
+        own = {frozenset(c.kwargs) for c in at.configs if tuning._config_dict(c) not in extras}
+        for e in extras:
+            assert frozenset(e["kwargs"]) in own, f"{name}: {e['kwargs']} sets other meta-parameters than {own}"
+
+
 def test_table_off_and_missing_table(tmp_path):
     import harts.ops
 

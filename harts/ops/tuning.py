@@ -19,6 +19,10 @@ have chosen: the numerics stay those of the kernel. The kernel choice ``autotune
 (``harts.ops.set_kernel_choices``; default from ``HARTS_AUTOTUNE``) turns the table off (normal autotuning)
 for the autotuners not restricted yet; GPUs without a table keep normal autotuning.
 
+Where a kernel's own candidates miss a launch config that measures faster at our shapes, ``EXTRA_CANDIDATES``
+adds it to that autotuner's list (in both modes, so full autotuning benchmarks it and a table may name it):
+the same kernel code and tiles, launched differently.
+
 Re-tune and rewrite the table (on the GPU to record, with an empty or any Triton cache)::
 
     python -m harts.warmup --config configs/ling3_tiny_1gpu.toml --record harts/ops/tuned/sm90.json
@@ -36,7 +40,7 @@ from typing import Any
 
 from harts.env import ENV
 
-__all__ = ["autotuners", "record", "apply", "table_path", "mode", "tuned"]
+__all__ = ["autotuners", "record", "apply", "retune", "table_path", "mode", "tuned", "EXTRA_CANDIDATES"]
 
 log = logging.getLogger("harts.ops.tuning")
 
@@ -74,6 +78,19 @@ def autotuners() -> dict[str, Any]:
     return found
 
 
+# Launch configs added to a kernel's autotuner candidates (``module:kernel`` -> configs as the table writes them).
+EXTRA_CANDIDATES: dict[str, list[dict[str, Any]]] = {
+    # fla offers this kernel 2 or 4 warps on Hopper (8 elsewhere). At Ling-3.0's KDA shape (T 65,536 packed rows,
+    # 16 heads, K = V = 128, chunk 64) fla's own BK = BV = 64 tiles with 8 warps took 3.94 ms per call against
+    # 6.46 ms with 4 (the best of fla's list) on an H100, outputs equal to fp32 rounding (relative 2e-7); it is
+    # the largest kernel of the model's training step (benchmarks.model's profile).
+    "fla.ops.kda.chunk_bwd:chunk_kda_bwd_kernel_wy_dqkg_fused": [
+        {"kwargs": {"BK": 64, "BV": 64}, "num_warps": 8, "num_stages": stages, "num_ctas": 1, "maxnreg": None}
+        for stages in (2, 3)
+    ],
+}
+
+
 def _config_dict(c) -> dict[str, Any]:
     return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
             "num_ctas": c.num_ctas, "maxnreg": c.maxnreg}
@@ -102,10 +119,12 @@ def record(path: str, command: str = "") -> dict[str, Any]:
     import triton
 
     kernels: dict[str, dict[str, dict]] = {}
+    old_table = None
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
         if old.get("arch") == _arch():
+            old_table = old
             for name, rows in old["kernels"].items():
                 kernels[name] = {json.dumps(r["key"]): r for r in rows}
     for name, at in autotuners().items():
@@ -113,11 +132,13 @@ def record(path: str, command: str = "") -> dict[str, Any]:
             row = {"key": _jsonable_key(k), "config": _config_dict(c)}
             kernels.setdefault(name, {})[json.dumps(row["key"])] = row
     kernels = {name: [rows[k] for k in sorted(rows)] for name, rows in sorted(kernels.items()) if rows}
-    table = {
-        "arch": _arch(), "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__, "triton": triton.__version__, "fla": _fla_version(), "command": command,
-        "kernels": kernels,
-    }
+    run = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "triton": triton.__version__, "fla": _fla_version(), "command": command}
+    # every recording merged into this table, oldest first (the top-level fields are the latest one's)
+    history = []
+    if old_table is not None:
+        history = old_table.get("history") or [{k: old_table.get(k) for k in run}]
+    table = {"arch": _arch(), **run, "history": history + [run], "kernels": kernels}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -154,6 +175,21 @@ def _nearest(entries: list[tuple[tuple, Any]], key: tuple):
     return max(entries, key=score)[1]
 
 
+def _add_candidates(name: str, at) -> int:
+    """Append ``EXTRA_CANDIDATES[name]`` to ``at.configs`` (those not already there); returns how many."""
+    import triton
+
+    have = {json.dumps(_config_dict(c), sort_keys=True) for c in at.configs}
+    added = 0
+    for d in EXTRA_CANDIDATES.get(name, ()):
+        if json.dumps(d, sort_keys=True) in have:
+            continue
+        at.configs.append(triton.Config(dict(d["kwargs"]), num_warps=d["num_warps"], num_stages=d["num_stages"],
+                                        num_ctas=d["num_ctas"], maxnreg=d["maxnreg"]))
+        added += 1
+    return added
+
+
 def _restrict(name: str, at, rows: list[dict]) -> int:
     by_dict = {json.dumps(_config_dict(c), sort_keys=True): c for c in at.configs}
     entries = []
@@ -175,13 +211,36 @@ def _restrict(name: str, at, rows: list[dict]) -> int:
             return original(kwargs)
         return [_nearest(entries, _run_key(at, kwargs))]
 
+    _unrestricted_prune.setdefault(id(at), original)
     at.prune_configs = prune_to_key_class
     return len(entries)
+
+
+_unrestricted_prune: dict[int, Any] = {}
+
+
+def retune(names) -> list[str]:
+    """Undo the table for the autotuners ``names`` (``module:kernel``): forget their cached winners and let them
+    benchmark every candidate (``EXTRA_CANDIDATES`` included) at their next launch. For re-recording a few
+    kernels at a real shape without autotuning all the others; returns the names found."""
+    found = []
+    ats = autotuners()
+    for name in names:
+        at = ats.get(name)
+        if at is None:
+            continue
+        _add_candidates(name, at)
+        if id(at) in _unrestricted_prune:
+            at.prune_configs = _unrestricted_prune[id(at)]
+        at.cache.clear()
+        found.append(name)
+    return found
 
 
 _table_cache: dict[str, Any] = {}
 _modules_seen = -1  # len(sys.modules) at the last apply(): new kernels can only come with new modules
 _restricted: set[int] = set()
+_extended: set[int] = set()
 _summary = {"mode": None, "table": None, "kernels": 0, "keys": 0}
 
 
@@ -211,6 +270,10 @@ def apply(path: str | None = None) -> dict[str, Any]:
         from harts.warmup import install_kernel_report
 
         install_kernel_report(ENV.kernel_report, ENV.autotune_record)
+    for name, at in autotuners().items():
+        if id(at) not in _extended:
+            _extended.add(id(at))
+            _add_candidates(name, at)
     if _summary["mode"] == "full":
         if first:
             log.info("autotuning: full (kernel choice autotune='full'): every config of every new key is benchmarked")

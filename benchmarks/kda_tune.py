@@ -1,0 +1,150 @@
+"""Re-tune KDA kernels at the model's shape: ``python -m benchmarks.kda_tune [--record PATH] --out DIR``.
+
+The shipped autotune table (``harts.ops.tuning``) holds one config per kernel and key; fla's keys do not
+include the row count, so a winner recorded at a short warm-up step also runs the 65,536-row steps of the
+model benchmark. This runs the model's KDA core (``harts.ops.kda.fast.kda_fast``: gate and safe gate in the
+kernel, q/k L2 norm before it) forward and backward at Ling-3.0-tiny's shape (16 heads, K = V = 128, chunk
+64) over 65,536 rows in 7 trajectories of 5K-15K (the model benchmark's lengths), first with the table, then
+with the named kernels autotuned over all their candidates (``harts.ops.tuning.retune``; ``EXTRA_CANDIDATES``
+included), and prints each kernel's device time under both, with the config each ran. ``--record PATH``
+merges the new winners into the table at PATH (``harts.ops.tuning.record``).
+
+Outputs of the two runs are compared (largest relative difference per gradient): a launch config changes
+tiling and fp32 accumulation order only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+LENS = (11628, 8402, 9745, 7204, 15452, 8114, 4991)
+
+
+def _inputs(H=16, K=128, V=128, lens=LENS, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16().requires_grad_()
+
+    x = dict(q=leaf(T, H, K), k=leaf(T, H, K), v=leaf(T, H, V), f=leaf(T, H, K),
+             beta=torch.rand(T, H, device="cuda", generator=g).bfloat16().requires_grad_(),
+             A_log=torch.zeros(H, device="cuda").requires_grad_(),
+             dt_bias=torch.zeros(H * K, device="cuda").requires_grad_())
+    return x, cu_cpu.cuda(), cu_cpu, torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+
+
+def _step(x, cu, cu_cpu, do):
+    from harts.ops.kda.fast import kda_fast
+
+    for t in x.values():
+        t.grad = None
+    o, _ = kda_fast(x["q"], x["k"], x["v"], x["f"], x["beta"], x["A_log"], x["dt_bias"], cu, cu_seqlens_cpu=cu_cpu)
+    torch.autograd.backward([o], [do])
+    return o.detach()
+
+
+def _outputs(x, o) -> list[torch.Tensor]:
+    return [o.float()] + [t.grad.float() for t in x.values()]
+
+
+def _kernel_ms(fn, reps=5) -> tuple[float, dict[str, float]]:
+    """Wall ms per call (CUDA events, median of 3 x reps) and device ms per kernel name of one profiled call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(3):
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        walls.append(a.elapsed_time(b) / reps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ks: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0)
+        if us > 0 and e.device_type.name == "CUDA":
+            ks[e.key[:80]] = ks.get(e.key[:80], 0.0) + us / 1e3
+    return sorted(walls)[1], ks
+
+
+def _configs(names) -> dict[str, list]:
+    from harts.ops import tuning
+
+    ats = tuning.autotuners()
+    return {n: [tuning._config_dict(c) for c in ats[n].cache.values()] for n in names if n in ats}
+
+
+def run(kernels: list[str] | None, record: str | None) -> dict:
+    from harts.ops import tuning
+
+    x, cu, cu_cpu, do = _inputs()
+    fn = lambda: _step(x, cu, cu_cpu, do)  # noqa: E731
+    before = _outputs(x, fn())  # applies the shipped table (harts.ops.tuning.tuned) and compiles
+    names = kernels or list(tuning.EXTRA_CANDIDATES)
+    wall0, k0 = _kernel_ms(fn)
+    cfg0 = _configs(names)
+    found = tuning.retune(names)
+    missing = sorted(set(names) - set(found))
+    if missing:
+        raise SystemExit(f"kda_tune: no autotuned kernel named {missing}; loaded: {sorted(tuning.autotuners())}")
+    after = _outputs(x, fn())  # the named kernels benchmark every candidate here
+    wall1, k1 = _kernel_ms(fn)
+    cfg1 = _configs(names)
+    diff = [((b - a).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(before, after)]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": int(cu_cpu[-1]),
+           "lens": list(LENS), "kernels_retuned": names, "config_table": cfg0, "config_retuned": cfg1,
+           "fwd_bwd_ms_table": wall0, "fwd_bwd_ms_retuned": wall1, "kernel_ms_table": k0, "kernel_ms_retuned": k1,
+           "max_rel_diff_outputs": dict(zip(["o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"], diff))}
+    if record:
+        tuning.record(record, command=f"python -m benchmarks.kda_tune --record {record}")
+        res["recorded"] = record
+    return res
+
+
+def print_table(r: dict) -> None:
+    print(f"\n== KDA core fwd+bwd (kda_fast), {r['rows']:,} rows in {len(r['lens'])} trajectories, {r['device']} ==")
+    print(f"  wall per call: table {r['fwd_bwd_ms_table']:.2f} ms, retuned {r['fwd_bwd_ms_retuned']:.2f} ms "
+          f"({', '.join(n.split(':')[1] for n in r['kernels_retuned'])} autotuned over every candidate)")
+    names = sorted(set(r["kernel_ms_table"]) | set(r["kernel_ms_retuned"]),
+                   key=lambda k: -r["kernel_ms_table"].get(k, 0))
+    print(f"  {'kernel':<60} {'table ms':>9} {'retuned ms':>11}")
+    for n in names:
+        print(f"  {n[:60]:<60} {r['kernel_ms_table'].get(n, 0):9.3f} {r['kernel_ms_retuned'].get(n, 0):11.3f}")
+    for n in r["kernels_retuned"]:
+        print(f"  {n}: {r['config_table'].get(n)} -> {r['config_retuned'].get(n)}")
+    print("  largest relative difference of the outputs: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in r["max_rel_diff_outputs"].items()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", action="append", dest="kernels",
+                   help="module:kernel to re-tune (repeatable; default: those with EXTRA_CANDIDATES)")
+    p.add_argument("--record", help="merge the re-tuned winners into this table (harts/ops/tuned/sm90.json)")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.kda_tune needs a CUDA GPU (it autotunes fla's kernels there)")
+    r = run(a.kernels, a.record)
+    print_table(r)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kda_tune.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    print(f"\nwrote {os.path.join(a.out, 'kda_tune.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
