@@ -1,16 +1,20 @@
-"""Re-tune KDA kernels at the model's shape: ``python -m benchmarks.kda_tune [--record PATH] --out DIR``.
+"""Re-tune kernels at the model's shape: ``python -m benchmarks.retune --op kda|conv [--record PATH] --out DIR``.
 
 The shipped autotune table (``harts.ops.tuning``) holds one config per kernel and key; fla's keys do not
 include the row count, so a winner recorded at a short warm-up step also runs the 65,536-row steps of the
-model benchmark. This runs the model's KDA core (``harts.ops.kda.fast.kda_fast``: gate and safe gate in the
-kernel, q/k L2 norm before it) forward and backward at Ling-3.0-tiny's shape (16 heads, K = V = 128, chunk
-64) over 65,536 rows in 7 trajectories of 5K-15K (the model benchmark's lengths), first with the table, then
-with the named kernels autotuned over all their candidates (``harts.ops.tuning.retune``; ``EXTRA_CANDIDATES``
-included), and prints each kernel's device time under both, with the config each ran. ``--record PATH``
-merges the new winners into the table at PATH (``harts.ops.tuning.record``).
+model benchmark. This runs one op of the model forward and backward at Ling-3.0-tiny's shape over 65,536 rows
+in 7 trajectories of 5K-15K (the model benchmark's lengths), first with the table, then with the named kernels
+autotuned over all their candidates (``harts.ops.tuning.retune``; ``EXTRA_CANDIDATES`` included), and prints
+each kernel's device time under both, with the config each ran. ``--record PATH`` merges the new winners into
+the table at PATH (``harts.ops.tuning.record``).
 
-Outputs of the two runs are compared (largest relative difference per gradient): a launch config changes
-tiling and fp32 accumulation order only.
+- ``kda``: the KDA core (``harts.ops.kda.fast.kda_fast``: gate and safe gate in the kernel, q/k L2 norm before
+  it; 16 heads, K = V = 128, chunk 64); default kernels: those with ``EXTRA_CANDIDATES``.
+- ``conv``: one short convolution (``harts.ops.conv.fast.short_conv_fast``: fla's causal_conv1d, 2,048 channels,
+  width 4, SiLU); default kernels: its forward and backward.
+
+Outputs of the two runs are compared (largest relative difference per output and gradient): a launch config
+changes tiling and fp32 accumulation order only.
 """
 from __future__ import annotations
 
@@ -21,6 +25,29 @@ import os
 import torch
 
 LENS = (11628, 8402, 9745, 7204, 15452, 8114, 4991)
+
+
+CONV_KERNELS = ["fla.modules.causal_conv1d.ops:causal_conv1d_fwd_kernel",
+                "fla.modules.causal_conv1d.ops:causal_conv1d_bwd_kernel"]
+
+
+def _conv_inputs(C=2048, W=4, lens=LENS, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long)
+    x = dict(x=torch.randn(T, C, device="cuda", generator=g).bfloat16().requires_grad_(),
+             w=(torch.randn(C, W, device="cuda", generator=g) * 0.5).requires_grad_())
+    return x, cu_cpu.cuda(), cu_cpu, torch.randn(T, C, device="cuda", generator=g).bfloat16()
+
+
+def _conv_step(x, cu, cu_cpu, dy):
+    from harts.ops.conv.fast import short_conv_fast
+
+    for t in x.values():
+        t.grad = None
+    y = short_conv_fast(x["x"], x["w"], cu, "silu", cu_seqlens_cpu=cu_cpu)
+    torch.autograd.backward([y], [dy])
+    return y.detach()
 
 
 def _inputs(H=16, K=128, V=128, lens=LENS, seed=0):
@@ -85,35 +112,43 @@ def _configs(names) -> dict[str, list]:
     return {n: [tuning._config_dict(c) for c in ats[n].cache.values()] for n in names if n in ats}
 
 
-def run(kernels: list[str] | None, record: str | None) -> dict:
+def run(op: str, kernels: list[str] | None, record: str | None) -> dict:
     from harts.ops import tuning
 
-    x, cu, cu_cpu, do = _inputs()
-    fn = lambda: _step(x, cu, cu_cpu, do)  # noqa: E731
+    if op == "kda":
+        x, cu, cu_cpu, do = _inputs()
+        fn = lambda: _step(x, cu, cu_cpu, do)  # noqa: E731
+        names = kernels or list(tuning.EXTRA_CANDIDATES)
+        labels = ["o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"]
+    else:
+        x, cu, cu_cpu, do = _conv_inputs()
+        fn = lambda: _conv_step(x, cu, cu_cpu, do)  # noqa: E731
+        names = kernels or CONV_KERNELS
+        labels = ["y", "dx", "dw"]
     before = _outputs(x, fn())  # applies the shipped table (harts.ops.tuning.tuned) and compiles
-    names = kernels or list(tuning.EXTRA_CANDIDATES)
     wall0, k0 = _kernel_ms(fn)
     cfg0 = _configs(names)
     found = tuning.retune(names)
     missing = sorted(set(names) - set(found))
     if missing:
-        raise SystemExit(f"kda_tune: no autotuned kernel named {missing}; loaded: {sorted(tuning.autotuners())}")
+        raise SystemExit(f"retune: no autotuned kernel named {missing}; loaded: {sorted(tuning.autotuners())}")
     after = _outputs(x, fn())  # the named kernels benchmark every candidate here
     wall1, k1 = _kernel_ms(fn)
     cfg1 = _configs(names)
     diff = [((b - a).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(before, after)]
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": int(cu_cpu[-1]),
+    res = {"op": op, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": int(cu_cpu[-1]),
            "lens": list(LENS), "kernels_retuned": names, "config_table": cfg0, "config_retuned": cfg1,
            "fwd_bwd_ms_table": wall0, "fwd_bwd_ms_retuned": wall1, "kernel_ms_table": k0, "kernel_ms_retuned": k1,
-           "max_rel_diff_outputs": dict(zip(["o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"], diff))}
+           "max_rel_diff_outputs": dict(zip(labels, diff))}
     if record:
-        tuning.record(record, command=f"python -m benchmarks.kda_tune --record {record}")
+        tuning.record(record, command=f"python -m benchmarks.retune --op {op} --record {record}")
         res["recorded"] = record
     return res
 
 
 def print_table(r: dict) -> None:
-    print(f"\n== KDA core fwd+bwd (kda_fast), {r['rows']:,} rows in {len(r['lens'])} trajectories, {r['device']} ==")
+    what = "KDA core (kda_fast)" if r["op"] == "kda" else "short convolution (fla causal_conv1d, 2,048 channels)"
+    print(f"\n== {what} fwd+bwd, {r['rows']:,} rows in {len(r['lens'])} trajectories, {r['device']} ==")
     print(f"  wall per call: table {r['fwd_bwd_ms_table']:.2f} ms, retuned {r['fwd_bwd_ms_retuned']:.2f} ms "
           f"({', '.join(n.split(':')[1] for n in r['kernels_retuned'])} autotuned over every candidate)")
     names = sorted(set(r["kernel_ms_table"]) | set(r["kernel_ms_retuned"]),
@@ -128,21 +163,23 @@ def print_table(r: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.retune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=("kda", "conv"), default="kda")
     p.add_argument("--kernel", action="append", dest="kernels",
-                   help="module:kernel to re-tune (repeatable; default: those with EXTRA_CANDIDATES)")
+                   help="module:kernel to re-tune (repeatable; default: the op's, see above)")
     p.add_argument("--record", help="merge the re-tuned winners into this table (harts/ops/tuned/sm90.json)")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.kda_tune needs a CUDA GPU (it autotunes fla's kernels there)")
-    r = run(a.kernels, a.record)
+        raise SystemExit("benchmarks.retune needs a CUDA GPU (it autotunes fla's kernels there)")
+    r = run(a.op, a.kernels, a.record)
     print_table(r)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "kda_tune.json"), "w") as f:
+    path = os.path.join(a.out, f"retune_{a.op}.json")
+    with open(path, "w") as f:
         json.dump(r, f, indent=1)
-    print(f"\nwrote {os.path.join(a.out, 'kda_tune.json')}")
+    print(f"\nwrote {path}")
     return 0
 
 
