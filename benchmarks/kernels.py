@@ -26,7 +26,8 @@
 7. ``conv``: the tree short convolution (``harts.ops.tree_conv.fast``, W = 4, SiLU) over C = 61,924 compact rows
    in 12 sequences with ancestor windows, at Qwen3.5's channels (8,192: q, k, v in one call) and Ling-3.0's
    (2,048 per call), fwd and fwd+bwd, for each ``IMPL`` and for fla's trajectory-wise causal_conv1d over the
-   same rows (no ancestors: the kernel the baseline runs).
+   same rows (no ancestors: the kernel the baseline runs); and both paths on HARTS's kernels (kernel choice
+   ``conv="harts"``, ``harts.ops.conv.fused``: the backward recomputes the pre-activation in registers).
 8. ``scan``: the KDA/GDN rounds' state scans (forward h, backward dh; HV = 16, K = V = 128, BT = 64) under each
    candidate config forced alone (value-block width BV 16/32/64, 2/4 warps, 2-4 stages), at a tree's trunk (one
    25K-row sequence), its branches (6 sequences) and trajectory-wise sequences (3, 65K rows): which config each
@@ -375,7 +376,9 @@ def bench_tree_conv(C=61924, Q=12, widths=(8192, 2048), reps=20, device="cuda"):
     """Each tree-convolution implementation against the trajectory-wise convolution on the same rows. The
     ancestor rows are random rows of x (sequence 0 has none, as a root); what is timed is the kernels' work per
     row, which does not depend on where the ancestors are. Outputs must agree across the implementations
-    (``max_rel_diff``: they run the same arithmetic per row)."""
+    (``max_rel_diff``: fla's run the same arithmetic per row; HARTS's kernels, ``conv="harts"``, round the
+    backward's pre-activation differently, within bf16 rounding)."""
+    import harts.ops
     from harts.ops.conv.fast import short_conv_fast
     from harts.ops.tree_conv import fast
 
@@ -398,8 +401,16 @@ def bench_tree_conv(C=61924, Q=12, widths=(8192, 2048), reps=20, device="cuda"):
                     return fast.tree_short_conv_fast(x, w, cu, ctx, "silu")
                 return run
 
+            def harts_kernels(fn):  # the kernel choice conv="harts" (harts.ops.conv.fused), on both paths
+                def run():
+                    with harts.ops.use_kernel_choices(conv="harts"):
+                        return fn()
+                return run
+
             paths = {f"tree {impl}": tree(impl) for impl in fast._IMPLS}
             paths["trajectory-wise"] = lambda: short_conv_fast(x, w, cu, "silu", cu_seqlens_cpu=cu_cpu)
+            paths["tree harts"] = harts_kernels(tree("split_chunks"))
+            paths["trajectory-wise harts"] = harts_kernels(paths["trajectory-wise"])
             r = {"channels": D, "rows": C, "sequences": Q}
             outs = []
             for name, fn in paths.items():

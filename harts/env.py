@@ -2,7 +2,7 @@
 
 The library reads its settings from ``ENV`` (an ``Environment``), never from ``os.environ`` at call time, so
 a setting cannot change under a running process. The kernel variants (``HARTS_VIEW_ATTENTION``,
-``HARTS_PACKED_ATTENTION``, ``HARTS_AUTOTUNE``) are only the process-wide defaults of
+``HARTS_PACKED_ATTENTION``, ``HARTS_CONV``, ``HARTS_AUTOTUNE``) are only the process-wide defaults of
 ``harts.ops.kernel_choices()``; change them in code with ``harts.ops.set_kernel_choices`` or, for one block,
 ``harts.ops.use_kernel_choices``. docs/environment.md lists every variable with its default and effect.
 
@@ -35,6 +35,11 @@ class Environment:
     packed_attention: str = "cudnn"
     """``HARTS_PACKED_ATTENTION``: default kernel of packed self-attention (``harts.ops.attention.fast``):
     ``cudnn`` (cuDNN per sequence where it takes the shapes) or ``varlen`` (one packed varlen call)."""
+
+    conv: str = "fla"
+    """``HARTS_CONV``: default kernels of the short convolutions, trajectory-wise and on tree paths
+    (``harts.ops.conv.fused``): ``fla`` (fla's causal_conv1d) or ``harts`` (ours: the backward recomputes the
+    pre-activation in registers)."""
 
     autotune: str = "table"
     """``HARTS_AUTOTUNE``: default autotuning mode (``harts.ops.tuning``): ``table`` (the shipped autotune
@@ -77,6 +82,7 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
     return Environment(
         view_attention=e.get("HARTS_VIEW_ATTENTION", d.view_attention),
         packed_attention=e.get("HARTS_PACKED_ATTENTION", d.packed_attention),
+        conv=e.get("HARTS_CONV", d.conv),
         autotune=e.get("HARTS_AUTOTUNE", d.autotune),
         kernel_report=e.get("HARTS_KERNEL_REPORT") or None,
         autotune_record=e.get("HARTS_AUTOTUNE_RECORD") or None,
@@ -92,7 +98,7 @@ ENV: Environment = read()
 
 # The field each variable fills (docs and error messages name the variable).
 VARIABLES = {"HARTS_VIEW_ATTENTION": "view_attention", "HARTS_PACKED_ATTENTION": "packed_attention",
-             "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
+             "HARTS_CONV": "conv", "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
              "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug",
              "HARTS_HOST_MEMORY": "host_memory", "HARTS_PACK_THREADS": "pack_threads",
              "TRITON_INTERPRET": "triton_interpret"}

@@ -13,6 +13,7 @@ def test_tree_conv_comparison_runs_and_implementations_agree():
     for impl in fast._IMPLS:
         assert r[f"tree {impl} fwd+bwd ms"] > 0
     assert r["trajectory-wise fwd ms"] > 0
+    assert r["tree harts fwd+bwd ms"] > 0 and r["trajectory-wise harts fwd+bwd ms"] > 0  # kernel choice conv="harts"
     assert r["max_rel_diff"] < 1e-6
     assert fast.IMPL == "split_chunks"  # the benchmark leaves the module's choice as it found it
 

@@ -6,8 +6,9 @@ fine interpreted and is a CompilationError on the GPU. ``triton.compile`` with a
 the whole pipeline (frontend, TTGIR, LLVM, PTX, the wheel's ptxas) without a GPU, so CI catches those.
 The compile runs in a subprocess: this pytest process has TRITON_INTERPRET=1, under which ``triton.jit``
 builds interpreter objects instead of compilable functions. The compile jobs (the round scans at K = 64
-and 128, the AdamW update, the MoE gather-sum, the attention merge) start together when the module's first
-test runs, one subprocess each, so that they share the machine's cores; each test waits for its own job.
+and 128, the AdamW update, the MoE gather-sum, the attention merge, the short convolution) start together when
+the module's first test runs, one subprocess each, so that they share the machine's cores; each test waits for
+its own job.
 """
 import os
 import subprocess
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-JOBS = ("64", "128", "adamw", "gather_sum", "attn_merge")  # the subprocess argument of each compile job
+JOBS = ("64", "128", "adamw", "gather_sum", "attn_merge", "short_conv")  # the subprocess argument of each compile job
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
@@ -179,8 +180,44 @@ def _compile_attn_merge() -> None:
         print("compiled attn_merge", NG, Dv, flush=True)
 
 
+def test_short_conv_compiles_for_sm90(compile_jobs):
+    rc, out, err = compile_jobs("short_conv")
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert out.count("compiled short_conv") == 8, out
+
+
+def _compile_short_conv() -> None:
+    """Forward and backward, with and without SiLU and ancestor context, bf16 rows, the largest block."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import harts.kernels.short_conv as kc
+
+    def jit_fn(kernel):
+        while not isinstance(kernel, triton.runtime.jit.JITFunction):
+            kernel = kernel.fn
+        return kernel
+
+    common = {"cu": "*i64", "chunks_N2": "*i32", "ctx_Q3": "*i32", "P": "i32"}
+    for which in ("fwd", "bwd"):
+        for silu in (True, False):
+            for has_ctx in (True, False):
+                consts = dict(BT=kc.BT, BD=128, SILU=silu, HAS_CONTEXT=has_ctx)
+                if which == "fwd":
+                    fn, sig = kc.short_conv_fwd_kernel, {"x": f"*{DT}", "w": "*fp32", "y": f"*{DT}", **common}
+                else:
+                    fn, sig = kc.short_conv_bwd_kernel, {"x": f"*{DT}", "w": "*fp32", "dy": f"*{DT}", "dx": f"*{DT}",
+                                                         "dw_NP4": "*fp32", "dctx_Q3P": "*fp32", **common}
+                src = ASTSource(fn=jit_fn(fn), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                assert compiled.asm["cubin"]
+                print("compiled short_conv", which, silu, has_ctx, flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] in ("adamw", "gather_sum", "attn_merge"):
-        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum, "attn_merge": _compile_attn_merge}[sys.argv[1]]()
+    if sys.argv[1] in ("adamw", "gather_sum", "attn_merge", "short_conv"):
+        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum, "attn_merge": _compile_attn_merge,
+         "short_conv": _compile_short_conv}[sys.argv[1]]()
     else:
         _compile_all(int(sys.argv[1]))

@@ -9,11 +9,14 @@ process-wide choice, not an argument of every call:
 - ``packed_attention``: packed self-attention, the trajectory-wise path
   (``harts.ops.attention.fast.packed_self_attention_impl``): ``cudnn`` (default: cuDNN per sequence where
   it takes the shapes) or ``varlen`` (one packed varlen call);
+- ``conv``: the short convolutions, trajectory-wise (``harts.ops.conv``) and on tree paths
+  (``harts.ops.tree_conv``) alike: ``fla`` (default: fla's causal_conv1d) or ``harts`` (``harts.ops.conv.fused``:
+  the backward recomputes the pre-activation in fp32 registers instead of storing it);
 - ``autotune``: ``table`` (default: the shipped autotune results, ``harts.ops.tuning``) or ``full``
   (benchmark every config of every new key). Read when a fast entry point first restricts the autotuners
   of newly imported kernel modules; kernels already restricted to the table keep it.
 
-The defaults come from ``HARTS_VIEW_ATTENTION``, ``HARTS_PACKED_ATTENTION`` and ``HARTS_AUTOTUNE``
+The defaults come from ``HARTS_VIEW_ATTENTION``, ``HARTS_PACKED_ATTENTION``, ``HARTS_CONV`` and ``HARTS_AUTOTUNE``
 (read once, by ``harts.env``). Change them in code::
 
     import harts.ops
@@ -36,9 +39,11 @@ __all__ = ["KernelChoices", "kernel_choices", "set_kernel_choices", "use_kernel_
 ALLOWED: dict[str, tuple[str, ...]] = {
     "view_attention": ("cudnn_split", "varlen"),
     "packed_attention": ("cudnn", "varlen"),
+    "conv": ("fla", "harts"),
     "autotune": ("table", "full"),
 }
 _VARIABLE = {"view_attention": "HARTS_VIEW_ATTENTION", "packed_attention": "HARTS_PACKED_ATTENTION",
+             "conv": "HARTS_CONV",
              "autotune": "HARTS_AUTOTUNE"}
 
 
@@ -50,6 +55,7 @@ class KernelChoices:
     view_attention: str = "cudnn_split"
     packed_attention: str = "cudnn"
     autotune: str = "table"
+    conv: str = "fla"
 
     def __post_init__(self):
         for name, allowed in ALLOWED.items():

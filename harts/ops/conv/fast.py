@@ -1,4 +1,5 @@
-"""fla's Triton causal_conv1d (varlen via cu_seqlens)."""
+"""fla's Triton causal_conv1d (varlen via cu_seqlens), or HARTS's kernels under the kernel choice
+``conv="harts"`` (``harts.ops.conv.fused``)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,12 @@ from harts.ops.tuning import tuned
 @tuned("fla.modules.causal_conv1d")
 def short_conv_fast(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor,
                     activation: str | None = "silu", cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    from harts.ops.choices import kernel_choices
+
+    if kernel_choices().conv == "harts":
+        from harts.ops.conv.fused import short_conv_harts
+
+        return short_conv_harts(x_TC, weight_CW, cu_seqlens, activation, cu_seqlens_cpu)
     from harts.ops._fla import causal_conv1d
 
     y, _ = causal_conv1d(x_TC.unsqueeze(0), weight=weight_CW.to(x_TC.dtype), bias=None, activation=activation,

@@ -245,6 +245,12 @@ CHUNK = 64
 @tuned("fla.modules.causal_conv1d")
 def tree_short_conv_fast(x_CP: torch.Tensor, weight_PW: torch.Tensor, seq_cu: torch.Tensor,
                          context_QW1: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    from harts.ops.choices import kernel_choices
+
+    if kernel_choices().conv == "harts":  # both paths on one implementation (harts.ops.choices)
+        from harts.ops.conv.fused import tree_short_conv_harts
+
+        return tree_short_conv_harts(x_CP, weight_PW, seq_cu, context_QW1, activation)
     fn = _IMPLS.get(IMPL)
     if fn is None:
         raise ValueError(f"harts.ops.tree_conv.fast.IMPL = {IMPL!r}: expected one of {', '.join(map(repr, _IMPLS))}")

@@ -1,0 +1,141 @@
+"""HARTS's short-convolution kernels (``harts.kernels.short_conv``), trajectory-wise and on tree paths.
+
+The kernel choice ``conv="harts"`` (``harts.ops.set_kernel_choices``; default from ``HARTS_CONV``) runs these
+instead of fla's ``causal_conv1d`` in both places the models convolve: the trajectory-wise path
+(``harts.ops.conv.short_conv``) and the compact tree path (``harts.ops.tree_conv``), so that a HARTS-versus-
+baseline comparison runs one implementation on both sides. Why a second implementation: fla's SiLU backward
+writes the pre-activation to memory in an extra forward and reads it back (rounded to the input dtype); ours
+recomputes it in fp32 registers inside the backward (see the kernel module). Same math, rounded differently:
+the pre-activation's gradient is exact in fp32 here.
+
+Width 4 only (both model families); other widths raise. Legend: T rows, P channels, W width, Q sequences, N
+chunks of ``BT`` rows.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["short_conv_harts", "tree_short_conv_harts"]
+
+
+def _chunks(cu_host: torch.Tensor, bt: int) -> torch.Tensor:
+    """[N, 2] int32 (sequence, chunk) of every chunk of ``bt`` rows of every non-empty sequence."""
+    lens = cu_host[1:] - cu_host[:-1]
+    n_q = (lens + bt - 1) // bt
+    seq = torch.repeat_interleave(torch.arange(n_q.shape[0]), n_q)
+    start = torch.cumsum(n_q, 0) - n_q
+    chunk = torch.arange(seq.shape[0]) - start[seq]
+    return torch.stack([seq, chunk], 1).to(torch.int32)
+
+
+def _device_chunks(cu: torch.Tensor, cu_host: torch.Tensor | None) -> torch.Tensor:
+    """The chunk list on ``cu``'s device, from the host copy when given (no sync), else one read of ``cu``."""
+    from harts.kernels.short_conv import BT
+
+    pairs = _chunks((cu if cu_host is None else cu_host).to("cpu", torch.long), BT)
+    if cu.device.type == "cuda":  # from pageable memory a "non_blocking" copy still blocks the host
+        pairs = pairs.pin_memory()
+    return pairs.to(cu.device, non_blocking=True)
+
+
+@functools.cache
+def _cached_device_chunks():
+    """``_device_chunks`` behind fla's identity cache of its last few tensor arguments (a layer's three
+    convolutions and all layers of a step share one cu_seqlens tensor)."""
+    from harts.ops._fla import tensor_cache
+
+    return tensor_cache(_device_chunks)
+
+
+def _check(x_TP, weight_PW, activation):
+    from harts.kernels.short_conv import WIDTH
+
+    if x_TP.dim() != 2 or weight_PW.dim() != 2 or x_TP.shape[1] != weight_PW.shape[0]:
+        raise ValueError(f"short_conv (harts kernels): x {tuple(x_TP.shape)} must be [T, P] and weight "
+                         f"{tuple(weight_PW.shape)} [P, W]")
+    if weight_PW.shape[1] != WIDTH:
+        raise ValueError(f"short_conv (harts kernels): width {weight_PW.shape[1]}, the kernels unroll width "
+                         f"{WIDTH}; choose conv='fla' (harts.ops.set_kernel_choices) for other widths")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"short_conv (harts kernels): unsupported activation {activation!r}")
+
+
+class _ShortConv(torch.autograd.Function):
+    """Forward and backward kernels over the chunk list; with ``ctx_Q3`` the windows of each sequence's first
+    rows read its context rows, whose gradient (per sequence, [Q, 3, P] fp32) is added into dx here."""
+
+    @staticmethod
+    def forward(ctx, x_TP, weight_PW, cu, chunks_N2, ctx_Q3, silu):
+        from harts.kernels.short_conv import BT, short_conv_fwd_kernel
+
+        x = x_TP.contiguous()
+        w = weight_PW.float().contiguous()
+        y = torch.empty_like(x)
+        P = x.shape[1]
+        if chunks_N2.shape[0]:
+            short_conv_fwd_kernel[lambda meta: (-(-P // meta["BD"]), chunks_N2.shape[0])](
+                x, w, y, cu, chunks_N2, ctx_Q3 if ctx_Q3 is not None else cu, P, BT=BT, SILU=silu,
+                HAS_CONTEXT=ctx_Q3 is not None)
+        ctx.save_for_backward(x, w, cu, chunks_N2, ctx_Q3)
+        ctx.silu, ctx.weight_dtype = silu, weight_PW.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_TP):
+        from harts.kernels.short_conv import BT, short_conv_bwd_kernel
+
+        x, w, cu, chunks_N2, ctx_Q3 = ctx.saved_tensors
+        dy = dy_TP.contiguous()
+        T, P = x.shape
+        N = chunks_N2.shape[0]
+        dx = torch.empty_like(x)
+        dw_NP4 = torch.empty(N, P, 4, device=x.device, dtype=torch.float32)
+        Q = cu.shape[0] - 1
+        dctx_Q3P = torch.zeros(Q, 3, P, device=x.device, dtype=torch.float32) if ctx_Q3 is not None else None
+        if N:
+            short_conv_bwd_kernel[lambda meta: (-(-P // meta["BD"]), N)](
+                x, w, dy, dx, dw_NP4, dctx_Q3P if dctx_Q3P is not None else dw_NP4, cu, chunks_N2,
+                ctx_Q3 if ctx_Q3 is not None else cu, P, BT=BT, SILU=ctx.silu, HAS_CONTEXT=ctx_Q3 is not None)
+        else:
+            dx.zero_()
+        if ctx_Q3 is not None:
+            rows = ctx_Q3.flatten().long()
+            valid = rows >= 0
+            dx.index_add_(0, rows.clamp_min(0), (dctx_Q3P.view(-1, P) * valid[:, None]).to(dx.dtype))
+        dw = dw_NP4.sum(0).to(ctx.weight_dtype)
+        return dx, dw, None, None, None, None
+
+
+def _say(where: str) -> None:
+    from harts.ops.backend import log_once
+
+    log_once(("conv_kernel", where), "harts conv kernel -> harts.kernels.short_conv (%s; kernel choice conv='harts')",
+             where)
+
+
+def short_conv_harts(x_TP: torch.Tensor, weight_PW: torch.Tensor, cu_seqlens: torch.Tensor,
+                     activation: str | None = "silu", cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """The trajectory-wise convolution (``harts.ops.conv.short_conv`` semantics) on HARTS's kernels."""
+    _check(x_TP, weight_PW, activation)
+    _say("trajectory-wise")
+    cu = cu_seqlens.to(torch.long)
+    chunks = _cached_device_chunks()(cu_seqlens, cu_seqlens_cpu)
+    return _ShortConv.apply(x_TP, weight_PW, cu, chunks, None, activation is not None)
+
+
+def tree_short_conv_harts(x_CP: torch.Tensor, weight_PW: torch.Tensor, seq_cu: torch.Tensor,
+                          context_QW1: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """The tree-path convolution (``harts.ops.tree_conv.fast.tree_short_conv_fast`` semantics: each sequence's
+    block of compact rows, its window reaching the W - 1 = 3 ancestor rows ``context_QW1`` (oldest first, -1
+    none)) on HARTS's kernels."""
+    _check(x_CP, weight_PW, activation)
+    _say("tree paths")
+    if context_QW1.shape != (seq_cu.shape[0] - 1, weight_PW.shape[1] - 1):
+        raise ValueError(f"tree_short_conv (harts kernels): context {tuple(context_QW1.shape)} must be "
+                         f"[Q={seq_cu.shape[0] - 1}, W-1={weight_PW.shape[1] - 1}]")
+    cu = seq_cu.to(torch.long)
+    chunks = _cached_device_chunks()(seq_cu, None)
+    return _ShortConv.apply(x_CP, weight_PW, cu, chunks, context_QW1.to(torch.int32).contiguous(),
+                            activation is not None)
