@@ -62,6 +62,16 @@ def _program(cu, chunks_N2, BT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _taps(w, o_d, m_d):
+    """The four taps of the [P, 4] fp32 weight for channels o_d, oldest row's tap first."""
+    w0 = tl.load(w + o_d * 4, mask=m_d, other=0.0)
+    w1 = tl.load(w + o_d * 4 + 1, mask=m_d, other=0.0)
+    w2 = tl.load(w + o_d * 4 + 2, mask=m_d, other=0.0)
+    w3 = tl.load(w + o_d * 4 + 3, mask=m_d, other=0.0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _context(x, ctx_Q3, i_n, i_t, o_d, m_d, P, BD: tl.constexpr, HAS_CONTEXT: tl.constexpr):
     """The three context rows of sequence i_n as [BD] fp32 vectors (1, 2, 3 steps back); read only by a
     sequence's first chunk (other chunks never reach before bos), zeros otherwise."""
@@ -86,10 +96,7 @@ def short_conv_fwd_kernel(x, w, y, cu, chunks_N2, ctx_Q3, P, BT: tl.constexpr, B
     i_c, i_n, i_t, bos, eos, o_t, o_d = _program(cu, chunks_N2, BT, BD)
     m_d = o_d < P
     c1, c2, c3 = _context(x, ctx_Q3, i_n, i_t, o_d, m_d, P, BD, HAS_CONTEXT)
-    w0 = tl.load(w + o_d * 4, mask=m_d, other=0.0).to(tl.float32)
-    w1 = tl.load(w + o_d * 4 + 1, mask=m_d, other=0.0).to(tl.float32)
-    w2 = tl.load(w + o_d * 4 + 2, mask=m_d, other=0.0).to(tl.float32)
-    w3 = tl.load(w + o_d * 4 + 3, mask=m_d, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _taps(w, o_d, m_d)
     acc = w3[None, :] * _x_tile(x, o_t, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     acc += w2[None, :] * _x_tile(x, o_t - 1, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     acc += w1[None, :] * _x_tile(x, o_t - 2, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
@@ -124,10 +131,7 @@ def short_conv_bwd_kernel(x, w, dy, dx, dw_NP4, dctx_Q3P, cu, chunks_N2, ctx_Q3,
     i_c, i_n, i_t, bos, eos, o_t, o_d = _program(cu, chunks_N2, BT, BD)
     m_d = o_d < P
     c1, c2, c3 = _context(x, ctx_Q3, i_n, i_t, o_d, m_d, P, BD, HAS_CONTEXT)
-    w0 = tl.load(w + o_d * 4, mask=m_d, other=0.0).to(tl.float32)
-    w1 = tl.load(w + o_d * 4 + 1, mask=m_d, other=0.0).to(tl.float32)
-    w2 = tl.load(w + o_d * 4 + 2, mask=m_d, other=0.0).to(tl.float32)
-    w3 = tl.load(w + o_d * 4 + 3, mask=m_d, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _taps(w, o_d, m_d)
     # x at rows t - 3 .. t + 3 (named by the shift)
     xm3 = _x_tile(x, o_t - 3, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     xm2 = _x_tile(x, o_t - 2, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
