@@ -132,26 +132,14 @@ def short_conv_bwd_kernel(x, w, dy, dx, dw_NP4, dctx_Q3P, cu, chunks_N2, ctx_Q3,
     m_d = o_d < P
     c1, c2, c3 = _context(x, ctx_Q3, i_n, i_t, o_d, m_d, P, BD, HAS_CONTEXT)
     w0, w1, w2, w3 = _taps(w, o_d, m_d)
-    # x at rows t - 3 .. t + 3 (named by the shift)
+    # x at rows t - 3 .. t + 3, named by the shift, loaded as the pre-activation gradients g(t + s), s = 0..3 (the
+    # rows whose windows read row t), need them: each tile is dead after its last use, so at most six are live
     xm3 = _x_tile(x, o_t - 3, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     xm2 = _x_tile(x, o_t - 2, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     xm1 = _x_tile(x, o_t - 1, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
     x0 = _x_tile(x, o_t, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
-    xp1 = _x_tile(x, o_t + 1, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
-    xp2 = _x_tile(x, o_t + 2, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
-    xp3 = _x_tile(x, o_t + 3, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
-    # gradient of the pre-activation at rows t + s, s = 0..3 (the rows whose windows read row t)
     g0 = _grad_pre(dy, w0[None, :] * xm3 + w1[None, :] * xm2 + w2[None, :] * xm1 + w3[None, :] * x0,
                    o_t, eos, o_d, m_d, P, SILU)
-    g1 = _grad_pre(dy, w0[None, :] * xm2 + w1[None, :] * xm1 + w2[None, :] * x0 + w3[None, :] * xp1,
-                   o_t + 1, eos, o_d, m_d, P, SILU)
-    g2 = _grad_pre(dy, w0[None, :] * xm1 + w1[None, :] * x0 + w2[None, :] * xp1 + w3[None, :] * xp2,
-                   o_t + 2, eos, o_d, m_d, P, SILU)
-    g3 = _grad_pre(dy, w0[None, :] * x0 + w1[None, :] * xp1 + w2[None, :] * xp2 + w3[None, :] * xp3,
-                   o_t + 3, eos, o_d, m_d, P, SILU)
-    b_dx = w3[None, :] * g0 + w2[None, :] * g1 + w1[None, :] * g2 + w0[None, :] * g3
-    m = (o_t < eos)[:, None] & m_d[None, :]
-    tl.store(dx + o_t[:, None] * P + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
     # this program's rows' share of dw[:, j] = sum_t g(t) x(t - 3 + j); g0 is zero past eos
     p_dw = dw_NP4 + i_c * P * 4 + o_d * 4
     tl.store(p_dw, tl.sum(g0 * xm3, axis=0), mask=m_d)
@@ -167,3 +155,16 @@ def short_conv_bwd_kernel(x, w, dy, dx, dw_NP4, dctx_Q3P, cu, chunks_N2, ctx_Q3,
             tl.store(p_c + 2 * P, w2 * r0 + w1 * r1 + w0 * r2, mask=m_d)  # 1 step back
             tl.store(p_c + P, w1 * r0 + w0 * r1, mask=m_d)  # 2 steps back
             tl.store(p_c, w0 * r0, mask=m_d)  # 3 steps back
+    # dx(t) = sum_s w[3 - s] g(t + s)
+    b_dx = w3[None, :] * g0
+    xp1 = _x_tile(x, o_t + 1, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
+    b_dx += w2[None, :] * _grad_pre(dy, w0[None, :] * xm2 + w1[None, :] * xm1 + w2[None, :] * x0 + w3[None, :] * xp1,
+                                    o_t + 1, eos, o_d, m_d, P, SILU)
+    xp2 = _x_tile(x, o_t + 2, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
+    b_dx += w1[None, :] * _grad_pre(dy, w0[None, :] * xm1 + w1[None, :] * x0 + w2[None, :] * xp1 + w3[None, :] * xp2,
+                                    o_t + 2, eos, o_d, m_d, P, SILU)
+    xp3 = _x_tile(x, o_t + 3, bos, eos, o_d, m_d, P, c1, c2, c3, HAS_CONTEXT)
+    b_dx += w0[None, :] * _grad_pre(dy, w0[None, :] * x0 + w1[None, :] * xp1 + w2[None, :] * xp2 + w3[None, :] * xp3,
+                                    o_t + 3, eos, o_d, m_d, P, SILU)
+    m = (o_t < eos)[:, None] & m_d[None, :]
+    tl.store(dx + o_t[:, None] * P + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
