@@ -141,7 +141,7 @@ def short_conv_bwd_kernel(x, w, dy, dx, dw_NP4, dctx_Q3P, cu, chunks_N2, ctx_Q3,
     g0 = _grad_pre(dy, w0[None, :] * xm3 + w1[None, :] * xm2 + w2[None, :] * xm1 + w3[None, :] * x0,
                    o_t, eos, o_d, m_d, P, SILU)
     # this program's rows' share of dw[:, j] = sum_t g(t) x(t - 3 + j); g0 is zero past eos
-    p_dw = dw_NP4 + i_c * P * 4 + o_d * 4
+    p_dw = dw_NP4 + i_c.to(tl.int64) * P * 4 + o_d * 4
     tl.store(p_dw, tl.sum(g0 * xm3, axis=0), mask=m_d)
     tl.store(p_dw + 1, tl.sum(g0 * xm2, axis=0), mask=m_d)
     tl.store(p_dw + 2, tl.sum(g0 * xm1, axis=0), mask=m_d)
