@@ -70,6 +70,9 @@ class _ShortConv(torch.autograd.Function):
     def forward(ctx, x_TP, weight_PW, cu, chunks_N2, ctx_Q3, silu):
         from harts.kernels.short_conv import BT, short_conv_fwd_kernel
 
+        if chunks_N2.shape[0] > 65535:  # the grid's second dimension (CUDA's limit)
+            raise ValueError(f"short_conv (harts kernels): {x_TP.shape[0]} rows make {chunks_N2.shape[0]} chunks, "
+                             "more than the 65,535 one launch takes; split the call or choose conv='fla'")
         x = x_TP.contiguous()
         w = weight_PW.float().contiguous()
         y = torch.empty_like(x)
