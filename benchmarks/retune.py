@@ -31,78 +31,65 @@ CONV_KERNELS = ["fla.modules.causal_conv1d.ops:causal_conv1d_fwd_kernel",
                 "fla.modules.causal_conv1d.ops:causal_conv1d_bwd_kernel"]
 
 
+def _lens_cu(lens):
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long)
+    return sum(lens), cu_cpu.cuda(), cu_cpu
+
+
 def _conv_inputs(C=2048, W=4, lens=LENS, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    T = sum(lens)
-    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long)
+    T, cu, cu_cpu = _lens_cu(lens)
     x = dict(x=torch.randn(T, C, device="cuda", generator=g).bfloat16().requires_grad_(),
              w=(torch.randn(C, W, device="cuda", generator=g) * 0.5).requires_grad_())
-    return x, cu_cpu.cuda(), cu_cpu, torch.randn(T, C, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(T, C, device="cuda", generator=g).bfloat16()
+
+    def op():
+        from harts.ops.conv.fast import short_conv_fast
+
+        return short_conv_fast(x["x"], x["w"], cu, "silu", cu_seqlens_cpu=cu_cpu)
+    return x, op, dy, T
 
 
-def _conv_step(x, cu, cu_cpu, dy):
-    from harts.ops.conv.fast import short_conv_fast
-
-    for t in x.values():
-        t.grad = None
-    y = short_conv_fast(x["x"], x["w"], cu, "silu", cu_seqlens_cpu=cu_cpu)
-    torch.autograd.backward([y], [dy])
-    return y.detach()
-
-
-def _inputs(H=16, K=128, V=128, lens=LENS, seed=0):
+def _kda_inputs(H=16, K=128, V=128, lens=LENS, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    T = sum(lens)
-    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long)
+    T, cu, cu_cpu = _lens_cu(lens)
 
-    def leaf(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16().requires_grad_()
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
 
     x = dict(q=leaf(T, H, K), k=leaf(T, H, K), v=leaf(T, H, V), f=leaf(T, H, K),
              beta=torch.rand(T, H, device="cuda", generator=g).bfloat16().requires_grad_(),
              A_log=torch.zeros(H, device="cuda").requires_grad_(),
              dt_bias=torch.zeros(H * K, device="cuda").requires_grad_())
-    return x, cu_cpu.cuda(), cu_cpu, torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+    do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+
+    def op():
+        from harts.ops.kda.fast import kda_fast
+
+        return kda_fast(x["q"], x["k"], x["v"], x["f"], x["beta"], x["A_log"], x["dt_bias"], cu,
+                        cu_seqlens_cpu=cu_cpu)[0]
+    return x, op, do, T
 
 
-def _step(x, cu, cu_cpu, do):
-    from harts.ops.kda.fast import kda_fast
-
+def _fwd_bwd(x, op, grad):
+    """One forward and backward of ``op`` on the leaves ``x`` (their gradients reset first); the output."""
     for t in x.values():
         t.grad = None
-    o, _ = kda_fast(x["q"], x["k"], x["v"], x["f"], x["beta"], x["A_log"], x["dt_bias"], cu, cu_seqlens_cpu=cu_cpu)
-    torch.autograd.backward([o], [do])
-    return o.detach()
+    out = op()
+    torch.autograd.backward([out], [grad])
+    return out.detach()
 
 
 def _outputs(x, o) -> list[torch.Tensor]:
     return [o.float()] + [t.grad.float() for t in x.values()]
 
 
-def _kernel_ms(fn, reps=5) -> tuple[float, dict[str, float]]:
-    """Wall ms per call (CUDA events, median of 3 x reps) and device ms per kernel name of one profiled call."""
-    from torch.profiler import ProfilerActivity, profile
+def _kernel_ms(fn) -> tuple[float, dict[str, float]]:
+    """Wall ms per call (median, CUDA events) and device ms per kernel name of one profiled call."""
+    from benchmarks.common import time_ms
+    from benchmarks.kernels import _kernel_times
 
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    walls = []
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        walls.append(a.elapsed_time(b) / reps)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ks: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0.0)
-        if us > 0 and e.device_type.name == "CUDA":
-            ks[e.key[:80]] = ks.get(e.key[:80], 0.0) + us / 1e3
-    return sorted(walls)[1], ks
+    return time_ms(fn, reps=5), _kernel_times(fn, top=100)["top"]
 
 
 def _configs(names) -> dict[str, list]:
@@ -116,15 +103,14 @@ def run(op: str, kernels: list[str] | None, record: str | None) -> dict:
     from harts.ops import tuning
 
     if op == "kda":
-        x, cu, cu_cpu, do = _inputs()
-        fn = lambda: _step(x, cu, cu_cpu, do)  # noqa: E731
+        x, fwd, grad, rows = _kda_inputs()
         names = kernels or list(tuning.EXTRA_CANDIDATES)
         labels = ["o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"]
     else:
-        x, cu, cu_cpu, do = _conv_inputs()
-        fn = lambda: _conv_step(x, cu, cu_cpu, do)  # noqa: E731
+        x, fwd, grad, rows = _conv_inputs()
         names = kernels or CONV_KERNELS
         labels = ["y", "dx", "dw"]
+    fn = lambda: _fwd_bwd(x, fwd, grad)  # noqa: E731
     before = _outputs(x, fn())  # applies the shipped table (harts.ops.tuning.tuned) and compiles
     wall0, k0 = _kernel_ms(fn)
     cfg0 = _configs(names)
@@ -136,7 +122,7 @@ def run(op: str, kernels: list[str] | None, record: str | None) -> dict:
     wall1, k1 = _kernel_ms(fn)
     cfg1 = _configs(names)
     diff = [((b - a).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(before, after)]
-    res = {"op": op, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": int(cu_cpu[-1]),
+    res = {"op": op, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
            "lens": list(LENS), "kernels_retuned": names, "config_table": cfg0, "config_retuned": cfg1,
            "fwd_bwd_ms_table": wall0, "fwd_bwd_ms_retuned": wall1, "kernel_ms_table": k0, "kernel_ms_retuned": k1,
            "max_rel_diff_outputs": dict(zip(labels, diff))}

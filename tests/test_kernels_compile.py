@@ -199,7 +199,7 @@ def _compile_short_conv() -> None:
             kernel = kernel.fn
         return kernel
 
-    common = {"cu": "*i64", "chunks_N2": "*i32", "ctx_Q3": "*i32", "P": "i32"}
+    common = {"cu": "*i64", "chunks_N2": "*i64", "ctx_Q3": "*i32", "P": "i32"}
     for which in ("fwd", "bwd"):
         for silu in (True, False):
             for has_ctx in (True, False):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harts.ops.conv import short_conv_reference
-from harts.ops.conv.fused import _chunks, short_conv_harts, tree_short_conv_harts
+from harts.ops.conv.fused import _device_chunks, short_conv_harts, tree_short_conv_harts
 from harts.ops.tree_conv import tree_short_conv_reference
 
 LENS = (70, 33, 5, 1, 2, 3, 32, 64)  # across and at chunk edges (32 rows per chunk), and shorter than the window
@@ -76,7 +76,7 @@ def test_tree_paths_match_float64_reference(activation):
 
 def test_chunk_list_covers_every_row_once():
     cu = _cu((70, 0, 33, 1))
-    pairs = _chunks(cu, 32).tolist()
+    pairs = _device_chunks(cu, None).tolist()  # 32 rows per chunk
     assert pairs == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 1], [3, 0]]
 
 

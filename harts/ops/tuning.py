@@ -177,11 +177,14 @@ def _nearest(entries: list[tuple[tuple, Any]], key: tuple):
 
 def _add_candidates(name: str, at) -> int:
     """Append ``EXTRA_CANDIDATES[name]`` to ``at.configs`` (those not already there); returns how many."""
+    extra = EXTRA_CANDIDATES.get(name)
+    if not extra:
+        return 0
     import triton
 
     have = {json.dumps(_config_dict(c), sort_keys=True) for c in at.configs}
     added = 0
-    for d in EXTRA_CANDIDATES.get(name, ()):
+    for d in extra:
         if json.dumps(d, sort_keys=True) in have:
             continue
         at.configs.append(triton.Config(dict(d["kwargs"]), num_warps=d["num_warps"], num_stages=d["num_stages"],
@@ -240,7 +243,6 @@ def retune(names) -> list[str]:
 _table_cache: dict[str, Any] = {}
 _modules_seen = -1  # len(sys.modules) at the last apply(): new kernels can only come with new modules
 _restricted: set[int] = set()
-_extended: set[int] = set()
 _summary = {"mode": None, "table": None, "kernels": 0, "keys": 0}
 
 
@@ -270,10 +272,9 @@ def apply(path: str | None = None) -> dict[str, Any]:
         from harts.warmup import install_kernel_report
 
         install_kernel_report(ENV.kernel_report, ENV.autotune_record)
-    for name, at in autotuners().items():
-        if id(at) not in _extended:
-            _extended.add(id(at))
-            _add_candidates(name, at)
+    ats = autotuners()
+    for name in EXTRA_CANDIDATES.keys() & ats.keys():  # idempotent: a config already there is not added again
+        _add_candidates(name, ats[name])
     if _summary["mode"] == "full":
         if first:
             log.info("autotuning: full (kernel choice autotune='full'): every config of every new key is benchmarked")
@@ -284,7 +285,7 @@ def apply(path: str | None = None) -> dict[str, Any]:
         if first:
             log.info("autotuning: full (no shipped table for this GPU at %s)", path)
         return dict(_summary)
-    for name, at in autotuners().items():
+    for name, at in ats.items():
         if id(at) in _restricted or name not in table["kernels"]:
             continue
         _restricted.add(id(at))

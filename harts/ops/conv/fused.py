@@ -20,21 +20,14 @@ import torch
 __all__ = ["short_conv_harts", "tree_short_conv_harts"]
 
 
-def _chunks(cu_host: torch.Tensor, bt: int) -> torch.Tensor:
-    """[N, 2] int32 (sequence, chunk) of every chunk of ``bt`` rows of every non-empty sequence."""
-    lens = cu_host[1:] - cu_host[:-1]
-    n_q = (lens + bt - 1) // bt
-    seq = torch.repeat_interleave(torch.arange(n_q.shape[0]), n_q)
-    start = torch.cumsum(n_q, 0) - n_q
-    chunk = torch.arange(seq.shape[0]) - start[seq]
-    return torch.stack([seq, chunk], 1).to(torch.int32)
-
-
 def _device_chunks(cu: torch.Tensor, cu_host: torch.Tensor | None) -> torch.Tensor:
-    """The chunk list on ``cu``'s device, from the host copy when given (no sync), else one read of ``cu``."""
+    """fla's chunk list ([N, 2] (sequence, chunk) of every chunk of ``BT`` rows; none for an empty sequence),
+    built on the host from ``cu_host`` when given (no sync; else one read of ``cu``) and sent to ``cu``'s device
+    in one non-blocking copy."""
     from harts.kernels.short_conv import BT
+    from harts.ops._fla import prepare_chunk_indices
 
-    pairs = _chunks((cu if cu_host is None else cu_host).to("cpu", torch.long), BT)
+    pairs = prepare_chunk_indices((cu if cu_host is None else cu_host).to("cpu", torch.long), BT)
     if cu.device.type == "cuda":  # from pageable memory a "non_blocking" copy still blocks the host
         pairs = pairs.pin_memory()
     return pairs.to(cu.device, non_blocking=True)
@@ -91,7 +84,7 @@ class _ShortConv(torch.autograd.Function):
 
         x, w, cu, chunks_N2, ctx_Q3 = ctx.saved_tensors
         dy = dy_TP.contiguous()
-        T, P = x.shape
+        P = x.shape[1]
         N = chunks_N2.shape[0]
         dx = torch.empty_like(x)
         dw_NP4 = torch.empty(N, P, 4, device=x.device, dtype=torch.float32)
