@@ -187,7 +187,8 @@ def test_short_conv_compiles_for_sm90(compile_jobs):
 
 
 def _compile_short_conv() -> None:
-    """Forward and backward, with and without SiLU and ancestor context, bf16 rows, the largest block."""
+    """Forward and backward, with and without SiLU and ancestor context, bf16 rows, a 256-channel block on
+    2 warps (one of the autotuned configs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -203,14 +204,14 @@ def _compile_short_conv() -> None:
     for which in ("fwd", "bwd"):
         for silu in (True, False):
             for has_ctx in (True, False):
-                consts = dict(BT=kc.BT, BD=128, SILU=silu, HAS_CONTEXT=has_ctx)
+                consts = dict(BT=kc.BT, BD=256, SILU=silu, HAS_CONTEXT=has_ctx)
                 if which == "fwd":
                     fn, sig = kc.short_conv_fwd_kernel, {"x": f"*{DT}", "w": "*fp32", "y": f"*{DT}", **common}
                 else:
                     fn, sig = kc.short_conv_bwd_kernel, {"x": f"*{DT}", "w": "*fp32", "dy": f"*{DT}", "dx": f"*{DT}",
                                                          "dw_NP4": "*fp32", "dctx_Q3P": "*fp32", **common}
                 src = ASTSource(fn=jit_fn(fn), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
                 assert compiled.asm["cubin"]
                 print("compiled short_conv", which, silu, has_ctx, flush=True)
 

@@ -10,7 +10,7 @@ from harts.ops.conv import short_conv_reference
 from harts.ops.conv.fused import _device_chunks, short_conv_harts, tree_short_conv_harts
 from harts.ops.tree_conv import tree_short_conv_reference
 
-LENS = (70, 33, 5, 1, 2, 3, 32, 64)  # across and at chunk edges (32 rows per chunk), and shorter than the window
+LENS = (70, 33, 5, 1, 2, 3, 64, 130, 65)  # across and at chunk edges (64 rows per chunk), and shorter than the window
 
 
 def _cu(lens):
@@ -75,8 +75,10 @@ def test_tree_paths_match_float64_reference(activation):
 
 
 def test_chunk_list_covers_every_row_once():
-    cu = _cu((70, 0, 33, 1))
-    pairs = _device_chunks(cu, None).tolist()  # 32 rows per chunk
+    from harts.kernels.short_conv import BT
+
+    cu = _cu((2 * BT + 6, 0, BT + 1, 1))
+    pairs = _device_chunks(cu, None).tolist()
     assert pairs == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 1], [3, 0]]
 
 
