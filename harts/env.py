@@ -38,8 +38,8 @@ class Environment:
 
     conv: str = "fla"
     """``HARTS_CONV``: default kernels of the short convolutions, trajectory-wise and on tree paths
-    (``harts.ops.conv.fused``): ``fla`` (fla's causal_conv1d) or ``harts`` (ours: the backward recomputes the
-    pre-activation in registers)."""
+    (``harts.ops.conv.fused``): ``harts`` (ours: the backward recomputes the pre-activation in registers; width
+    4 only), ``fla`` (fla's causal_conv1d), or ``auto`` (``harts`` where it applies, else ``fla``, logged)."""
 
     autotune: str = "table"
     """``HARTS_AUTOTUNE``: default autotuning mode (``harts.ops.tuning``): ``table`` (the shipped autotune

@@ -35,10 +35,12 @@ def test_reference_matches_conv1d(lens):
 def test_fla_causal_conv1d_interpreted():
     if torch.cuda.is_available():
         pytest.skip("interpreter test; the GPU test covers the compiled kernel")
+    import harts.ops
     from harts.ops.conv.fast import short_conv_fast
 
     x, w, cu = _inputs([5, 11, 3], C=16, dtype=torch.float32)
-    torch.testing.assert_close(short_conv_fast(x, w, cu), short_conv_reference(x, w, cu), rtol=1e-5, atol=1e-5)
+    with harts.ops.use_kernel_choices(conv="fla"):
+        torch.testing.assert_close(short_conv_fast(x, w, cu), short_conv_reference(x, w, cu), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,34 @@ def test_kernel_choice_routes_both_paths():
         harts.ops.set_kernel_choices(conv="sometimes")
 
 
+def test_auto_takes_these_kernels_where_they_apply_else_fla(caplog):
+    """conv='auto': width 4 runs these kernels (bitwise what conv='harts' gives), another width
+    fla's (bitwise what conv='fla' gives), and the log says so, naming the width."""
+    import harts.ops
+    from harts.ops import backend
+    from harts.ops.conv.fast import short_conv_fast
+    from harts.ops.tree_conv.fast import tree_short_conv_fast
+
+    g = torch.Generator().manual_seed(4)
+    cu = _cu((40, 9))
+    ctx = torch.tensor([[-1, -1, -1], [3, 7, 20]])
+    x = torch.randn(49, 8, generator=g)
+    for width, same_as in ((4, "harts"), (3, "fla")):
+        w = torch.randn(8, width, generator=g)
+        with harts.ops.use_kernel_choices(conv=same_as):
+            want = short_conv_fast(x, w, cu, "silu", cu_seqlens_cpu=cu)
+            want_tree = tree_short_conv_fast(x, w, cu, ctx[:, 4 - width:], "silu") if width == 4 else None
+        backend._logged.clear()
+        with harts.ops.use_kernel_choices(conv="auto"), caplog.at_level("INFO", logger="harts.ops.backend"):
+            assert torch.equal(short_conv_fast(x, w, cu, "silu", cu_seqlens_cpu=cu), want)
+            if want_tree is not None:
+                assert torch.equal(tree_short_conv_fast(x, w, cu, ctx, "silu"), want_tree)
+        if same_as == "fla":
+            assert "fla causal_conv1d (width 3, the kernels unroll width 4; kernel choice conv='auto')" in caplog.text
+        else:
+            assert "harts.kernels.short_conv (trajectory-wise; kernel choice conv='auto')" in caplog.text
+
+
 @pytest.mark.gpu
 def test_bf16_gpu_within_rounding_of_float64_beside_fla():
     """bf16 on the GPU at a model-like width, trajectory-wise and on tree paths: the outputs and both gradients

@@ -1,6 +1,7 @@
 """Tree-path short convolution: reference vs per-trajectory conv1d, and fla's varlen causal_conv1d with
 ancestor windows (interpreted on CPU in fp32, compiled on the GPU) vs a float64 reference, values and gradients,
-in both implementations of ``harts.ops.tree_conv.fast`` (``IMPL``: split chunks, initial states)."""
+in both implementations of ``harts.ops.tree_conv.fast`` (``IMPL``: split chunks, initial states), under the kernel
+choice conv="fla" (HARTS's own kernels: tests/test_ops_conv_harts.py)."""
 import numpy as np
 import pytest
 import torch
@@ -9,6 +10,14 @@ import torch.nn.functional as F
 from harts.ops.tree_conv import tree_short_conv, tree_short_conv_reference
 from harts.runtime import pack
 from tests.helpers import fork_tree
+
+
+@pytest.fixture(autouse=True)
+def _fla_kernels():
+    import harts.ops
+
+    with harts.ops.use_kernel_choices(conv="fla"):
+        yield
 
 
 def _batch(B=4, seed=0):

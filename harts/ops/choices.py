@@ -10,8 +10,9 @@ process-wide choice, not an argument of every call:
   (``harts.ops.attention.fast.packed_self_attention_impl``): ``cudnn`` (default: cuDNN per sequence where
   it takes the shapes) or ``varlen`` (one packed varlen call);
 - ``conv``: the short convolutions, trajectory-wise (``harts.ops.conv``) and on tree paths
-  (``harts.ops.tree_conv``) alike: ``fla`` (default: fla's causal_conv1d) or ``harts`` (``harts.ops.conv.fused``:
-  the backward recomputes the pre-activation in fp32 registers instead of storing it);
+  (``harts.ops.tree_conv``) alike: ``harts`` (``harts.ops.conv.fused``: each row's pre-activation recomputed
+  once in fp32 registers in the backward instead of stored; width 4 only), ``fla`` (default: fla's
+  causal_conv1d), or ``auto`` (``harts`` where it takes the convolution, else ``fla``, logged);
 - ``autotune``: ``table`` (default: the shipped autotune results, ``harts.ops.tuning``) or ``full``
   (benchmark every config of every new key). Read when a fast entry point first restricts the autotuners
   of newly imported kernel modules; kernels already restricted to the table keep it.
@@ -39,7 +40,7 @@ __all__ = ["KernelChoices", "kernel_choices", "set_kernel_choices", "use_kernel_
 ALLOWED: dict[str, tuple[str, ...]] = {
     "view_attention": ("cudnn_split", "varlen"),
     "packed_attention": ("cudnn", "varlen"),
-    "conv": ("fla", "harts"),
+    "conv": ("auto", "fla", "harts"),
     "autotune": ("table", "full"),
 }
 _VARIABLE = {"view_attention": "HARTS_VIEW_ATTENTION", "packed_attention": "HARTS_PACKED_ATTENTION",

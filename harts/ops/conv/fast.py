@@ -1,5 +1,5 @@
-"""fla's Triton causal_conv1d (varlen via cu_seqlens), or HARTS's kernels under the kernel choice
-``conv="harts"`` (``harts.ops.conv.fused``)."""
+"""HARTS's short-convolution kernels (``harts.ops.conv.fused``) or fla's Triton causal_conv1d (varlen via
+cu_seqlens), as the kernel choice ``conv`` says (``harts.ops.conv.fused.use_harts``)."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +10,9 @@ from harts.ops.tuning import tuned
 @tuned("fla.modules.causal_conv1d")
 def short_conv_fast(x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor,
                     activation: str | None = "silu", cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
-    from harts.ops.choices import kernel_choices
+    from harts.ops.conv.fused import short_conv_harts, use_harts
 
-    if kernel_choices().conv == "harts":
-        from harts.ops.conv.fused import short_conv_harts
-
+    if use_harts(weight_CW, activation):
         return short_conv_harts(x_TC, weight_CW, cu_seqlens, activation, cu_seqlens_cpu)
     from harts.ops._fla import causal_conv1d
 

@@ -1,7 +1,8 @@
 """HARTS's short-convolution kernels (``harts.kernels.short_conv``), trajectory-wise and on tree paths.
 
-The kernel choice ``conv="harts"`` (``harts.ops.set_kernel_choices``; default from ``HARTS_CONV``) runs these
-instead of fla's ``causal_conv1d`` in both places the models convolve: the trajectory-wise path
+The kernel choice ``conv`` (``harts.ops.set_kernel_choices``; default from ``HARTS_CONV``) says where these run
+instead of fla's ``causal_conv1d`` (``harts``: always, ``auto``: wherever they take the convolution; ``use_harts``
+decides), the same way in both places the models convolve: the trajectory-wise path
 (``harts.ops.conv.short_conv``) and the compact tree path (``harts.ops.tree_conv``), so that a HARTS-versus-
 baseline comparison runs one implementation on both sides. Why a second implementation: fla's SiLU backward
 writes the pre-activation to memory in an extra forward and reads it back (rounded to the input dtype); ours
@@ -17,7 +18,7 @@ import functools
 
 import torch
 
-__all__ = ["short_conv_harts", "tree_short_conv_harts"]
+__all__ = ["short_conv_harts", "tree_short_conv_harts", "use_harts"]
 
 
 def _device_chunks(cu: torch.Tensor, cu_host: torch.Tensor | None) -> torch.Tensor:
@@ -42,17 +43,41 @@ def _cached_device_chunks():
     return tensor_cache(_device_chunks)
 
 
-def _check(x_TP, weight_PW, activation):
+def _unsupported(weight_PW, activation) -> str | None:
+    """Why these kernels do not take a convolution of this weight and activation (None: they do)."""
     from harts.kernels.short_conv import WIDTH
 
+    if weight_PW.shape[-1] != WIDTH:
+        return f"width {weight_PW.shape[-1]}, the kernels unroll width {WIDTH}"
+    if activation not in (None, "silu", "swish"):
+        return f"activation {activation!r}"
+    return None
+
+
+def use_harts(weight_PW: torch.Tensor, activation: str | None) -> bool:
+    """Whether the fast entry points run these kernels under the current kernel choice ``conv``: always for
+    ``harts`` (what they do not take raises), never for ``fla``; for ``auto`` wherever they take the
+    convolution, the rest on fla's kernels, logged once per reason."""
+    from harts.ops.backend import log_once
+    from harts.ops.choices import kernel_choices
+
+    choice = kernel_choices().conv
+    if choice != "auto":
+        return choice == "harts"
+    why = _unsupported(weight_PW, activation)
+    if why is not None:
+        log_once(("conv_kernel", why), "harts conv kernel -> fla causal_conv1d (%s; kernel choice conv='auto')", why)
+    return why is None
+
+
+def _check(x_TP, weight_PW, activation):
     if x_TP.dim() != 2 or weight_PW.dim() != 2 or x_TP.shape[1] != weight_PW.shape[0]:
         raise ValueError(f"short_conv (harts kernels): x {tuple(x_TP.shape)} must be [T, P] and weight "
                          f"{tuple(weight_PW.shape)} [P, W]")
-    if weight_PW.shape[1] != WIDTH:
-        raise ValueError(f"short_conv (harts kernels): width {weight_PW.shape[1]}, the kernels unroll width "
-                         f"{WIDTH}; choose conv='fla' (harts.ops.set_kernel_choices) for other widths")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"short_conv (harts kernels): unsupported activation {activation!r}")
+    why = _unsupported(weight_PW, activation)
+    if why is not None:
+        raise ValueError(f"short_conv (harts kernels): unsupported {why}; choose conv='auto' or 'fla' "
+                         "(harts.ops.set_kernel_choices) for it")
 
 
 class _ShortConv(torch.autograd.Function):
@@ -106,9 +131,11 @@ class _ShortConv(torch.autograd.Function):
 
 def _say(where: str) -> None:
     from harts.ops.backend import log_once
+    from harts.ops.choices import kernel_choices
 
-    log_once(("conv_kernel", where), "harts conv kernel -> harts.kernels.short_conv (%s; kernel choice conv='harts')",
-             where)
+    choice = kernel_choices().conv
+    log_once(("conv_kernel", where, choice),
+             "harts conv kernel -> harts.kernels.short_conv (%s; kernel choice conv=%r)", where, choice)
 
 
 def short_conv_harts(x_TP: torch.Tensor, weight_PW: torch.Tensor, cu_seqlens: torch.Tensor,

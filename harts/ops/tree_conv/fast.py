@@ -20,7 +20,9 @@ ancestors before its first row (``context_QW1``, oldest first, -1 = none). Two i
   only its own chunk's rows and its own row of the per-chunk dw buffer, so two launches over disjoint chunk
   sets compose exactly.
 
-``python -m benchmarks.kernels --only conv`` times both against the trajectory-wise convolution at the
+Under the kernel choice ``conv`` (``harts``, or ``auto`` where HARTS's kernels take the convolution) both
+entry points run HARTS's kernels instead (``harts.ops.conv.fused``), so both paths stay on one implementation.
+``python -m benchmarks.kernels --only conv`` times all of them against the trajectory-wise convolution at the
 workload's shapes.
 
 Legend: C compact rows, P channels, Q sequences, W kernel width, W1 = W - 1 context rows, R chunks of CHUNK
@@ -245,11 +247,9 @@ CHUNK = 64
 @tuned("fla.modules.causal_conv1d")
 def tree_short_conv_fast(x_CP: torch.Tensor, weight_PW: torch.Tensor, seq_cu: torch.Tensor,
                          context_QW1: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
-    from harts.ops.choices import kernel_choices
+    from harts.ops.conv.fused import tree_short_conv_harts, use_harts
 
-    if kernel_choices().conv == "harts":  # both paths on one implementation (harts.ops.choices)
-        from harts.ops.conv.fused import tree_short_conv_harts
-
+    if use_harts(weight_PW, activation):  # both paths on one implementation (harts.ops.choices)
         return tree_short_conv_harts(x_CP, weight_PW, seq_cu, context_QW1, activation)
     fn = _IMPLS.get(IMPL)
     if fn is None:
