@@ -184,11 +184,14 @@ def test_short_conv_compiles_for_sm90(compile_jobs):
     rc, out, err = compile_jobs("short_conv")
     assert rc == 0, out[-3000:] + err[-6000:]
     assert out.count("compiled short_conv") == 8, out
+    # the kernels stream rows: x / dy rows must be read as vectors, not bf16 by bf16 (P % 16 == 0, as at the
+    # models' widths, where Triton's launch specialises P and the pointers on divisibility by 16)
+    assert out.count("vector row loads: yes") == 8, out
 
 
 def _compile_short_conv() -> None:
     """Forward and backward, with and without SiLU and ancestor context, bf16 rows, a 256-channel block on
-    2 warps (one of the autotuned configs)."""
+    2 warps (one of the autotuned configs), with the divisibility-by-16 hints a launch at P = 2,048 gets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -210,10 +213,16 @@ def _compile_short_conv() -> None:
                 else:
                     fn, sig = kc.short_conv_bwd_kernel, {"x": f"*{DT}", "w": "*fp32", "dy": f"*{DT}", "dx": f"*{DT}",
                                                          "dw_NP4": "*fp32", "dctx_Q3P": "*fp32", **common}
-                src = ASTSource(fn=jit_fn(fn), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+                names = [*sig, *consts]
+                aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n != "w"}
+                src = ASTSource(fn=jit_fn(fn), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
+                                attrs=aligned)
                 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
                 assert compiled.asm["cubin"]
-                print("compiled short_conv", which, silu, has_ctx, flush=True)
+                ptx = compiled.asm["ptx"]
+                vector = "ld.global.b16" not in ptx and ("ld.global.v2" in ptx or "ld.global.v4" in ptx)
+                print("compiled short_conv", which, silu, has_ctx, "vector row loads:", "yes" if vector else "no",
+                      flush=True)
 
 
 if __name__ == "__main__":
