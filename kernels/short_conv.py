@@ -44,8 +44,9 @@ def _configs():
 
 
 @triton.jit
-def _program(cu, chunks_N2, BT: tl.constexpr, BD: tl.constexpr):
-    """This program's chunk: sequence i_n, chunk i_t, its first row t0, its row count n (at most BT), channels."""
+def _program(cu, chunks_N2, P, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's chunk: sequence i_n, chunk i_t, its first row t0, its row count n (at most BT), channels
+    o_d (in range where m_d)."""
     i_d, i_c = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunks_N2 + i_c * 2).to(tl.int64)
     i_t = tl.load(chunks_N2 + i_c * 2 + 1).to(tl.int64)
@@ -54,7 +55,7 @@ def _program(cu, chunks_N2, BT: tl.constexpr, BD: tl.constexpr):
     t0 = bos + i_t * BT
     n = tl.minimum(eos - t0, BT).to(tl.int32)
     o_d = i_d * BD + tl.arange(0, BD)
-    return i_c, i_n, i_t, bos, eos, t0, n, o_d
+    return i_c, i_n, i_t, bos, eos, t0, n, o_d, o_d < P
 
 
 @triton.jit
@@ -65,6 +66,14 @@ def _taps(w, o_d, m_d):
     w2 = tl.load(w + o_d * 4 + 2, mask=m_d, other=0.0)
     w3 = tl.load(w + o_d * 4 + 3, mask=m_d, other=0.0)
     return w0, w1, w2, w3
+
+
+@triton.jit
+def _halos(x, ctx_Q3, i_n, t0, bos, o_d, m_d, P, HAS_CONTEXT: tl.constexpr):
+    """The x rows 3, 2 and 1 before the chunk's first row t0 (``_halo``)."""
+    return (_halo(x, ctx_Q3, i_n, t0 - 3, bos, o_d, m_d, P, HAS_CONTEXT),
+            _halo(x, ctx_Q3, i_n, t0 - 2, bos, o_d, m_d, P, HAS_CONTEXT),
+            _halo(x, ctx_Q3, i_n, t0 - 1, bos, o_d, m_d, P, HAS_CONTEXT))
 
 
 @triton.jit
@@ -85,12 +94,9 @@ def _halo(x, ctx_Q3, i_n, r, bos, o_d, m_d, P, HAS_CONTEXT: tl.constexpr):
 @triton.jit
 def short_conv_fwd_kernel(x, w, y, cu, chunks_N2, ctx_Q3, P, BT: tl.constexpr, BD: tl.constexpr,
                           SILU: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    i_c, i_n, i_t, bos, eos, t0, n, o_d = _program(cu, chunks_N2, BT, BD)
-    m_d = o_d < P
+    i_c, i_n, i_t, bos, eos, t0, n, o_d, m_d = _program(cu, chunks_N2, P, BT, BD)
     w0, w1, w2, w3 = _taps(w, o_d, m_d)
-    xm3 = _halo(x, ctx_Q3, i_n, t0 - 3, bos, o_d, m_d, P, HAS_CONTEXT)
-    xm2 = _halo(x, ctx_Q3, i_n, t0 - 2, bos, o_d, m_d, P, HAS_CONTEXT)
-    xm1 = _halo(x, ctx_Q3, i_n, t0 - 1, bos, o_d, m_d, P, HAS_CONTEXT)
+    xm3, xm2, xm1 = _halos(x, ctx_Q3, i_n, t0, bos, o_d, m_d, P, HAS_CONTEXT)
     for i in range(0, n):
         r = t0 + i
         x0 = tl.load(x + r * P + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -105,12 +111,9 @@ def short_conv_fwd_kernel(x, w, y, cu, chunks_N2, ctx_Q3, P, BT: tl.constexpr, B
 @triton.jit
 def short_conv_bwd_kernel(x, w, dy, dx, dw_NP4, dctx_Q3P, cu, chunks_N2, ctx_Q3, P, BT: tl.constexpr,
                           BD: tl.constexpr, SILU: tl.constexpr, HAS_CONTEXT: tl.constexpr):
-    i_c, i_n, i_t, bos, eos, t0, n, o_d = _program(cu, chunks_N2, BT, BD)
-    m_d = o_d < P
+    i_c, i_n, i_t, bos, eos, t0, n, o_d, m_d = _program(cu, chunks_N2, P, BT, BD)
     w0, w1, w2, w3 = _taps(w, o_d, m_d)
-    xm3 = _halo(x, ctx_Q3, i_n, t0 - 3, bos, o_d, m_d, P, HAS_CONTEXT)
-    xm2 = _halo(x, ctx_Q3, i_n, t0 - 2, bos, o_d, m_d, P, HAS_CONTEXT)
-    xm1 = _halo(x, ctx_Q3, i_n, t0 - 1, bos, o_d, m_d, P, HAS_CONTEXT)
+    xm3, xm2, xm1 = _halos(x, ctx_Q3, i_n, t0, bos, o_d, m_d, P, HAS_CONTEXT)
     # g(r) = dL/d(pre-activation at r); gm1..gm3 the last three, dw0..dw3 this chunk's share of dw[:, j]
     gm3 = tl.zeros([BD], dtype=tl.float32)
     gm2 = tl.zeros([BD], dtype=tl.float32)
