@@ -36,7 +36,7 @@ class Environment:
     """``HARTS_PACKED_ATTENTION``: default kernel of packed self-attention (``harts.ops.attention.fast``):
     ``cudnn`` (cuDNN per sequence where it takes the shapes) or ``varlen`` (one packed varlen call)."""
 
-    conv: str = "fla"
+    conv: str = "auto"
     """``HARTS_CONV``: default kernels of the short convolutions, trajectory-wise and on tree paths
     (``harts.ops.conv.fused``): ``harts`` (ours: the backward recomputes the pre-activation in registers; width
     4 only), ``fla`` (fla's causal_conv1d), or ``auto`` (``harts`` where it applies, else ``fla``, logged)."""

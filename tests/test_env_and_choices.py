@@ -32,10 +32,10 @@ def _long_packed():
 
 
 def test_defaults_are_the_default_kernels():
-    assert KernelChoices() == KernelChoices("cudnn_split", "cudnn", "table", "fla")
+    assert KernelChoices() == KernelChoices("cudnn_split", "cudnn", "table", "auto")
     assert read({}) == read({"UNRELATED": "1"})
     assert (read({}).view_attention, read({}).packed_attention, read({}).autotune, read({}).conv) == \
-        ("cudnn_split", "cudnn", "table", "fla")
+        ("cudnn_split", "cudnn", "table", "auto")
 
 
 @pytest.mark.parametrize("field,bad", [("view_attention", "flash"), ("packed_attention", "sdpa"),

@@ -56,7 +56,7 @@ class KernelChoices:
     view_attention: str = "cudnn_split"
     packed_attention: str = "cudnn"
     autotune: str = "table"
-    conv: str = "fla"
+    conv: str = "auto"
 
     def __post_init__(self):
         for name, allowed in ALLOWED.items():
