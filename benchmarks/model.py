@@ -17,7 +17,8 @@ smoke run of the same code (wall-clock timing, no memory figures, no profile), n
   state update, output; C chunk) and the short convolutions. HFU adds the recomputed forward under
   ``--ac full`` (4x fwd); ``selective`` recomputes no matrix product, attention or KDA core (3x fwd);
 - peak allocated memory; a torch.profiler breakdown of GPU kernel time by op family, and the device's idle
-  time in that step with the host ops it waited on (``benchmarks.trace_summary.device_idle``);
+  time in that step with the host ops it waited on (``benchmarks.trace_summary.device_idle``), and the kernel
+  time by the autograd node and op that launched it (``benchmarks.trace_summary.launchers``);
 - with ``--saved-census``: what autograd keeps for backward in one more step, per layer kind and tensor shape
   (``benchmarks.saved``; complete under ``--compile --ac selective`` and ``--ac none``);
 - with ``--compile``: the model compiled by ``harts.models.ling.compile_model`` (what the trainer's
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import build_model, family
-from benchmarks.trace_summary import device_idle
+from benchmarks.trace_summary import device_idle, launchers
 from harts.models.common.stack import AC_POLICIES
 from harts.models.ling import LingConfig, LingForCausalLM
 from harts.train.parallelize import apply_ac
@@ -223,7 +224,9 @@ def run(args, overrides: dict) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(f"{tmp}/trace.json")
             with open(f"{tmp}/trace.json") as f:
-                res["profile_device_idle"] = device_idle(json.load(f)["traceEvents"])
+                events = json.load(f)["traceEvents"]
+            res["profile_device_idle"] = device_idle(events)
+            res["profile_launchers"] = launchers(events, top=40)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -263,6 +266,10 @@ def print_table(r: dict) -> None:
         print("  -- longest kernels (one step; all 40 in the JSON) --")
         for t in r["profile_top_kernels"][:15]:
             print(f"  {t['ms']:8.1f} ms  x{t['count']:<5} [{family(t['name'])}] {t['name'][:90]}")
+    if r.get("profile_launchers"):
+        print("  -- kernel time by the host code that launched it (autograd node > op; all 40 in the JSON) --")
+        for t in r["profile_launchers"][:15]:
+            print(f"  {t['ms']:8.1f} ms  x{t['count']:<5} [{t['family']}] {t['node']} > {t['op']}")
     sc = r.get("saved_census")
     if sc:
         print(f"  -- saved for backward (one step's forward, {sc['total_gib']:.2f} GiB) --")

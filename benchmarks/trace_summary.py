@@ -1,13 +1,15 @@
 """Where a profiled training step spends its device time: ``python -m benchmarks.trace_summary TRACE.json``.
 
 Reads a torch.profiler chrome trace (``train.py --profile.enable`` writes
-``<dump_folder>/profile/step<N>/rank<R>_trace.json``) and sums the GPU kernel time by op family (the
-families of ``benchmarks.speedup``), plus the wall span of the ``harts.microbatch.*`` and
-``harts.backward.*`` ranges, and where the device sits idle: the idle time between the first and the last
-kernel (kernel intervals merged over streams), attributed to the innermost host op running at each gap
-(e.g. ``aten::_local_scalar_dense`` = a host sync, ``cudaLaunchKernel`` = launch-bound, an all-to-all),
-plus the largest gaps. Prints tables; ``--json OUT`` writes them (a few KB instead of a trace of hundreds
-of MB). On a CPU trace (no kernel events) it sums CPU op inclusive time instead, and says so.
+``<dump_folder>/profile/step<N>/rank<R>_trace.json``) and sums the GPU kernel time by op family (the families
+of ``benchmarks.speedup``), plus the wall span of the ``harts.microbatch.*`` and ``harts.backward.*`` ranges,
+and where the device sits idle: the idle time between the first and the last kernel (kernel intervals merged
+over streams), attributed to the innermost host op running at each gap (e.g. ``aten::_local_scalar_dense`` = a
+host sync, ``cudaLaunchKernel`` = launch-bound, an all-to-all), plus the largest gaps, and which host code
+launched the device time (``launchers``: each kernel's launch, matched by its correlation id, inside the
+autograd node and ATen op that issued it). Prints tables; ``--json OUT`` writes them (a few KB instead of a
+trace of hundreds of MB). On a CPU trace (no kernel events) it sums CPU op inclusive time instead, and says
+so.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def summarize(trace: dict) -> dict:
            "ranges_s": dict(ranges)}
     if source == "gpu_kernels":
         out["device_idle"] = device_idle(events)
+        out["launchers"] = launchers(events)
     return out
 
 
@@ -98,6 +101,78 @@ def device_idle(events: list, *, min_gap_us: float = 5.0, top: int = 8, top_ops:
                       "host": owner.get(i, "")[:80]} for i in big]}
 
 
+_NODE = "autograd::engine::evaluate_function: "
+
+
+def launchers(events: list, *, top: int = 25) -> list[dict]:
+    """Device time by the host code that launched it: each kernel / copy / memset is matched to its launch
+    (the runtime or driver call with the same ``correlation`` id) and the launch to the cpu_ops open on its
+    thread at that moment. Key: (family, innermost autograd node or ``forward``, innermost ATen op or
+    ``(compiled graph)``). Why: an elementwise or copy family is many small kernels that a family sum cannot
+    explain, while the op that launched them (an ``aten::add_`` under ``AccumulateGrad``, say) names the code to
+    change. Launches that are not inside any cpu_op count under ``(no host op)``."""
+    launch_at: dict[int, tuple[int, float]] = {}
+    ops_by_tid: dict = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {}):
+            launch_at[e["args"]["correlation"]] = (e.get("tid"), float(e["ts"]))
+        elif cat in ("cpu_op", "user_annotation"):
+            t0 = float(e["ts"])
+            ops_by_tid[e.get("tid")].append((t0, t0 + float(e.get("dur", 0.0)), e.get("name", "")))
+    want = defaultdict(list)  # tid -> [(launch ts, kernel ms, family)]
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _DEVICE:
+            corr = (e.get("args") or {}).get("correlation")
+            ms = float(e.get("dur", 0.0)) / 1e3
+            if corr in launch_at:
+                tid, ts = launch_at[corr]
+                want[tid].append((ts, ms, family(e.get("name", ""))))
+            else:
+                want[None].append((None, ms, family(e.get("name", ""))))
+    acc: dict[tuple, list] = {}
+
+    def add(key, ms):
+        a = acc.setdefault(key, [0.0, 0])
+        a[0] += ms
+        a[1] += 1
+
+    for tid, launches in want.items():
+        ops = sorted(ops_by_tid.get(tid, ()), key=lambda o: (o[0], -o[1]))
+        stack: list = []  # open ops, outermost first (ops on one thread nest)
+        j = 0
+        for ts, ms, fam in sorted(launches, key=lambda x: -1.0 if x[0] is None else x[0]):
+            if ts is None:
+                add((fam, "(no host op)", "(no host op)"), ms)
+                continue
+            while j < len(ops) and ops[j][0] <= ts:
+                while stack and stack[-1][1] < ops[j][0]:
+                    stack.pop()
+                stack.append(ops[j])
+                j += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            node, aten = "forward", "(no host op)"
+            for t0, t1, name in stack:
+                if name.startswith(_NODE):
+                    node = name[len(_NODE):]
+                if "CompiledFxGraph" in name:
+                    aten = "(compiled graph)"
+                elif name.startswith(("aten::", "harts::")):
+                    aten = name
+            add((fam, node[:70], aten[:70]), ms)
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"family": f, "node": n, "op": o, "ms": v[0], "count": v[1]} for (f, n, o), v in rows]
+
+
+def print_launchers(rows: list[dict]) -> None:
+    print("| family | autograd node | op | ms | kernels |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['family']} | {r['node']} | {r['op']} | {r['ms']:.2f} | {r['count']} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.trace_summary", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="chrome trace JSON written by torch.profiler")
@@ -121,6 +196,9 @@ def main(argv=None) -> int:
             print(f"| {k} | {v:.4f} |")
         for g in idle["gaps"]:
             print(f"    gap {g['gap_us']:9.1f} us before {g['next']} (host: {g['host']})")
+    if res.get("launchers"):
+        print("device time by launching host code:")
+        print_launchers(res["launchers"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
