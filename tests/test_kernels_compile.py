@@ -6,9 +6,9 @@ fine interpreted and is a CompilationError on the GPU. ``triton.compile`` with a
 the whole pipeline (frontend, TTGIR, LLVM, PTX, the wheel's ptxas) without a GPU, so CI catches those.
 The compile runs in a subprocess: this pytest process has TRITON_INTERPRET=1, under which ``triton.jit``
 builds interpreter objects instead of compilable functions. The compile jobs (the round scans at K = 64
-and 128, the AdamW update, the MoE gather-sum, the attention merge, the short convolution) start together when
-the module's first test runs, one subprocess each, so that they share the machine's cores; each test waits for
-its own job.
+and 128, the AdamW update, the MoE gather-sum and SwiGLU, the attention merge, the short convolution) start
+together when the module's first test runs, one subprocess each, so that they share the machine's cores; each
+test waits for its own job.
 """
 import os
 import subprocess
@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-JOBS = ("64", "128", "adamw", "gather_sum", "attn_merge", "short_conv")  # the subprocess argument of each compile job
+# the subprocess argument of each compile job
+JOBS = ("64", "128", "adamw", "gather_sum", "swiglu", "attn_merge", "short_conv")
 
 DT = "bf16"  # what the runtime uses; fp32 kernels share the source
 FWD_SIG = {"k": f"*{DT}", "u": f"*{DT}", "w": f"*{DT}", "v_new": f"*{DT}", "gk": "*fp32", "h": f"*{DT}", "h0": "*fp32",
@@ -152,6 +153,33 @@ def _compile_gather_sum() -> None:
         print("compiled gather_sum", K, D, idx, flush=True)
 
 
+def test_moe_swiglu_compiles_for_sm90(compile_jobs):
+    rc, out, err = compile_jobs("swiglu")
+    assert rc == 0, out[-3000:] + err[-6000:]
+    assert out.count("compiled swiglu") == 2, out
+
+
+def _compile_swiglu() -> None:
+    """The experts' SwiGLU forward and its fused backward, bf16 rows and fp32 routing weights, blocks as the
+    launchers set them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import harts.kernels.moe_swiglu as ks
+
+    fwd = {"gu": f"*{DT}", "s": "*fp32", "h": f"*{DT}", "M": "i32", "F": "i32", "stride_gu": "i32",
+           "stride_h": "i32", "BM": "constexpr", "BF": "constexpr"}
+    bwd = {"gu": f"*{DT}", "s": "*fp32", "dh": f"*{DT}", "dgu": f"*{DT}", "h": f"*{DT}", "ds": "*fp32", "M": "i32",
+           "F": "i32", "stride_gu": "i32", "stride_dh": "i32", "stride_dgu": "i32", "stride_h": "i32",
+           "BM": "constexpr", "BF": "constexpr"}
+    for name, fn, sig in (("fwd", ks.moe_swiglu_fwd_kernel, fwd), ("bwd", ks.moe_swiglu_bwd_kernel, bwd)):
+        src = ASTSource(fn=fn, signature=sig, constexprs=dict(BM=ks.BM, BF=ks.BF))
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": ks.NUM_WARPS})
+        assert compiled.asm["cubin"]
+        print("compiled swiglu", name, flush=True)
+
+
 def test_attn_merge_compiles_for_sm90(compile_jobs):
     rc, out, err = compile_jobs("attn_merge")
     assert rc == 0, out[-3000:] + err[-6000:]
@@ -226,8 +254,9 @@ def _compile_short_conv() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("adamw", "gather_sum", "attn_merge", "short_conv"):
-        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum, "attn_merge": _compile_attn_merge,
+    if sys.argv[1] in ("adamw", "gather_sum", "swiglu", "attn_merge", "short_conv"):
+        {"adamw": _compile_adamw, "gather_sum": _compile_gather_sum, "swiglu": _compile_swiglu,
+         "attn_merge": _compile_attn_merge,
          "short_conv": _compile_short_conv}[sys.argv[1]]()
     else:
         _compile_all(int(sys.argv[1]))

@@ -341,3 +341,106 @@ def test_router_logits_16bit_gpu_within_fp32_rounding_and_compiles(dtype):
             exact = a.double() @ b.double()
             bound = 4 * a.shape[1] * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
             assert bool(((got.double() - exact).abs() <= bound).all()), (got.double() - exact).abs().max()
+
+
+def _swiglu_down_inputs(M, Fw, D=16, n_exp=4, dtype=torch.float32, device="cpu", seed=11):
+    """Pre-activations [M, 2F], routing weights, a down weight [E, D, F] and the groups' ends (expert 1 empty),
+    and the incoming gradient of the output."""
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(M, 2 * Fw, generator=g) * 2
+    scale = torch.rand(M, generator=g)
+    w_down = torch.randn(n_exp, D, Fw, generator=g) / Fw ** 0.5
+    dy = torch.randn(M, D, generator=g)
+    cuts = sorted(torch.randint(0, M + 1, (n_exp - 2,), generator=g).tolist())
+    offs = torch.tensor([cuts[0], cuts[0], *cuts[1:], M], dtype=torch.int32)
+    to = lambda t: t.to(device=device, dtype=dtype)
+    return to(gu), scale.to(device), to(w_down), offs.to(device), to(dy)
+
+
+def _swiglu_down_loop(gu, scale, w_down, offs, dy):
+    """The definition, expert by expert in the inputs' dtype: y = (silu(g) u s) @ w_down[e].T; returns y and the
+    gradients of <y, dy> w.r.t. gu, scale and w_down."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (gu, scale, w_down)]
+    gu_, s_, wd_ = leaves
+    Fw = wd_.shape[-1]
+    h = F.silu(gu_[:, :Fw]) * gu_[:, Fw:] * s_.to(gu_.dtype)[:, None]
+    ends = [0, *offs.tolist()]
+    y = torch.cat([h[a:b] @ wd_[e].T for e, (a, b) in enumerate(zip(ends[:-1], ends[1:]))])
+    return [y.detach(), *torch.autograd.grad((y * dy).sum(), leaves)]
+
+
+@pytest.mark.parametrize("M,Fw", [(37, 40), (21, 264)])  # one masked column block; two, the second masked
+def test_moe_swiglu_down_interpreted_matches_float64(M, Fw):
+    """``harts::moe_swiglu_down`` (Triton under the interpreter, float32) against the float64 definition: output
+    and the gradients of the pre-activations, the routing weights and the down weight are as close to it as the
+    float32 definition (within 2x, plus 4 float32 ulps of the largest value); rows not a multiple of the block,
+    an expert without rows. The backward's rebuilt activation (the down weight's gradient input) is bitwise the
+    forward's."""
+    import triton
+
+    from harts.kernels import moe_swiglu
+    from harts.kernels.moe_swiglu import moe_swiglu_down
+
+    gu, scale, w_down, offs, dy = _swiglu_down_inputs(M, Fw)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (gu, scale, w_down)]
+    y = moe_swiglu_down(*leaves, offs)
+    fast = [y.detach(), *torch.autograd.grad((y * dy).sum(), leaves)]
+    truth = _swiglu_down_loop(*(t.double() if t.is_floating_point() else t for t in (gu, scale, w_down, offs, dy)))
+    plain = _swiglu_down_loop(gu, scale, w_down, offs, dy)
+    for name, t, a, b in zip(("y", "dgu", "dscale", "dw_down"), truth, fast, plain):
+        assert a.dtype == b.dtype and a.shape == t.shape, name
+        err, err_plain = (a.double() - t).abs().max().item(), (b.double() - t).abs().max().item()
+        assert err <= 2 * err_plain + 4 * torch.finfo(torch.float32).eps * t.abs().max().item(), (name, err, err_plain)
+    h_fwd = torch.empty(M, Fw)
+    moe_swiglu.moe_swiglu_fwd_kernel[(triton.cdiv(M, moe_swiglu.BM), triton.cdiv(Fw, moe_swiglu.BF))](
+        gu, scale, h_fwd, M, Fw, gu.stride(0), h_fwd.stride(0), BM=moe_swiglu.BM, BF=moe_swiglu.BF)
+    dh = torch.randn(M, Fw, generator=torch.Generator().manual_seed(3))
+    _, _, h_bwd = torch.ops.harts.moe_swiglu_bwd(gu, scale, dh)
+    assert torch.equal(h_bwd, h_fwd)
+
+
+def test_stacked_experts_fast_path_runs_the_fused_swiglu_op_and_checkpointing_saves_it():
+    """With routing weights the stacked fast path is ``harts::moe_swiglu_down`` after the gate-up GEMM (bitwise),
+    and selective checkpointing keeps that op's output (a matrix product's) instead of recomputing it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from harts.kernels.moe_swiglu import moe_swiglu_down
+    from harts.models.common.compile import _sac_policy
+    from harts.ops.moe.experts import _grouped_swiglu_stacked
+
+    gu, scale, w_down, offs, _ = _swiglu_down_inputs(29, 40)
+    g = torch.Generator().manual_seed(4)
+    x, w_gate_up = torch.randn(29, 16, generator=g), torch.randn(4, 80, 16, generator=g)
+    out = _grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale)
+    gu_ = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=offs)
+    assert torch.equal(out, moe_swiglu_down(gu_, scale, w_down, offs))
+    assert _sac_policy(None, torch.ops.harts.moe_swiglu_down.default) == CheckpointPolicy.MUST_SAVE
+    assert _sac_policy(None, torch.ops.harts.moe_swiglu_bwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.gpu
+def test_moe_swiglu_down_bf16_gpu_close_to_fp32_and_compiles():
+    """bf16 on the GPU at a model width (F = 512): output and gradients against the fp32 definition by relative
+    RMS error, no worse than the bf16 definition plus 1e-3; deterministic; inside torch.compile(fullgraph=True)
+    bitwise the eager op, forward and backward."""
+    from harts.kernels.moe_swiglu import moe_swiglu_down
+
+    gu, scale, w_down, offs, dy = _swiglu_down_inputs(6000, 512, D=256, n_exp=8, dtype=torch.bfloat16,
+                                                      device="cuda")
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (gu, scale, w_down)]
+        y = fn(*leaves, offs)
+        return [y.detach(), *torch.autograd.grad((y.float() * dy.float()).sum(), leaves)]
+
+    eager = run(moe_swiglu_down)
+    again = run(moe_swiglu_down)
+    compiled = run(torch.compile(lambda *a: moe_swiglu_down(*a) * 1, fullgraph=True))
+    f32 = _swiglu_down_loop(*(t.float() if t.is_floating_point() else t for t in (gu, scale, w_down, offs, dy)))
+    b16 = _swiglu_down_loop(gu, scale, w_down, offs, dy)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    for name, a, a2, c, t, b in zip(("y", "dgu", "dscale", "dw_down"), eager, again, compiled, f32, b16):
+        assert torch.equal(a, a2) and torch.equal(a, c), name
+        e, floor = rel(a, t), rel(b, t)
+        print(f"moe_swiglu_down {name}: vs fp32 {e:.2e} (bf16 definition {floor:.2e})")
+        assert e <= floor + 1e-3, (name, e, floor)

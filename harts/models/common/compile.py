@@ -65,9 +65,10 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
   compiled regions, whose forwards are rerun on recomputation: a whole extra forward per step.
 - ``"selective"`` runs the layer as ``pre`` / core / ``post`` (``selective_layer_forward``) with the core
   outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's
-  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``), of collectives, of the opaque
-  MoE reference op and of the router's expert ``topk`` (a sort kernel Inductor cannot fuse; its [T, K]
-  output is small) are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
+  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, the experts' fused
+  SwiGLU-and-down-projection op ``harts::moe_swiglu_down``), of collectives, of the opaque MoE reference
+  op and of the router's expert ``topk`` (a sort kernel Inductor cannot fuse; its [T, K] output is small)
+  are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
   row gathers) is recomputed in backward. Why this split: the core is where the layout lives (host-side
   plans, Triton autograd Functions, which an op policy cannot see into: it would recompute a custom
   Function whole) and it is the expensive non-GEMM part of a layer (attention and the KDA chunk loop), so
@@ -209,10 +210,14 @@ def _save_ops() -> frozenset:
 
 
 SAC_SAVE_OPS = _save_ops()
+# Ops registered on first use (so not in the set above), saved by name: the routed experts' weighted SwiGLU
+# with the down projection (harts.kernels.moe_swiglu), whose output is a matrix product's.
+SAC_SAVE_OP_NAMES = frozenset({"harts::moe_swiglu_down"})
 
 
 def _sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = func in SAC_SAVE_OPS or (getattr(func, "namespace", None) == "harts" and func.name() in SAC_SAVE_OP_NAMES)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_context():
