@@ -41,6 +41,11 @@ class Environment:
     (``harts.ops.conv.fused``): ``harts`` (ours: the backward recomputes the pre-activation in registers; width
     4 only), ``fla`` (fla's causal_conv1d), or ``auto`` (``harts`` where it applies, else ``fla``, logged)."""
 
+    swiglu: str = "torch"
+    """``HARTS_SWIGLU``: default of the routed experts' weighted SwiGLU and down projection (``harts.ops.moe``):
+    ``torch`` (torch ops; Inductor fuses them in compiled regions) or ``harts`` (``harts::moe_swiglu_down``,
+    whose backward is one fused pass)."""
+
     autotune: str = "table"
     """``HARTS_AUTOTUNE``: default autotuning mode (``harts.ops.tuning``): ``table`` (the shipped autotune
     results where the GPU has a table) or ``full`` (benchmark every config of every new key)."""
@@ -83,6 +88,7 @@ def read(environ: Mapping[str, str] | None = None) -> Environment:
         view_attention=e.get("HARTS_VIEW_ATTENTION", d.view_attention),
         packed_attention=e.get("HARTS_PACKED_ATTENTION", d.packed_attention),
         conv=e.get("HARTS_CONV", d.conv),
+        swiglu=e.get("HARTS_SWIGLU", d.swiglu),
         autotune=e.get("HARTS_AUTOTUNE", d.autotune),
         kernel_report=e.get("HARTS_KERNEL_REPORT") or None,
         autotune_record=e.get("HARTS_AUTOTUNE_RECORD") or None,
@@ -98,7 +104,8 @@ ENV: Environment = read()
 
 # The field each variable fills (docs and error messages name the variable).
 VARIABLES = {"HARTS_VIEW_ATTENTION": "view_attention", "HARTS_PACKED_ATTENTION": "packed_attention",
-             "HARTS_CONV": "conv", "HARTS_AUTOTUNE": "autotune", "HARTS_KERNEL_REPORT": "kernel_report",
+             "HARTS_CONV": "conv", "HARTS_SWIGLU": "swiglu", "HARTS_AUTOTUNE": "autotune",
+             "HARTS_KERNEL_REPORT": "kernel_report",
              "HARTS_AUTOTUNE_RECORD": "autotune_record", "HARTS_DEBUG": "debug",
              "HARTS_HOST_MEMORY": "host_memory", "HARTS_PACK_THREADS": "pack_threads",
              "TRITON_INTERPRET": "triton_interpret"}

@@ -102,14 +102,16 @@ def test_grouped_mm_matches_reference_fp32_cpu():
         assert err <= 2 * err_ref + 4 * torch.finfo(torch.float32).eps * t.abs().max().item(), (name, err, err_ref)
 
 
-def test_stacked_gate_up_equals_two_weights_fp32_cpu():
+@pytest.mark.parametrize("swiglu", ["torch", "harts"])  # harts: harts::moe_swiglu_down under the interpreter
+def test_stacked_gate_up_equals_two_weights_fp32_cpu(swiglu):
     """``grouped_experts_stacked`` (gate and up as one [E, 2F, D] weight, Qwen3.5's layout): its reference is
     ``grouped_experts`` on the two halves, bit for bit in float64 with the gradient of each half in its rows of
-    the stacked weight; its fast path (one grouped GEMM with N = 2F) is as close to the float64 truth as the
-    two-GEMM fast path (within 2x, plus 4 float32 ulps of the largest value). A weight that is not [E, 2F, D]
-    is refused with its shape."""
+    the stacked weight; its fast path (one grouped GEMM with N = 2F, the SwiGLU as torch ops or as the fused op)
+    is as close to the float64 truth as the two-GEMM fast path (within 2x, plus 4 float32 ulps of the largest
+    value). A weight that is not [E, 2F, D] is refused with its shape."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.fail("torch._grouped_mm missing")
+    import harts.ops
     from harts.ops.moe import grouped_experts, grouped_experts_stacked
     from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
 
@@ -139,7 +141,9 @@ def test_stacked_gate_up_equals_two_weights_fp32_cpu():
     for a, b in zip(run(ref(True), torch.float64, True), run(ref(False), torch.float64, False)):
         assert torch.equal(a, b)
     truth = run(ref(False), torch.float64, False)
-    for name, t, a, b in zip(("y", "dx", "dw_gate_up", "dw_down"), truth, run(fast(True), torch.float32, True),
+    with harts.ops.use_kernel_choices(swiglu=swiglu):
+        stacked = run(fast(True), torch.float32, True)
+    for name, t, a, b in zip(("y", "dx", "dw_gate_up", "dw_down"), truth, stacked,
                              run(fast(False), torch.float32, False)):
         err, err_two = (a.double() - t).abs().max().item(), (b.double() - t).abs().max().item()
         assert err <= 2 * err_two + 4 * torch.finfo(torch.float32).eps * t.abs().max().item(), (name, err, err_two)
@@ -400,10 +404,13 @@ def test_moe_swiglu_down_interpreted_matches_float64(M, Fw):
 
 
 def test_stacked_experts_fast_path_runs_the_fused_swiglu_op_and_checkpointing_saves_it():
-    """With routing weights the stacked fast path is ``harts::moe_swiglu_down`` after the gate-up GEMM (bitwise),
-    and selective checkpointing keeps that op's output (a matrix product's) instead of recomputing it."""
+    """Under the kernel choice swiglu="harts", with routing weights, the stacked fast path is
+    ``harts::moe_swiglu_down`` after the gate-up GEMM (bitwise); under the default ("torch") it is the torch ops
+    (within float32 rounding of it); selective checkpointing keeps that op's output (a matrix product's) instead
+    of recomputing it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    import harts.ops
     from harts.kernels.moe_swiglu import moe_swiglu_down
     from harts.models.common.compile import _sac_policy
     from harts.ops.moe.experts import _grouped_swiglu_stacked
@@ -411,9 +418,12 @@ def test_stacked_experts_fast_path_runs_the_fused_swiglu_op_and_checkpointing_sa
     gu, scale, w_down, offs, _ = _swiglu_down_inputs(29, 40)
     g = torch.Generator().manual_seed(4)
     x, w_gate_up = torch.randn(29, 16, generator=g), torch.randn(4, 80, 16, generator=g)
-    out = _grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale)
+    with harts.ops.use_kernel_choices(swiglu="harts"):
+        out = _grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale)
     gu_ = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=offs)
     assert torch.equal(out, moe_swiglu_down(gu_, scale, w_down, offs))
+    assert harts.ops.kernel_choices().swiglu == "torch"
+    torch.testing.assert_close(_grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale), out)
     assert _sac_policy(None, torch.ops.harts.moe_swiglu_down.default) == CheckpointPolicy.MUST_SAVE
     assert _sac_policy(None, torch.ops.harts.moe_swiglu_bwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
 

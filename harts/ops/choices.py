@@ -11,13 +11,17 @@ process-wide choice, not an argument of every call:
   it takes the shapes) or ``varlen`` (one packed varlen call);
 - ``conv``: the short convolutions, trajectory-wise (``harts.ops.conv``) and on tree paths
   (``harts.ops.tree_conv``) alike: ``harts`` (``harts.ops.conv.fused``: each row's pre-activation recomputed
-  once in fp32 registers in the backward instead of stored; width 4 only), ``fla`` (default: fla's
-  causal_conv1d), or ``auto`` (``harts`` where it takes the convolution, else ``fla``, logged);
+  once in fp32 registers in the backward instead of stored; width 4 only), ``fla`` (fla's causal_conv1d), or
+  ``auto`` (default: ``harts`` where it takes the convolution, else ``fla``, logged);
+- ``swiglu``: the routed experts' weighted SwiGLU and down projection on the stacked fast path
+  (``harts.ops.moe.experts``): ``torch`` (default: torch ops, which Inductor fuses in the compiled regions) or
+  ``harts`` (the op ``harts::moe_swiglu_down``: the backward as one fused pass, ``harts.kernels.moe_swiglu``);
 - ``autotune``: ``table`` (default: the shipped autotune results, ``harts.ops.tuning``) or ``full``
   (benchmark every config of every new key). Read when a fast entry point first restricts the autotuners
   of newly imported kernel modules; kernels already restricted to the table keep it.
 
-The defaults come from ``HARTS_VIEW_ATTENTION``, ``HARTS_PACKED_ATTENTION``, ``HARTS_CONV`` and ``HARTS_AUTOTUNE``
+The defaults come from ``HARTS_VIEW_ATTENTION``, ``HARTS_PACKED_ATTENTION``, ``HARTS_CONV``, ``HARTS_SWIGLU`` and
+``HARTS_AUTOTUNE``
 (read once, by ``harts.env``). Change them in code::
 
     import harts.ops
@@ -41,10 +45,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "view_attention": ("cudnn_split", "varlen"),
     "packed_attention": ("cudnn", "varlen"),
     "conv": ("auto", "fla", "harts"),
+    "swiglu": ("torch", "harts"),
     "autotune": ("table", "full"),
 }
 _VARIABLE = {"view_attention": "HARTS_VIEW_ATTENTION", "packed_attention": "HARTS_PACKED_ATTENTION",
-             "conv": "HARTS_CONV",
+             "conv": "HARTS_CONV", "swiglu": "HARTS_SWIGLU",
              "autotune": "HARTS_AUTOTUNE"}
 
 
@@ -57,6 +62,7 @@ class KernelChoices:
     packed_attention: str = "cudnn"
     autotune: str = "table"
     conv: str = "auto"
+    swiglu: str = "torch"
 
     def __post_init__(self):
         for name, allowed in ALLOWED.items():

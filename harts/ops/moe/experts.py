@@ -8,8 +8,9 @@ weights, to an experts callable (``grouped_experts``, or a model's experts modul
 parallelism wraps from outside). The reference experts loop over the experts (exact in float64) and weight
 each row's D-wide output; the fast path runs three torch._grouped_mm calls with unpadded group offsets
 (bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection;
-with gate and up stacked in one [E, 2F, D] weight (``grouped_experts_stacked``) it runs them as one, and the
-weighted SwiGLU with the down projection as one op whose backward is one fused pass over the rows.
+with gate and up stacked in one [E, 2F, D] weight (``grouped_experts_stacked``) it runs them as one, and under
+the kernel choice ``swiglu="harts"`` the weighted SwiGLU with the down projection as one op whose backward is
+one fused pass over the rows.
 Rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
 Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
 whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from harts import env
 from harts.ops.backend import resolve
+from harts.ops.choices import kernel_choices
 
 
 def _combine(y_MD, topk_w_TK, T, K):
@@ -71,15 +73,16 @@ def _grouped_swiglu(x_MD, offs_E, w_gate_EFD, w_up_EFD, w_down_EDF, scale_M=None
 
 
 def _grouped_swiglu_stacked(x_MD, offs_E, w_gate_up_E2FD, w_down_EDF, scale_M=None):
-    """``grouped_experts_stacked``' fast path: one grouped GEMM over the stacked gate and up rows (N = 2F). With
-    routing weights on a GPU (or the Triton interpreter) the SwiGLU and the down projection are the op
-    ``harts::moe_swiglu_down`` (``harts.kernels.moe_swiglu``: one fused pass for the SwiGLU's backward, which
-    also rebuilds the down projection's input); otherwise the output is split into the gate and up halves
-    (``split``, whose backward is one concatenation; two slices would each fill a zero [M, 2F] gradient and
-    add them, eagerly)."""
+    """``grouped_experts_stacked``' fast path: one grouped GEMM over the stacked gate and up rows (N = 2F). Under
+    the kernel choice ``swiglu="harts"`` (``harts.ops.choices``), with routing weights, on a GPU or the Triton
+    interpreter, the SwiGLU and the down projection are the op ``harts::moe_swiglu_down``
+    (``harts.kernels.moe_swiglu``: the SwiGLU's backward as one fused pass, which also rebuilds the down
+    projection's input); otherwise the output is split into the gate and up halves (``split``, whose backward
+    is one concatenation; two slices would each fill a zero [M, 2F] gradient and add them, eagerly)."""
     Fw = w_down_EDF.shape[-1]
     gu_M2F = torch._grouped_mm(x_MD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E)
-    if scale_M is not None and (gu_M2F.is_cuda or env.ENV.triton_interpret):
+    if (scale_M is not None and kernel_choices().swiglu == "harts"
+            and (gu_M2F.is_cuda or env.ENV.triton_interpret)):
         from harts.kernels.moe_swiglu import moe_swiglu_down
 
         return moe_swiglu_down(gu_M2F, scale_M, w_down_EDF, offs_E)
