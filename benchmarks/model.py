@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import json
 import logging
@@ -46,6 +47,7 @@ from benchmarks.common import build_model, family
 from benchmarks.trace_summary import device_idle, launchers
 from harts.models.common.stack import AC_POLICIES
 from harts.models.ling import LingConfig, LingForCausalLM
+from harts.ops import kernel_choices
 from harts.train.parallelize import apply_ac
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, dense bf16 tensor core (H100/H200 SXM)
@@ -176,6 +178,7 @@ def run(args, overrides: dict) -> dict:
     hw_flops = 4 * fwd if args.ac == "full" else 3 * fwd
     res = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "kernel_choices": dataclasses.asdict(kernel_choices()),
         "preset": args.preset, "overrides": overrides, "activation_checkpoint": args.ac,
         "recompute": args.ac == "full", "dtype": args.dtype,
         "garbage_collection": "automatic collection off, a generation-1 collection before each step (untimed)",
@@ -247,6 +250,7 @@ def print_table(r: dict) -> None:
         ("fwd TFLOP: matmul/attn/kda/conv", "/".join(f"{r['fwd_flops'][k] / 1e12:.2f}" for k in
                                                      ("matmul", "attention", "kda", "conv"))),
         ("activation checkpointing", r["activation_checkpoint"]),
+        ("kernel choices", " ".join(f"{k}={v}" for k, v in r.get("kernel_choices", {}).items())),
         ("MFU / HFU (peak 989 TF bf16)", f"{100 * r['mfu']:.1f}% / {100 * r['hfu']:.1f}%"),
         ("peak memory", "n/a on CPU" if r["peak_mem_gib"] is None else
          f"{r['peak_mem_gib']:.1f} GiB (params {r['params_gib']:.1f} GiB)"),

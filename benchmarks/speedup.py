@@ -19,6 +19,7 @@ full-layer activation recomputation on both paths:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import resource
@@ -41,6 +42,7 @@ from benchmarks.output import write_results
 from benchmarks.trace_summary import device_idle
 from harts.env import keep_host_memory
 from harts.models.family import model_class, model_config
+from harts.ops import kernel_choices
 
 
 class HostStalls:
@@ -456,7 +458,7 @@ def merge(paths: list[str], out: str) -> int:
     meta = {k: v for k, v in shards[0].items() if k in ("model", "device", "torch", "microbatch_plan_s",
                                                          "microbatches", "planned_microbatches", "flops_per_row",
                                                          "peak_tflops", "kernel_load_detection", "host_memory",
-                                                         "garbage_collection")}
+                                                         "kernel_choices", "garbage_collection")}
     meta["args"] = dict(shards[0]["args"], shard=None, merged=paths)
     records = sorted((r for s in shards for r in s["records"]), key=lambda r: r["index"])
     profile = next((s["profile"] for s in shards if "profile" in s), None)
@@ -601,13 +603,14 @@ def measure(args, t_proc: float, host_memory: str) -> int:
             "torch": torch.__version__, "microbatch_plan_s": t_mb, "microbatches": len(mbs),
             "garbage_collection": "automatic collection off, a generation-1 collection before each run (untimed)",
             "planned_microbatches": len(plan.microbatches), "flops_per_row": flops_per_row(model),
-            "peak_tflops": args.peak_tflops,
+            "peak_tflops": args.peak_tflops, "kernel_choices": dataclasses.asdict(kernel_choices()),
             "kernel_load_detection": ("triton jit_post_compile_hook" if loads.available else "triton: unavailable")
             + ", cuDNN attention shapes" + (", torch.compile graphs" if compiled is not None else ""),
             "activation_checkpointing": args.ac, "warmup_s": warmup_s, "host_memory": host_memory,
             "compile": None if compiled is None else {
                 "backend": compiled.backend, "compilations_in_warmup": compiled.compilations,
                 "backend_seconds_in_warmup": compiled.compile_seconds}}
+    print("kernel choices: " + " ".join(f"{k}={v}" for k, v in meta["kernel_choices"].items()), flush=True)
     profile = None
     if shard == 0 and args.profile:
         # Where the time goes: one of the shard's microbatches (--profile-microbatch) of each path under the profiler,
