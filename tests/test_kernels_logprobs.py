@@ -73,3 +73,43 @@ def test_gpu_matches_reference(dtype):
     for a, b in zip(fast[1:], ref[1:]):
         err = (a.float() - b.float()).norm() / b.float().norm()
         assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sub_mm_accumulates_the_product_in_place_within_fp32_rounding(dtype):
+    """``_sub_mm_`` (the backward's ``dh -= P W`` / ``dW -= P^T h``): c - a @ b in c's fp32 storage, in place,
+    with a transposed operand as the backward passes it, within fp32 rounding of the float64 value (the operands
+    rounded to ``dtype`` first, as the kernel sees them)."""
+    from harts.ops.logprobs.fused import _sub_mm_
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(40, 24, generator=g).to(dtype)
+    b = torch.randn(40, 33, generator=g).to(dtype)
+    c = torch.randn(24, 33, generator=g)
+    truth = c.double() - a.double().T @ b.double()
+    out = c.clone()
+    ptr = out.data_ptr()
+    assert _sub_mm_(out, a.T, b).data_ptr() == ptr and out.data_ptr() == ptr and out.dtype == torch.float32
+    bound = 8 * torch.finfo(torch.float32).eps * (c.double().abs() + a.double().abs().T @ b.double().abs()).max()
+    assert (out.double() - truth).abs().max() <= bound
+
+
+@pytest.mark.gpu
+def test_sub_mm_bf16_gpu_within_fp32_rounding_either_way():
+    """On the GPU with bf16 operands ``_sub_mm_`` runs the GEMM with an fp32 accumulator in its epilogue if this
+    torch's addmm takes one (the check is logged and printed), else the product and a subtraction; either way
+    the result is the float64 value within fp32 rounding, also on a row slice of a larger accumulator."""
+    from harts.ops.logprobs.fused import _epilogue_accumulates, _sub_mm_
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(4096, 512, generator=g).to(torch.bfloat16).cuda()
+    b = torch.randn(4096, 768, generator=g).to(torch.bfloat16).cuda()
+    c = torch.randn(1024, 768, generator=g).cuda()
+    print("epilogue accumulation:", _epilogue_accumulates(a.device))
+    truth = c.double()
+    truth[256:768] -= a.double().T @ b.double()
+    out = c.clone()
+    _sub_mm_(out[256:768], a.T, b)
+    bound = 8 * torch.finfo(torch.float32).eps * (c.double().abs()[256:768]
+                                                   + a.double().abs().T @ b.double().abs()).max()
+    assert (out.double() - truth).abs().max() <= bound and torch.equal(out[:256], c[:256])

@@ -5,7 +5,9 @@ logits block and ``logprobs_fwd_kernel_lse`` folds it into a running (max, sum-e
 target logits are gathered dot products over the semantic positions. Only the per-row LSE [C] is
 saved. Backward recomputes each logits block, turns it into ``P = gsum * softmax`` with
 ``logprobs_bwd_kernel_p`` (gsum_C sums the upstream gradient of every semantic position of a row:
-Eq. 19), and accumulates ``dh -= P W`` and ``dW -= P^T h``; the target terms are index_adds.
+Eq. 19), and accumulates ``dh -= P W`` and ``dW -= P^T h`` (``_sub_mm_``: in the GEMM's epilogue where
+cuBLAS takes an fp32 accumulator beside 16-bit inputs, so no fp32 product is written and read back); the
+target terms are index_adds.
 The loop runs vocabulary-outer so a [NV, D] fp32 dW block is finished before moving on.
 Peak extra memory ~ R*NV logits (fp32) + R*NV P + NV*D + C*D fp32 accumulators.
 
@@ -13,9 +15,12 @@ Legend: C compact rows, D hidden, V vocab, S semantic positions, R / NV block si
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harts.kernels.logprobs import logprobs_bwd_p, logprobs_fwd_lse
+from harts.ops.backend import log_once
 from harts.ops.logprobs.naive import check_logprobs_inputs
 
 BLOCK_ROWS = 4096
@@ -30,6 +35,40 @@ def _mm_f32(a, b):
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+@functools.cache
+def _epilogue_accumulates(device: torch.device) -> bool:
+    """Whether this torch's CUDA ``addmm`` with ``out_dtype=float32`` takes an fp32 ``self`` (the accumulator)
+    beside bf16 operands and writes into it: checked once per device on a small product against the product
+    and a separate subtraction, and logged. Why a check: older releases require ``self`` in the operands'
+    dtype there, and the two ways compute the same fp32 sum, so either may run."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(*s, device=device, generator=g).to(torch.bfloat16) for s in ((64, 48), (48, 32)))
+    c = torch.randn(64, 32, device=device, generator=g)
+    want = c - torch.mm(a, b, out_dtype=torch.float32)
+    try:
+        got = c.clone()
+        torch.addmm(got, a, b, out_dtype=torch.float32, alpha=-1, out=got)
+        ok, why = bool(torch.allclose(got, want, rtol=1e-6, atol=1e-5)), "differs from the product minus c"
+    except (RuntimeError, TypeError) as e:
+        ok, why = False, str(e).splitlines()[0][:160]
+    log_once(("logprobs_epilogue", str(device), ok), "harts logprobs backward accumulates %s on %s%s",
+             "in the GEMM epilogue (addmm, fp32 accumulator)" if ok else "by a separate fp32 subtraction",
+             device, "" if ok else f" (addmm with an fp32 accumulator: {why})")
+    return ok
+
+
+def _sub_mm_(c_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c -= a @ b in place, fp32 accumulation: one GEMM that reads c in its epilogue where it can (fp32
+    operands; 16-bit operands on CUDA when ``_epilogue_accumulates``), else the fp32 product and a subtraction
+    kernel (the [R, N] fp32 product written and read back: at C = 32K rows, V = 157K, D = 1536 about 20 GB more
+    traffic per backward, and one more kernel per block pair)."""
+    if a.dtype == torch.float32:
+        return c_f32.addmm_(a, b, alpha=-1)
+    if a.is_cuda and _epilogue_accumulates(a.device):
+        return torch.addmm(c_f32, a, b, out_dtype=torch.float32, alpha=-1, out=c_f32)
+    return c_f32.sub_(_mm_f32(a, b))
 
 
 def _target_logits(h_CD, w_VD, rows_S, tgts_S):
@@ -86,8 +125,8 @@ class CompactLogprobsFunction(torch.autograd.Function):
                 p_RN = torch.empty(logits_RN.shape, dtype=h_CD.dtype, device=h_CD.device)
                 logprobs_bwd_p(logits_RN, lse_C[r0:r0 + block_rows], gsum_C[r0:r0 + block_rows], p_RN)
                 del logits_RN
-                dh_CD[r0:r0 + block_rows] -= _mm_f32(p_RN, w_ND)
-                dw_ND -= _mm_f32(p_RN.T, h_RD)
+                _sub_mm_(dh_CD[r0:r0 + block_rows], p_RN, w_ND)
+                _sub_mm_(dw_ND, p_RN.T, h_RD)
                 del p_RN
             for a in range(bounds[i_b], bounds[i_b + 1], BLOCK_POSITIONS):
                 sel = order_S[a:min(a + BLOCK_POSITIONS, bounds[i_b + 1])]
