@@ -125,8 +125,9 @@ def _register_ops():
         dy_MD = dy_MD.contiguous()
         dh_MF = torch._grouped_mm(dy_MD, w_down_EDF, offs=offs_E)
         dgu_M2F, ds_M, h_MF = torch.ops.harts.moe_swiglu_bwd(gu_M2F, scale_M, dh_MF)
-        dw_EDF = torch._grouped_mm(dy_MD.transpose(0, 1), h_MF, offs=offs_E)
-        return dgu_M2F, ds_M, dw_EDF, None
+        # frozen experts (the down weight needs no gradient): no weight-gradient GEMM
+        dw_EDF = torch._grouped_mm(dy_MD.transpose(0, 1), h_MF, offs=offs_E) if ctx.needs_input_grad[2] else None
+        return dgu_M2F, ds_M if ctx.needs_input_grad[1] else None, dw_EDF, None
 
     moe_swiglu_down.register_autograd(backward, setup_context=setup_context)
     return moe_swiglu_down

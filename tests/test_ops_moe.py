@@ -454,3 +454,30 @@ def test_moe_swiglu_down_bf16_gpu_close_to_fp32_and_compiles():
         e, floor = rel(a, t), rel(b, t)
         print(f"moe_swiglu_down {name}: vs fp32 {e:.2e} (bf16 definition {floor:.2e})")
         assert e <= floor + 1e-3, (name, e, floor)
+
+
+def test_moe_swiglu_down_frozen_down_weight_gets_no_gradient(monkeypatch):
+    """With the down weight and the routing weights frozen, the op's backward runs no weight-gradient GEMM (one
+    grouped GEMM, the data gradient, instead of two) and the pre-activations' gradient is bitwise the full
+    backward's."""
+    from harts.kernels.moe_swiglu import moe_swiglu_down
+
+    gu, scale, w_down, offs, dy = _swiglu_down_inputs(21, 40)
+    calls = []
+    grouped_mm = torch._grouped_mm
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return grouped_mm(*a, **k)
+
+    def backward_gemms(leaves):
+        y = moe_swiglu_down(*leaves, offs)
+        monkeypatch.setattr(torch, "_grouped_mm", counting)
+        calls.clear()
+        grads = torch.autograd.grad((y * dy).sum(), [t for t in leaves if t.requires_grad])
+        monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+        return grads, len(calls)
+
+    (g_gu, _, _), n_full = backward_gemms([t.detach().clone().requires_grad_(True) for t in (gu, scale, w_down)])
+    (g,), n_frozen = backward_gemms([gu.detach().clone().requires_grad_(True), scale, w_down])
+    assert (n_full, n_frozen) == (2, 1) and torch.equal(g, g_gu)
