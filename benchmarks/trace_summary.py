@@ -122,16 +122,6 @@ def launchers(events: list, *, top: int = 25) -> list[dict]:
         elif cat in ("cpu_op", "user_annotation"):
             t0 = float(e["ts"])
             ops_by_tid[e.get("tid")].append((t0, t0 + float(e.get("dur", 0.0)), e.get("name", "")))
-    want = defaultdict(list)  # tid -> [(launch ts, kernel ms, family)]
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in _DEVICE:
-            corr = (e.get("args") or {}).get("correlation")
-            ms = float(e.get("dur", 0.0)) / 1e3
-            if corr in launch_at:
-                tid, ts = launch_at[corr]
-                want[tid].append((ts, ms, family(e.get("name", ""))))
-            else:
-                want[None].append((None, ms, family(e.get("name", ""))))
     acc: dict[tuple, list] = {}
 
     def add(key, ms):
@@ -139,14 +129,21 @@ def launchers(events: list, *, top: int = 25) -> list[dict]:
         a[0] += ms
         a[1] += 1
 
+    want = defaultdict(list)  # tid -> [(launch ts, kernel ms, family)]
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _DEVICE:
+            corr = (e.get("args") or {}).get("correlation")
+            ms, fam = float(e.get("dur", 0.0)) / 1e3, family(e.get("name", ""))
+            if corr in launch_at:
+                tid, ts = launch_at[corr]
+                want[tid].append((ts, ms, fam))
+            else:
+                add((fam, "(no host op)", "(no host op)"), ms)
     for tid, launches in want.items():
         ops = sorted(ops_by_tid.get(tid, ()), key=lambda o: (o[0], -o[1]))
         stack: list = []  # open ops, outermost first (ops on one thread nest)
         j = 0
-        for ts, ms, fam in sorted(launches, key=lambda x: -1.0 if x[0] is None else x[0]):
-            if ts is None:
-                add((fam, "(no host op)", "(no host op)"), ms)
-                continue
+        for ts, ms, fam in sorted(launches):
             while j < len(ops) and ops[j][0] <= ts:
                 while stack and stack[-1][1] < ops[j][0]:
                     stack.pop()

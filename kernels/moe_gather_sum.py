@@ -13,10 +13,10 @@ access). Interpreter-safe (no data-dependent Python control flow), so CPU CI run
 interpreter's kernels cannot be traced by torch.compile).
 Legend: T tokens, K slots per token, M source rows, D hidden; BT tokens and BD columns per program.
 """
-import threading
-
 import triton
 import triton.language as tl
+
+from harts.kernels import launchable, lazy_op
 
 # Columns per program, and the tokens of a program's tile (BT * BD elements, 16 per thread at 4 warps):
 # 512 bf16 columns are 8 x 16-byte loads per warp per row; D = 1536 / 2048 / 4096 split evenly. A fixed
@@ -62,10 +62,6 @@ def _register_op():
     Triton launch as a user-defined kernel; the fake implementation is the body itself, on fake tensors."""
     import torch
 
-    from harts.env import ENV
-
-    interpreting = ENV.triton_interpret
-
     @torch.library.triton_op("harts::moe_gather_sum", mutates_args=())
     def moe_gather_sum(src_MD: torch.Tensor, idx_TK: torch.Tensor, inv_MJ: torch.Tensor) -> torch.Tensor:
         """out_TD[t] = sum_k src_MD[idx_TK[t, k]]; ``inv_MJ`` (the transpose of ``idx_TK``, see
@@ -76,9 +72,7 @@ def _register_op():
         out_TD = src_MD.new_empty(T, D)
         if T > 0 and D > 0:
             BT, BD = block_sizes(int(D))
-            # torch 2.11's wrap_triton refuses the interpreter's kernel objects (CPU runs only, never traced)
-            kernel = moe_gather_sum_fwd_kernel if interpreting else torch.library.wrap_triton(moe_gather_sum_fwd_kernel)
-            kernel[grid(T, int(D))](
+            launchable(moe_gather_sum_fwd_kernel)[grid(T, int(D))](
                 src_MD, idx_TK, out_TD, T, D, src_MD.stride(0), out_TD.stride(0), K=int(K), BT=BT, BD=BD,
                 num_warps=NUM_WARPS)
         return out_TD
@@ -95,17 +89,4 @@ def _register_op():
     return moe_gather_sum
 
 
-def __getattr__(name):
-    """``moe_gather_sum`` is registered on first access. Registering a triton_op imports torch._inductor
-    and torch._dynamo (seconds on a small CPU): harts.ops.moe reaches it only on the fast path, and the
-    sm90 compile test takes the kernel alone. Under torch.compile the access is the ``from ... import``
-    that Dynamo runs natively (``__import__`` resolves the names), so the registration is never traced."""
-    if name != "moe_gather_sum":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with _register_lock:  # a second registration of the op would raise
-        if "moe_gather_sum" not in globals():
-            globals()["moe_gather_sum"] = _register_op()
-    return globals()["moe_gather_sum"]
-
-
-_register_lock = threading.Lock()
+__getattr__ = lazy_op(__name__, "moe_gather_sum", _register_op)

@@ -10,15 +10,16 @@ and ``h`` (3 F), accumulating ``ds`` in registers. Everything is computed in fp3
 output rounded once (as Inductor's fused forward does: no rounding between silu(g) * u and the scale).
 
 ``moe_swiglu_down`` is the differentiable op ``harts::moe_swiglu_down`` (the SwiGLU and the down grouped
-GEMM; registered on first access): its backward runs the down GEMM's two gradients around the fused kernel,
+GEMM; registered on first access, ``harts.kernels.lazy_op``): its backward runs the down GEMM's two gradients
+around the fused kernel,
 so no [M, F] activation is saved or recomputed. Interpreter-safe (CPU CI runs it in float32, eager only).
 Legend: M expert-sorted rows, F expert width (2F: gate and up), D hidden, E experts; BM rows and BF columns
 per program.
 """
-import threading
-
 import triton
 import triton.language as tl
+
+from harts.kernels import launchable, lazy_op
 
 BM = 16  # rows per program; F = 512 (both model families) is 2 x 256-column steps
 BF = 256
@@ -76,19 +77,11 @@ def _register_ops():
     Inductor's graph as user-defined kernels beside the grouped GEMMs), with no graph break."""
     import torch
 
-    from harts.env import ENV
-
-    interpreting = ENV.triton_interpret
-
-    def launch(kernel):
-        # torch 2.11's wrap_triton refuses the interpreter's kernel objects (CPU runs only, never traced)
-        return kernel if interpreting else torch.library.wrap_triton(kernel)
-
     def activation(gu_M2F, scale_M):
         M, F = gu_M2F.shape[0], gu_M2F.shape[1] // 2
         h_MF = gu_M2F.new_empty(M, F)
         if M > 0 and F > 0:
-            launch(moe_swiglu_fwd_kernel)[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
+            launchable(moe_swiglu_fwd_kernel)[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
                 gu_M2F, scale_M, h_MF, M, F, gu_M2F.stride(0), h_MF.stride(0), BM=BM, BF=BF, num_warps=NUM_WARPS)
         return h_MF
 
@@ -102,7 +95,7 @@ def _register_ops():
         dgu_M2F, h_MF = torch.empty_like(gu_M2F), torch.empty_like(dh_MF)
         ds_M = torch.empty_like(scale_M)
         if M > 0 and F > 0:
-            launch(moe_swiglu_bwd_kernel)[(triton.cdiv(M, BM),)](
+            launchable(moe_swiglu_bwd_kernel)[(triton.cdiv(M, BM),)](
                 gu_M2F, scale_M, dh_MF, dgu_M2F, h_MF, ds_M, M, F, gu_M2F.stride(0), dh_MF.stride(0),
                 dgu_M2F.stride(0), h_MF.stride(0), BM=BM, BF=BF, num_warps=NUM_WARPS)
         elif M > 0:
@@ -133,14 +126,4 @@ def _register_ops():
     return moe_swiglu_down
 
 
-def __getattr__(name):
-    """``moe_swiglu_down`` is registered on first access (as ``harts.kernels.moe_gather_sum`` says why)."""
-    if name != "moe_swiglu_down":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with _register_lock:  # a second registration of the op would raise
-        if "moe_swiglu_down" not in globals():
-            globals()["moe_swiglu_down"] = _register_ops()
-    return globals()["moe_swiglu_down"]
-
-
-_register_lock = threading.Lock()
+__getattr__ = lazy_op(__name__, "moe_swiglu_down", _register_ops)
