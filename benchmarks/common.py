@@ -33,8 +33,8 @@ FAMILIES = (
     ("conv", ("conv",)),
     ("gemm", ("gemm", "matmul", "mm", "cutlass", "sm90", "nvjet", "cublas", "splitk")),
     ("communication", ("nccl", "all_to_all", "allreduce", "reduce_scatter", "all_gather")),
-    ("elementwise_norm", ("elementwise", "vectorized", "unrolled", "reduce", "norm", "sigmoid", "silu", "mul", "add",
-                          "copy", "fill", "cast", "cat")),
+    ("elementwise_norm", ("swiglu", "elementwise", "vectorized", "unrolled", "reduce", "norm", "sigmoid", "silu", "mul",
+                          "add", "copy", "fill", "cast", "cat")),
 )
 
 

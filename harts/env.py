@@ -41,10 +41,10 @@ class Environment:
     (``harts.ops.conv.fused``): ``harts`` (ours: the backward recomputes the pre-activation in registers; width
     4 only), ``fla`` (fla's causal_conv1d), or ``auto`` (``harts`` where it applies, else ``fla``, logged)."""
 
-    swiglu: str = "torch"
+    swiglu: str = "harts"
     """``HARTS_SWIGLU``: default of the routed experts' weighted SwiGLU and down projection (``harts.ops.moe``):
-    ``torch`` (torch ops; Inductor fuses them in compiled regions) or ``harts`` (``harts::moe_swiglu_down``,
-    whose backward is one fused pass)."""
+    ``harts`` (``harts::moe_swiglu_down``, whose backward is one fused pass) or ``torch`` (torch ops; Inductor
+    fuses them in compiled regions)."""
 
     autotune: str = "table"
     """``HARTS_AUTOTUNE``: default autotuning mode (``harts.ops.tuning``): ``table`` (the shipped autotune

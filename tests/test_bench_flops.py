@@ -69,6 +69,8 @@ def test_kernel_families_of_h200_kernel_names():
     assert family("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*") == \
         "attention"
     assert family("causal_conv1d_bwd_kernel") == "conv"
+    # the fused experts' SwiGLU (harts::moe_swiglu_down's kernels) is elementwise work, not a GEMM
+    assert family("moe_swiglu_bwd_kernel") == family("moe_swiglu_fwd_kernel") == "elementwise_norm"
 
 
 def test_speedup_flops_only_ceiling(tmp_path):

@@ -32,10 +32,10 @@ def _long_packed():
 
 
 def test_defaults_are_the_default_kernels():
-    assert KernelChoices() == KernelChoices("cudnn_split", "cudnn", "table", "auto", "torch")
+    assert KernelChoices() == KernelChoices("cudnn_split", "cudnn", "table", "auto", "harts")
     assert read({}) == read({"UNRELATED": "1"})
     assert (read({}).view_attention, read({}).packed_attention, read({}).autotune, read({}).conv, read({}).swiglu) == \
-        ("cudnn_split", "cudnn", "table", "auto", "torch")
+        ("cudnn_split", "cudnn", "table", "auto", "harts")
 
 
 @pytest.mark.parametrize("field,bad", [("view_attention", "flash"), ("packed_attention", "sdpa"),
@@ -110,12 +110,12 @@ print(json.dumps({"env": dataclasses.asdict(harts.env.ENV), "choices": dataclass
 
 def test_environment_sets_the_defaults_read_once_at_import():
     out = _fresh_process(_PRINT_CHOICES, HARTS_VIEW_ATTENTION="varlen", HARTS_PACKED_ATTENTION="varlen",
-                         HARTS_AUTOTUNE="full", HARTS_CONV="harts", HARTS_SWIGLU="harts",
+                         HARTS_AUTOTUNE="full", HARTS_CONV="harts", HARTS_SWIGLU="torch",
                          HARTS_KERNEL_REPORT="/tmp/r.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["choices"] == {"view_attention": "varlen", "packed_attention": "varlen", "autotune": "full",
-                              "conv": "harts", "swiglu": "harts"}
+                              "conv": "harts", "swiglu": "torch"}
     assert got["env"]["kernel_report"] == "/tmp/r.jsonl" and got["env"]["autotune_record"] is None
     assert got["same"]
 

@@ -405,7 +405,7 @@ def test_moe_swiglu_down_interpreted_matches_float64(M, Fw):
 
 def test_stacked_experts_fast_path_runs_the_fused_swiglu_op_and_checkpointing_saves_it():
     """Under the kernel choice swiglu="harts", with routing weights, the stacked fast path is
-    ``harts::moe_swiglu_down`` after the gate-up GEMM (bitwise); under the default ("torch") it is the torch ops
+    ``harts::moe_swiglu_down`` after the gate-up GEMM (bitwise); under swiglu="torch" it is the torch ops
     (within float32 rounding of it); selective checkpointing keeps that op's output (a matrix product's) instead
     of recomputing it."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -422,8 +422,8 @@ def test_stacked_experts_fast_path_runs_the_fused_swiglu_op_and_checkpointing_sa
         out = _grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale)
     gu_ = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=offs)
     assert torch.equal(out, moe_swiglu_down(gu_, scale, w_down, offs))
-    assert harts.ops.kernel_choices().swiglu == "torch"
-    torch.testing.assert_close(_grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale), out)
+    with harts.ops.use_kernel_choices(swiglu="torch"):
+        torch.testing.assert_close(_grouped_swiglu_stacked(x, offs, w_gate_up, w_down, scale), out)
     assert _sac_policy(None, torch.ops.harts.moe_swiglu_down.default) == CheckpointPolicy.MUST_SAVE
     assert _sac_policy(None, torch.ops.harts.moe_swiglu_bwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -14,8 +14,8 @@ process-wide choice, not an argument of every call:
   once in fp32 registers in the backward instead of stored; width 4 only), ``fla`` (fla's causal_conv1d), or
   ``auto`` (default: ``harts`` where it takes the convolution, else ``fla``, logged);
 - ``swiglu``: the routed experts' weighted SwiGLU and down projection on the stacked fast path
-  (``harts.ops.moe.experts``): ``torch`` (default: torch ops, which Inductor fuses in the compiled regions) or
-  ``harts`` (the op ``harts::moe_swiglu_down``: the backward as one fused pass, ``harts.kernels.moe_swiglu``);
+  (``harts.ops.moe.experts``): ``harts`` (default: the op ``harts::moe_swiglu_down``, the backward as one fused pass,
+  ``harts.kernels.moe_swiglu``) or ``torch`` (torch ops, which Inductor fuses in the compiled regions);
 - ``autotune``: ``table`` (default: the shipped autotune results, ``harts.ops.tuning``) or ``full``
   (benchmark every config of every new key). Read when a fast entry point first restricts the autotuners
   of newly imported kernel modules; kernels already restricted to the table keep it.
@@ -62,7 +62,7 @@ class KernelChoices:
     packed_attention: str = "cudnn"
     autotune: str = "table"
     conv: str = "auto"
-    swiglu: str = "torch"
+    swiglu: str = "harts"
 
     def __post_init__(self):
         for name, allowed in ALLOWED.items():

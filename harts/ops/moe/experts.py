@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from harts import env
-from harts.ops.backend import resolve
+from harts.ops.backend import log_once, resolve
 from harts.ops.choices import kernel_choices
 
 
@@ -81,11 +81,15 @@ def _grouped_swiglu_stacked(x_MD, offs_E, w_gate_up_E2FD, w_down_EDF, scale_M=No
     is one concatenation; two slices would each fill a zero [M, 2F] gradient and add them, eagerly)."""
     Fw = w_down_EDF.shape[-1]
     gu_M2F = torch._grouped_mm(x_MD, w_gate_up_E2FD.transpose(-2, -1), offs=offs_E)
-    if (scale_M is not None and kernel_choices().swiglu == "harts"
-            and (gu_M2F.is_cuda or env.ENV.triton_interpret)):
+    choice = kernel_choices().swiglu
+    if scale_M is not None and choice == "harts" and (gu_M2F.is_cuda or env.ENV.triton_interpret):
         from harts.kernels.moe_swiglu import moe_swiglu_down
 
+        log_once(("swiglu", "harts"), "harts experts' SwiGLU -> harts::moe_swiglu_down (kernel choice swiglu='harts')")
         return moe_swiglu_down(gu_M2F, scale_M, w_down_EDF, offs_E)
+    why = ("kernel choice swiglu='torch'" if choice == "torch" else "no routing weights" if scale_M is None
+           else f"{gu_M2F.device.type} without the Triton interpreter")
+    log_once(("swiglu", why), "harts experts' SwiGLU -> torch ops (%s)", why)
     g_MF, u_MF = gu_M2F.split(Fw, dim=1)
     return _swiglu_down(g_MF, u_MF, offs_E, w_down_EDF, scale_M)
 
