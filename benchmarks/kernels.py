@@ -262,12 +262,13 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     stacked path (Qwen3.5's gate_up_proj as stored, Ling-3.0's [E, 2, F, D] flattened); the two-GEMM path is the
     comparison that decided it. ``stacked fused`` runs the stacked path's weighted SwiGLU and down projection as
     the op ``harts::moe_swiglu_down`` (the kernel choice ``swiglu="harts"``: one fused backward pass; on CUDA or
-    the Triton interpreter), against the same arithmetic as torch ops (``stacked``, the default, which Inductor
-    fuses under compile). ``compiled``
+    the Triton interpreter; the default), against the same arithmetic as torch ops (``stacked``, run under
+    ``swiglu="torch"``, which Inductor fuses under compile). ``compiled``
     (default: on CUDA) also times all under torch.compile (Inductor), as the model's compiled regions run them.
     The grouped GEMMs alone (forward and backward on the same operands, nothing between them) are timed too: the
     difference (``elementwise ms``) is what the SwiGLU, the routing weight and their backward add, the most a GEMM
     epilogue could save."""
+    from harts.ops.choices import use_kernel_choices
     from harts.ops.moe.experts import _grouped_swiglu, _grouped_swiglu_stacked
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -299,18 +300,21 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
     r = {"M/D/F/E": f"{M}/{D}/{F}/{E}", "max_rows_per_expert": int(counts.max())}
     for mode, wrap in modes.items():
         for name, (fn, w_in) in fns.items():
-            fn = wrap(fn)
-            params = (x, *w_in, w_down)
+            # "separate" and "stacked" are the torch ops whatever the default kernel choice
+            with use_kernel_choices(swiglu="harts" if name == "stacked fused" else "torch"):
+                fn = wrap(fn)
+                params = (x, *w_in, w_down)
 
-            def fwd():
-                return fn(x, offs, *w_in, w_down, scale)
+                def fwd():
+                    return fn(x, offs, *w_in, w_down, scale)
 
-            if mode == "compiled":  # compiled outside the timing (forward and backward graphs)
-                torch.autograd.grad(fwd(), params, dy)
-            key = f"{mode} {name}"
-            r[f"{key} fwd ms"] = time_ms(fwd, reps=reps, device=device)
-            r[f"{key} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps, device=device)
-            r[f"{key} fwd+bwd TF/s"] = 3 * flops / r[f"{key} fwd+bwd ms"] / 1e9
+                if mode == "compiled":  # compiled outside the timing (forward and backward graphs)
+                    torch.autograd.grad(fwd(), params, dy)
+                key = f"{mode} {name}"
+                r[f"{key} fwd ms"] = time_ms(fwd, reps=reps, device=device)
+                r[f"{key} fwd+bwd ms"] = time_ms(lambda: torch.autograd.grad(fwd(), params, dy), reps=reps,
+                                                 device=device)
+                r[f"{key} fwd+bwd TF/s"] = 3 * flops / r[f"{key} fwd+bwd ms"] / 1e9
         r[f"{mode} stacked / separate fwd+bwd"] = r[f"{mode} stacked fwd+bwd ms"] / r[f"{mode} separate fwd+bwd ms"]
         if "stacked fused" in fns:
             r[f"{mode} stacked fused / stacked fwd+bwd"] = (r[f"{mode} stacked fused fwd+bwd ms"]
@@ -333,7 +337,9 @@ def bench_experts(T=65536, K=8, D=1536, F=512, E=128, reps=10, device="cuda", dt
         for mode in modes:
             for variant in [v for v in fns if v.startswith(name)]:
                 r[f"{mode} {variant} elementwise ms"] = r[f"{mode} {variant} fwd+bwd ms"] - ms
-    a, b = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale), _grouped_swiglu_stacked(x, offs, w_gu, w_down, scale)
+    with use_kernel_choices(swiglu="torch"):
+        a = _grouped_swiglu(x, offs, w_gate, w_up, w_down, scale)
+        b = _grouped_swiglu_stacked(x, offs, w_gu, w_down, scale)
     r["max_abs_diff"] = (a.float() - b.float()).abs().max().item()
     r["bitwise_equal"] = bool(torch.equal(a, b))
     if "stacked fused" in fns:

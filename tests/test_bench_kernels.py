@@ -18,10 +18,23 @@ def test_tree_conv_comparison_runs_and_implementations_agree():
     assert fast.IMPL == "split_chunks"  # the benchmark leaves the module's choice as it found it
 
 
-def test_experts_comparison_runs_and_the_stacked_weights_give_the_same_output():
+def test_experts_comparison_runs_and_the_stacked_weights_give_the_same_output(monkeypatch):
     """The stacked gate/up variant computes what the model's experts compute (``_grouped_swiglu``, itself tested
-    against the per-expert reference in tests/test_ops_moe.py): the same output up to float32 rounding."""
+    against the per-expert reference in tests/test_ops_moe.py): the same output up to float32 rounding. The
+    ``stacked`` variant is the torch ops whatever the default kernel choice: only ``stacked fused`` calls the op."""
+    import inspect
+
+    import harts.kernels.moe_swiglu as moe_swiglu
+
+    op, callers = moe_swiglu.moe_swiglu_down, []
+
+    def spy(*args):
+        callers.append(inspect.stack()[1].function)
+        return op(*args)
+
+    monkeypatch.setattr(moe_swiglu, "moe_swiglu_down", spy, raising=False)
     (r,) = bench_experts(T=64, K=4, D=32, F=16, E=4, reps=1, device="cpu", dtype=torch.float32)
+    assert callers and set(callers) == {"stacked_fused"}
     assert r["eager separate fwd+bwd ms"] > 0 and r["eager stacked fwd+bwd ms"] > 0
     assert r["max_abs_diff"] < 1e-5 and r["stacked fused vs stacked max_abs_diff"] < 1e-5  # (interpreted)
     assert r["eager stacked fused fwd+bwd ms"] > 0
