@@ -9,8 +9,8 @@ parallelism wraps from outside). The reference experts loop over the experts (ex
 each row's D-wide output; the fast path runs three torch._grouped_mm calls with unpadded group offsets
 (bf16 needs D and F to be multiples of 8) and weights the F-wide activation before the down projection;
 with gate and up stacked in one [E, 2F, D] weight (``grouped_experts_stacked``) it runs them as one, and under
-the kernel choice ``swiglu="harts"`` the weighted SwiGLU with the down projection as one op whose backward is
-one fused pass over the rows.
+the kernel choice ``swiglu="harts"`` (the default) the weighted SwiGLU with the down projection as one op
+whose backward is one fused pass over the rows.
 Rows move between token and expert-sorted order with one gather-sum op both ways (``gather_sum``: one
 Triton kernel on the GPU, at copy speed; Inductor's gather-then-sum for the combine ran at a fifth of it),
 whose gradient is the same op with the indices swapped. Both paths sum a token's K slots in a fixed
