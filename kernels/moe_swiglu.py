@@ -11,8 +11,8 @@ output rounded once (as Inductor's fused forward does: no rounding between silu(
 
 ``moe_swiglu_down`` is the differentiable op ``harts::moe_swiglu_down`` (the SwiGLU and the down grouped
 GEMM; registered on first access, ``harts.kernels.lazy_op``): its backward runs the down GEMM's two gradients
-around the fused kernel,
-so no [M, F] activation is saved or recomputed. Interpreter-safe (CPU CI runs it in float32, eager only).
+around the fused kernel, so no [M, F] activation is saved or recomputed. Interpreter-safe (CPU CI runs it in
+float32, eager only).
 Legend: M expert-sorted rows, F expert width (2F: gate and up), D hidden, E experts; BM rows and BF columns
 per program.
 """
