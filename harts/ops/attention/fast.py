@@ -144,23 +144,41 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
         raise ValueError(f"cu_seqlens_cpu has {len(bounds)} entries, cu_seqlens {cu_N1.numel()}")
     if bounds[-1] != q_THD.shape[0] or bounds[0] != 0:
         raise ValueError(f"cu_seqlens spans rows [{bounds[0]}, {bounds[-1]}) of {q_THD.shape[0]} packed rows")
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if not lens:
+        return v_THDv.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THDv.shape[-1])
+    buckets = [_bucket(L) for L in lens]
     gqa = k_THD.shape[1] != q_THD.shape[1]  # grouped key / value heads, read as they are
     outs = []
     with sdpa_kernel(sdpa_backend):  # raises rather than running another kernel
-        for L, *seq in zip(lens, *(t.split(lens) for t in (q_THD, k_THD, v_THDv))):
-            if L == 0:
-                continue
-            pad = _bucket(L) - L
-            seq = [t if pad == 0 else F.pad(t, (0, 0, 0, 0, 0, pad)) for t in seq]
-            note_cudnn_shape("causal", L + pad, L + pad, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype,
-                             seq[1].shape[1])
+        for L, Lb, *seq in zip(lens, buckets, *(_Buckets.apply(t, lens, buckets) for t in (q_THD, k_THD, v_THDv))):
+            note_cudnn_shape("causal", Lb, Lb, *seq[0].shape[1:], seq[2].shape[-1], seq[0].dtype, seq[1].shape[1])
             o_1HLDv = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in seq),
                                                      is_causal=True, scale=scale, enable_gqa=gqa)
-            outs.append(o_1HLDv[0, :, :L].transpose(0, 1))
-    if not outs:
-        return v_THDv.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THDv.shape[-1])
+            # squeeze, not [0]: a select's backward would fill and copy a full-size gradient once more
+            outs.append(o_1HLDv.squeeze(0)[:, :L].transpose(0, 1))
     return torch.cat(outs)
+
+
+class _Buckets(torch.autograd.Function):
+    """Packed rows x [T, ...] of sequences ``lens`` (none empty) -> each sequence's rows followed by zero rows up
+    to its bucket, [Lb, ...] each: views of one buffer that one concatenation writes. The backward cuts the
+    sequences' real gradient rows out with one concatenation. (Per-sequence ``F.pad`` would copy each
+    sequence's gradient once in its backward, and a split of x once more to join them.)"""
+
+    @staticmethod
+    def forward(ctx, x, lens, buckets):
+        ctx.lens = lens
+        pads = [Lb - L for L, Lb in zip(lens, buckets)]
+        zero = x.new_zeros(max(pads), *x.shape[1:])
+        pieces = []
+        for t, p in zip(x.split(lens), pads):
+            pieces += [t, zero[:p]] if p else [t]
+        return torch.cat(pieces).split(buckets)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return torch.cat([g[:L] for g, L in zip(grads, ctx.lens)]), None, None
 
 
 def varlen_attention_fast(q_TqHD, k_TkHD, v_TkHDv, cu_q_N1, cu_k_N1, scale: float,
