@@ -132,10 +132,11 @@ def _cudnn_per_sequence(q_THD, k_THD, v_THDv, cu_N1, scale: float, sdpa_backend=
     """``sdpa_backend``: cuDNN (the fast path), or another SDPA backend for the CPU tests of the plumbing.
     ``cu_cpu``: a host copy of ``cu_N1``, read instead of the device tensor (which costs a host sync).
 
-    The sequences are cut from the packed rows by one ``split`` per tensor, not by N slices: autograd then
-    joins their gradients with one concatenation, where N slices would each give a full-size zero gradient
-    with their rows filled and sum the N of them (3 N full-size fills and adds per layer: in the H200
-    profile of the model bench, 132 bf16 add kernels took 30 ms of a 1.77 s step, besides their fills)."""
+    The sequences are cut from the packed rows and padded to their buckets by one autograd node per tensor
+    (``_Buckets``), not by N slices: its backward joins their gradients with one concatenation, where N slices
+    would each give a full-size zero gradient with their rows filled and sum the N of them (3 N full-size
+    fills and adds per layer: in the H200 profile of the model bench, 132 bf16 add kernels took 30 ms of a
+    1.77 s step, besides their fills)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdpa_backend = SDPBackend.CUDNN_ATTENTION if sdpa_backend is None else sdpa_backend
