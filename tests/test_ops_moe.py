@@ -38,6 +38,22 @@ def test_router_matches_brute_force():
     torch.testing.assert_close(w, bw, rtol=1e-12, atol=1e-12)
 
 
+def test_router_matches_brute_force_with_ties():
+    """Integer logits and biases make many equal scores, at the group boundary and at the k-th expert: the
+    router takes the lower group / expert index among equals, as the brute force's first best subset and
+    its stable sort do (a defined rule on every device, which ``topk`` does not promise)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 2, (200, 8), generator=g).double()
+    W = torch.randint(-1, 2, (E, 8), generator=g).double()
+    b = 0.5 * torch.randint(0, 2, (E,), generator=g).double()
+    _, _, idx, w = route(x, W, b, n_group=G, topk_group=TG, top_k=K, routed_scaling_factor=2.5)
+    bi, bw = brute_route(x, W, b)
+    s = torch.sigmoid(x @ W.T) + b
+    assert (s[:, :, None] == s[:, None, :]).sum() > 200 * E  # ties are common
+    assert torch.equal(idx, bi)
+    torch.testing.assert_close(w, bw, rtol=1e-12, atol=1e-12)
+
+
 def test_router_runs_in_fp32_for_bf16_input():
     x, W = torch.randn(5, 8).bfloat16(), torch.randn(E, 8).bfloat16()
     logits, scores, idx, w = route(x, W, torch.zeros(E), n_group=G, topk_group=TG, top_k=K, routed_scaling_factor=2.5)
