@@ -137,9 +137,11 @@ def test_selective_saves_matmuls_and_recomputes_elementwise(setup):
     # matrix products (forward and backward): never rerun by "selective", rerun by "full"
     assert sel["mm"] == none["mm"] and sel["bmm"] == none["bmm"]
     assert full["mm"] > none["mm"]
-    # the norms' rsqrt, the SwiGLU / gate activations and the decay's softplus are recomputed by "selective"
-    for op in ("rsqrt", "silu", "sigmoid", "softplus"):
+    # the norms' squares, the SwiGLU / gate activations and the decay's softplus are recomputed by "selective";
+    # the norms' 1 / rms (one number per row) is saved
+    for op in ("pow", "silu", "sigmoid", "softplus"):
         assert none[op] < sel[op] <= full[op], (op, none[op], sel[op], full[op])
+    assert 0 < sel["rsqrt"] == none["rsqrt"] < full["rsqrt"], (none["rsqrt"], sel["rsqrt"], full["rsqrt"])
     # the mixer cores are not: the attention's softmax and the GDN rounds' chunk masks run as often as without
     # checkpointing, and again under "full"
     for op in ("_safe_softmax", "tril"):

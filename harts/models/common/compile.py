@@ -64,29 +64,30 @@ Activation checkpointing (``LingModel.checkpoint_policy``) uses the same regions
 - ``"full"`` wraps each layer call (``LingModel.forward``) in ``torch.utils.checkpoint``, outside the
   compiled regions, whose forwards are rerun on recomputation: a whole extra forward per step.
 - ``"selective"`` runs the layer as ``pre`` / core / ``post`` (``selective_layer_forward``) with the core
-  outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's
-  selective AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, the experts' fused
-  SwiGLU-and-down-projection op ``harts::moe_swiglu_down``), of collectives, of the opaque MoE reference
-  op and of the router's expert ``topk`` (a sort kernel Inductor cannot fuse; its [T, K] output is small)
-  are saved, every other op in the region (norms, RoPE, gates, SwiGLU, casts, routing,
-  row gathers) is recomputed in backward. Why this split: the core is where the layout lives (host-side
-  plans, Triton autograd Functions, which an op policy cannot see into: it would recompute a custom
-  Function whole) and it is the expensive non-GEMM part of a layer (attention and the KDA chunk loop), so
-  it is never recomputed; the GEMMs carry the FLOPs, so they are never recomputed either; what is
-  recomputed is memory-bound elementwise work whose saved inputs would be the largest activations (fp32
-  norm and gate intermediates, the MoE's permuted rows and SwiGLU products). Recomputation reruns the
-  same ops on the same saved inputs, so gradients are exact (bit-identical to no checkpointing in float64
-  on the reference ops, tested). Under ``compile_model`` the selective regions are compiled too (Dynamo
-  traces the checkpoint as a higher-order op and the partitioner applies the same policy), with their own
-  graphs (``pre_kda_sac``, ...), one code object per region family as above, so the counts are the same.
-  The MoE region's router statistics leave its checkpoint as a tuple of tensors and become ``RouterStats``
-  outside it (``_sac_moe_region``): torch 2.11's Dynamo loses tensors that a compiled checkpointed function
-  returns inside a dataclass ("Node output referenced nonexistent value"), a tuple it keeps, on 2.11 and
-  2.13 alike. Why not route outside the checkpoint: the statistics would then need the post-attention
-  norm's output saved for the routing GEMM (a [T, D] activation per MoE layer that the policy recomputes),
-  and the tuple crossing costs nothing. Hooks on the mixer module are refused for the same reason as for
-  compile (``check_region_split``). The layer itself is still called as a module
-  (``layer(..., selective=True)``), so hooks on it, FSDP2's parameter gathers, run as without checkpointing.
+  outside any checkpoint and each region under an op-level policy (``SAC_SAVE_OPS``, torchtitan's selective
+  AC): outputs of matrix products (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, the experts' fused
+  SwiGLU-and-down-projection op ``harts::moe_swiglu_down``), of collectives, of the opaque MoE reference op
+  and of ``topk`` (Qwen3.5's router: a selection kernel Inductor cannot fuse; its [T, K] output is small) and
+  the norms' ``rsqrt`` (one number per row; ``_save_ops`` says why) are saved, every other op in the region
+  (the norms' other ops, RoPE, gates, SwiGLU, casts, routing including Ling-3.0's selection sorts, which
+  Inductor fuses, row gathers) is recomputed in backward. Why this split: the core is where the layout lives
+  (host-side plans, Triton autograd Functions, which an op policy cannot see into: it would recompute a custom
+  Function whole) and it is the expensive non-GEMM part of a layer (attention and the KDA chunk loop), so it
+  is never recomputed; the GEMMs carry the FLOPs, so they are never recomputed either; what is recomputed is
+  memory-bound elementwise work whose saved inputs would be the largest activations (fp32 norm and gate
+  intermediates, the MoE's permuted rows and SwiGLU products). Recomputation reruns the same ops on the same
+  saved inputs, so gradients are exact (bit-identical to no checkpointing in float64 on the reference ops,
+  tested). Under ``compile_model`` the selective regions are compiled too (Dynamo traces the checkpoint as a
+  higher-order op and the partitioner applies the same policy), with their own graphs (``pre_kda_sac``, ...),
+  one code object per region family as above, so the counts are the same. The MoE region's router statistics
+  leave its checkpoint as a tuple of tensors and become ``RouterStats`` outside it (``_sac_moe_region``):
+  torch 2.11's Dynamo loses tensors that a compiled checkpointed function returns inside a dataclass ("Node
+  output referenced nonexistent value"), a tuple it keeps, on 2.11 and 2.13 alike. Why not route outside the
+  checkpoint: the statistics would then need the post-attention norm's output saved for the routing GEMM (a
+  [T, D] activation per MoE layer that the policy recomputes), and the tuple crossing costs nothing. Hooks on
+  the mixer module are refused for the same reason as for compile (``check_region_split``). The layer itself
+  is still called as a module (``layer(..., selective=True)``), so hooks on it, FSDP2's parameter gathers, run
+  as without checkpointing.
 """
 from __future__ import annotations
 
@@ -196,7 +197,12 @@ def _own_code(fn, name: str):
 def _save_ops() -> frozenset:
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.topk.default,
-           torch.ops.harts.grouped_experts_reference.default}
+           torch.ops.harts.grouped_experts_reference.default,
+           # the norms' 1 / rms, one fp32 number per row: with it saved, a norm's backward row reduction (dx)
+           # and column reduction (dw) no longer depend on each other (the dw pass read the sum of squares
+           # that the dx pass recomputed), so Inductor may fuse them into one pass over x and dy
+           # (mix-order reduction) instead of reading both twice
+           aten.rsqrt.default}
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)
     # tensor parallelism's region boundaries (harts.train.tensor_parallel): a collective's output is kept, so
